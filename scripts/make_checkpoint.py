@@ -1,0 +1,37 @@
+"""Write a synthetic Qwen3 checkpoint in the Hugging Face layout (random weights, real shapes).
+
+    python scripts/make_checkpoint.py --preset qwen3-8b --out /data/qwen3-8b-synthetic
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tileinfer.model.config import PRESETS, preset
+from tileinfer.model.synthetic import write_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--out", required=True, help="directory to write (created if missing)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-shard-gb", type=float, default=4.0,
+                        help="largest weights file, in GB (10^9 bytes); bigger models are sharded")
+    parser.add_argument("--workers", type=int, default=None, help="generator threads (default: all cores)")
+    args = parser.parse_args(argv)
+    if args.seed < 0 or args.max_shard_gb <= 0:
+        parser.error("--seed must be >= 0 and --max-shard-gb > 0")
+
+    start = time.perf_counter()
+    nbytes = write_checkpoint(preset(args.preset), args.out, seed=args.seed,
+                              max_shard_bytes=int(args.max_shard_gb * 1e9), workers=args.workers)
+    seconds = time.perf_counter() - start
+    print(f"{args.preset}: wrote {nbytes / 1e9:.2f} GB of weights to {args.out} in {seconds:.1f} s "
+          f"({nbytes / 1e9 / seconds:.2f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

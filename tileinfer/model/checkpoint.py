@@ -1,0 +1,227 @@
+"""A Hugging Face Qwen3 checkpoint directory, opened and checked before anything touches the GPU.
+
+Layout (what transformers' save_pretrained writes):
+  config.json                               -> Qwen3Config
+  model.safetensors                         one file of weights, or
+  model.safetensors.index.json + shards     {"weight_map": {tensor name: shard file name}}
+  generation_config.json (optional)         eos_token_id: int or list
+  tokenizer.json, tokenizer_config.json     tokenizer and chat template
+
+`Checkpoint.open` checks that every tensor the forward needs is there with its shape and a float
+dtype, and that nothing unexpected is (a different architecture would otherwise load "fine").
+Problems raise CheckpointError, whose message names the directory or file and the tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import tokenizers
+
+from tileinfer.model.config import ConfigError, Qwen3Config
+from tileinfer.model.safetensors_io import SafetensorsError, SafetensorsFile, TensorInfo
+from tileinfer.model.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory the engine cannot load; the message says which file and what to fix."""
+
+
+def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every weight the Qwen3 forward reads, Hugging Face name -> shape ([out, in] for linears)."""
+    d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, d)}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (i, d),
+            p + "mlp.up_proj.weight": (i, d),
+            p + "mlp.down_proj.weight": (d, i),
+        })
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    return shapes
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    path: Path
+    config: Qwen3Config
+    tensors: dict[str, TensorInfo]          # name -> where it lives (TensorInfo.path is the shard)
+    eos_token_ids: list[int]
+    chat_template: str | None
+    _files: dict[Path, SafetensorsFile] = field(repr=False)
+    _converted: bool = field(default=False, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory")
+        try:
+            config = Qwen3Config.from_json(path / "config.json")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        files, tensors = _open_weights(path)
+        tensors = _check_tensors(path, config, tensors)
+        return cls(path, config, tensors, _eos_token_ids(path), _chat_template(path), files)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for info in self.tensors.values())
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as bfloat16 (zero-copy when stored as BF16; F16/F32 rounded to nearest even)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor named {name!r}")
+        array = self._files[info.path].read(name)
+        if info.dtype == "BF16":
+            return array
+        if not self._converted:
+            log.info("%s: converting %s weights to bfloat16 (round to nearest even)", self.path, info.dtype)
+            self._converted = True
+        return array.astype(ml_dtypes.bfloat16)
+
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        try:
+            return load_tokenizer(self.path)
+        except (FileNotFoundError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
+
+
+def _open_weights(path: Path) -> tuple[dict[Path, SafetensorsFile], dict[str, TensorInfo]]:
+    # transformers prefers the single file when both exist; so do we.
+    if (path / SINGLE_FILE).is_file():
+        file = _open_safetensors(path / SINGLE_FILE)
+        return {file.path: file}, dict(file.tensors)
+    if (path / INDEX_FILE).is_file():
+        return _open_shards(path)
+    raise CheckpointError(f"{path}: no weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _open_safetensors(file: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile(file)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
+
+
+def _open_shards(path: Path) -> tuple[dict[Path, SafetensorsFile], dict[str, TensorInfo]]:
+    weight_map = _read_weight_map(path / INDEX_FILE)
+    files = {}
+    for shard_name in sorted(set(weight_map.values())):
+        shard = path / shard_name
+        if not shard.is_file():
+            raise CheckpointError(f"{path / INDEX_FILE}: lists shard {shard_name!r}, which is missing from {path}")
+        files[shard] = _open_safetensors(shard)
+    tensors = {}
+    for name, shard_name in weight_map.items():
+        info = files[path / shard_name].tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{path / INDEX_FILE}: says tensor {name!r} is in {shard_name}, but it is not there")
+        tensors[name] = info
+    # A shard may hold tensors the index does not list; like transformers' index-driven loading, ignore them.
+    return files, tensors
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    raw = _read_json(index)
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: expected an object with \"weight_map\": {{tensor name: shard file}}")
+    for shard_name in set(weight_map.values()):
+        if Path(shard_name).name != shard_name or shard_name in ("", ".", ".."):
+            raise CheckpointError(f"{index}: shard {shard_name!r} must be a file name inside the checkpoint directory")
+    return weight_map
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def _check_tensors(path: Path, config: Qwen3Config, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    expected = expected_tensors(config)
+    if config.tie_word_embeddings:
+        # Some tied checkpoints also store the (identical) head; the forward uses the embedding.
+        tensors = {name: info for name, info in tensors.items() if name != "lm_head.weight"}
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}; is this a Qwen3 checkpoint "
+                              f"with {config.num_hidden_layers} layers?")
+    extra = sorted(name for name in tensors if name not in expected)
+    if extra:
+        raise CheckpointError(f"{path}: {len(extra)} unexpected tensor(s), e.g. {', '.join(extra[:5])}; "
+                              f"not a plain Qwen3 checkpoint (or config.json does not match the weights)")
+    for name, shape in expected.items():
+        info = tensors[name]
+        if info.shape != shape:
+            raise CheckpointError(f"{info.path}: tensor {name!r} has shape {list(info.shape)}, "
+                                  f"but config.json implies {list(shape)}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{info.path}: tensor {name!r} has dtype {info.dtype}; only "
+                                  f"{', '.join(FLOAT_DTYPES)} weights can be loaded (no quantized checkpoints)")
+    return {name: tensors[name] for name in expected}
+
+
+def _eos_token_ids(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id if it has one, else config.json's (int or list)."""
+    for file in (path / "generation_config.json", path / "config.json"):
+        if not file.is_file():
+            continue
+        raw = _read_json(file)
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        ids = [eos] if isinstance(eos, int) else eos
+        if ids is None or ids == []:
+            continue
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        return ids
+    return []
+
+
+def _chat_template(path: Path) -> str | None:
+    # Newer transformers save the template as its own file; older ones inside tokenizer_config.json.
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{jinja}: not UTF-8 text ({e})") from None
+    config_file = path / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    raw = _read_json(config_file)
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
+    if isinstance(template, list):   # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{config_file}: chat_template must be a string, got {type(template).__name__}")
+    return template
