@@ -1,0 +1,331 @@
+"""A float32 numpy Qwen3 forward pass: the oracle the kernels and the engine are tested against.
+
+The math follows Hugging Face transformers' Qwen3 step by step, in float32:
+  per layer:  h = h + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))   on x = input_layernorm(h)
+              h = h + down(silu(gate(x)) * up(x))                               on x = post_attention_layernorm(h)
+  then model.norm and the LM head (the embedding when tied).
+Clarity over speed, but every step is one batched matmul so a Qwen3-0.6B shape runs on a CPU.
+
+The module-level functions (rms_norm, rope_inv_freq, apply_rope, attention) are oracles for kernel
+tests too. Weights use Hugging Face names and layout (`[out, in]`, y = x @ W.T).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tileinfer.model.config import Qwen3Config
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32. # same shape as x"""
+    x = np.asarray(x, dtype=np.float32)
+    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (np.float32(1.0) / np.sqrt(mean_square + np.float32(eps))) * weight
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """Rotary frequencies 1 / theta^(2i / head_dim), computed in float64. # [head_dim // 2] float32"""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    return (1.0 / theta ** exponents).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE: x*cos + rotate_half(x)*sin; pairs channel i with i + head_dim/2.
+
+    x: [tokens, heads, head_dim]; positions: [tokens]; inv_freq: [head_dim // 2].
+    """
+    x = np.asarray(x, dtype=np.float32)
+    angle = np.asarray(positions).astype(np.float32)[:, None] * inv_freq[None, :]  # [tokens, head_dim/2]
+    angle = np.concatenate([angle, angle], axis=-1)[:, None, :]                  # [tokens, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * np.cos(angle) + rotated * np.sin(angle)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+              q_positions: np.ndarray, k_positions: np.ndarray) -> np.ndarray:
+    """Causal grouped-query attention: query head h reads KV head h // (H / KV); key j is visible to
+    query i when k_positions[j] <= q_positions[i]. Scale 1/sqrt(head_dim), softmax in float32.
+
+    q: [n, H, hd]; k, v: [m, KV, hd]; returns [n, H, hd].
+    """
+    n, num_heads, head_dim = q.shape
+    m, num_kv, _ = k.shape
+    if num_heads % num_kv:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv} KV heads evenly")
+    group = num_heads // num_kv
+    visible = np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]  # [n, m]
+    if not visible.any(axis=1).all():
+        first = int(np.asarray(q_positions)[~visible.any(axis=1)][0])
+        raise ValueError(f"the query at position {first} sees no key (no cached position <= it)")
+    # Heads of one group become extra query rows: [KV, group * n, hd].
+    qg = q.reshape(n, num_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
+    scores = qg @ k.transpose(1, 2, 0) * np.float32(1.0 / np.sqrt(head_dim))  # [KV, group * n, m]
+    scores = scores.reshape(num_kv, group, n, m)
+    scores = np.where(visible, scores, np.float32(-np.inf))
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs.reshape(num_kv, group * n, m) @ v.transpose(1, 0, 2)  # [KV, group * n, hd]
+    return out.reshape(num_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives the right limit, -0
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+class ReferenceCache:
+    """Contiguous keys and values per layer (after q/k norm and RoPE, as the paged cache stores them).
+
+    keys[layer], values[layer]: [num_positions, kv_heads, head_dim]; positions: [num_positions].
+    Buffers grow by doubling, so appending one token at a time stays cheap.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int):
+        self._shape = (num_layers, num_kv_heads, head_dim)
+        self._k = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
+        self._v = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
+        self._positions = np.zeros(0, np.int64)
+        self.num_positions = 0
+
+    def __len__(self) -> int:
+        return self.num_positions
+
+    @property
+    def keys(self) -> list[np.ndarray]:
+        return [k[:self.num_positions] for k in self._k]
+
+    @property
+    def values(self) -> list[np.ndarray]:
+        return [v[:self.num_positions] for v in self._v]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._positions[:self.num_positions]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (later writes overwrite the rest)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.num_positions:
+            raise ValueError(f"cannot truncate a cache of {self.num_positions} positions to {n!r}; "
+                             f"n must be an integer in 0..{self.num_positions}")
+        self.num_positions = int(n)
+
+    def append_positions(self, positions: np.ndarray) -> int:
+        """Make room for len(positions) new entries; returns the index of the first one."""
+        start, end = self.num_positions, self.num_positions + len(positions)
+        if end > len(self._positions):
+            self._grow(max(end, 2 * len(self._positions), 16))
+        self._positions[start:end] = positions
+        self.num_positions = end
+        return start
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store one layer's new keys and values at entries start..start+len(k)-1."""
+        self._k[layer][start:start + len(k)] = k
+        self._v[layer][start:start + len(v)] = v
+
+    def _grow(self, capacity: int) -> None:
+        def grown(old: np.ndarray) -> np.ndarray:
+            new = np.zeros((capacity,) + old.shape[1:], old.dtype)
+            new[:len(old)] = old
+            return new
+
+        self._k = [grown(k) for k in self._k]
+        self._v = [grown(v) for v in self._v]
+        self._positions = grown(self._positions)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: np.ndarray  # [hidden]
+    q_proj: np.ndarray      # [H * hd, hidden]
+    k_proj: np.ndarray      # [KV * hd, hidden]
+    v_proj: np.ndarray      # [KV * hd, hidden]
+    o_proj: np.ndarray      # [hidden, H * hd]
+    q_norm: np.ndarray      # [hd]
+    k_norm: np.ndarray      # [hd]
+    post_norm: np.ndarray   # [hidden]
+    gate_proj: np.ndarray   # [intermediate, hidden]
+    up_proj: np.ndarray     # [intermediate, hidden]
+    down_proj: np.ndarray   # [hidden, intermediate]
+
+
+def weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3 checkpoint needs, by Hugging Face name, with its shape."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (config.q_size, d),
+            p + "self_attn.k_proj.weight": (config.kv_size, d),
+            p + "self_attn.v_proj.weight": (config.kv_size, d),
+            p + "self_attn.o_proj.weight": (d, config.q_size),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        })
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    return shapes
+
+
+def _as_float32(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype.kind in "biuc" or array.dtype == np.object_:
+        raise ValueError(f"weight {name!r} has dtype {array.dtype}; expected a floating-point dtype")
+    if array.shape != shape:
+        raise ValueError(f"weight {name!r} has shape {array.shape}; the config expects {shape}")
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+class ReferenceModel:
+    """Qwen3 in float32 numpy. `forward` returns logits for every given token."""
+
+    def __init__(self, config: Qwen3Config, weights: dict[str, np.ndarray]):
+        shapes = weight_shapes(config)
+        missing = [name for name in shapes if name not in weights]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(f"weights lack {', '.join(map(repr, missing[:3]))}{more}; "
+                             f"is this a checkpoint of a different model or size?")
+        w = {name: _as_float32(name, weights[name], shape) for name, shape in shapes.items()}
+        self.config = config
+        self.embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
+        self.norm = w["model.norm.weight"]           # [hidden]
+        # Tied models reuse the embedding as the LM head, as transformers does.
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]  # [vocab, hidden]
+        self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta)  # [hd / 2]
+
+    @staticmethod
+    def _layer(w: dict[str, np.ndarray], i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        return _Layer(
+            input_norm=w[p + "input_layernorm.weight"],
+            q_proj=w[p + "self_attn.q_proj.weight"], k_proj=w[p + "self_attn.k_proj.weight"],
+            v_proj=w[p + "self_attn.v_proj.weight"], o_proj=w[p + "self_attn.o_proj.weight"],
+            q_norm=w[p + "self_attn.q_norm.weight"], k_norm=w[p + "self_attn.k_norm.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_proj=w[p + "mlp.gate_proj.weight"], up_proj=w[p + "mlp.up_proj.weight"],
+            down_proj=w[p + "mlp.down_proj.weight"],
+        )
+
+    @classmethod
+    def from_checkpoint(cls, ckpt) -> "ReferenceModel":
+        """Build from any object with `.config` and `.read(name) -> array` (e.g. model.checkpoint.Checkpoint)."""
+        config = ckpt.config
+        # Convert tensor by tensor so only one bfloat16 copy is alive at a time.
+        weights = {name: _as_float32(name, ckpt.read(name), shape)
+                   for name, shape in weight_shapes(config).items()}
+        return cls(config, weights)
+
+    def new_cache(self) -> ReferenceCache:
+        c = self.config
+        return ReferenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    # ------------------------------------------------------------------------------------- forward
+
+    def forward(self, token_ids, cache: ReferenceCache | None = None, positions=None) -> np.ndarray:
+        """Logits of every token. # [n, vocab] float32
+
+        With a cache, the tokens' keys and values are appended to it and attention reads everything
+        cached; positions default to continuing the cache (0.. without one).
+        """
+        ids = self._check_ids(token_ids)
+        if cache is None:
+            cache = self.new_cache()  # a throwaway cache keeps one code path
+        self._check_cache(cache)
+        positions = self._check_positions(positions, len(ids), cache.num_positions)
+        start = cache.append_positions(positions)
+        try:
+            h = self._layers(ids, positions, cache, start)
+        except BaseException:
+            cache.truncate(start)  # a failed forward must not leave half-written entries behind
+            raise
+        return rms_norm(h, self.norm, self.config.rms_norm_eps) @ self.lm_head.T
+
+    def _layers(self, ids: np.ndarray, positions: np.ndarray, cache: ReferenceCache, start: int) -> np.ndarray:
+        eps = self.config.rms_norm_eps
+        h = self.embed[ids]  # [n, hidden], the residual stream
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention_block(layer, rms_norm(h, layer.input_norm, eps), positions, cache, index, start)
+            h = h + self._mlp_block(layer, rms_norm(h, layer.post_norm, eps))
+        return h
+
+    def _attention_block(self, layer: _Layer, x: np.ndarray, positions: np.ndarray,
+                         cache: ReferenceCache, index: int, start: int) -> np.ndarray:
+        c = self.config
+        n = x.shape[0]
+        q = (x @ layer.q_proj.T).reshape(n, c.num_attention_heads, c.head_dim)
+        k = (x @ layer.k_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
+        v = (x @ layer.v_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
+        # Qwen3 normalises each head's q and k before RoPE.
+        q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), positions, self.inv_freq)
+        k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), positions, self.inv_freq)
+        cache.write(index, start, k, v)
+        out = attention(q, cache.keys[index], cache.values[index], positions, cache.positions)
+        return out.reshape(n, c.q_size) @ layer.o_proj.T  # [n, hidden]
+
+    @staticmethod
+    def _mlp_block(layer: _Layer, x: np.ndarray) -> np.ndarray:
+        return (silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
+
+    def greedy(self, prompt_ids, n: int) -> list[int]:
+        """The n tokens greedy decoding appends to the prompt (prefill once, then one token a step)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be an integer >= 0, got {n!r}")
+        cache = self.new_cache()
+        out: list[int] = []
+        logits = self.forward(prompt_ids, cache)
+        while len(out) < n:
+            out.append(int(np.argmax(logits[-1])))
+            if len(out) < n:
+                logits = self.forward([out[-1]], cache)
+        return out
+
+    # ------------------------------------------------------------------------------------- checks
+
+    def _check_ids(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        return ids.astype(np.int64)
+
+    def _check_cache(self, cache: ReferenceCache) -> None:
+        c = self.config
+        expected = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        if not isinstance(cache, ReferenceCache) or cache._shape != expected:
+            raise ValueError("cache was not made by this model's new_cache() (layers, KV heads or head_dim differ)")
+
+    @staticmethod
+    def _check_positions(positions, n: int, cached: int) -> np.ndarray:
+        if positions is None:
+            return np.arange(cached, cached + n, dtype=np.int64)
+        positions = np.asarray(positions)
+        if positions.shape != (n,) or positions.dtype.kind not in "iu" or (positions < 0).any():
+            raise ValueError(f"positions must be {n} non-negative integers (one per token), "
+                             f"got shape {positions.shape} dtype {positions.dtype}")
+        return positions.astype(np.int64)
