@@ -1,0 +1,131 @@
+"""Checked CUDA driver calls, the device and its primary context.
+
+Every `cuda.bindings` call returns `(err, *values)`. `call` is the one place that unwraps
+that tuple: it raises `CudaError` naming the call and the driver's error string, so no
+result is ever ignored and no error code leaks into the rest of the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from cuda.bindings import driver, nvrtc
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver or NVRTC call failed. `call` names it, `code` is the error enum."""
+
+    def __init__(self, call_name: str, code, detail: str = ""):
+        self.call_name, self.code = call_name, code
+        message = f"{call_name} failed: {_error_string(code)}"
+        super().__init__(f"{message} ({detail})" if detail else message)
+
+
+class NoDeviceError(CudaError):
+    """No usable CUDA device (no driver, or no GPU). Tests skip on it."""
+
+
+def _error_string(code) -> str:
+    if isinstance(code, driver.CUresult):
+        err, name = driver.cuGetErrorName(code)
+        err2, text = driver.cuGetErrorString(code)
+        if err == driver.CUresult.CUDA_SUCCESS and err2 == driver.CUresult.CUDA_SUCCESS:
+            return f"{name.decode()}: {text.decode()}"
+    if isinstance(code, nvrtc.nvrtcResult):
+        err, text = nvrtc.nvrtcGetErrorString(code)
+        if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return text.decode()
+    return str(code)
+
+
+_SUCCESS = (driver.CUresult.CUDA_SUCCESS, nvrtc.nvrtcResult.NVRTC_SUCCESS)
+
+
+def call(fn, *args, detail: str = ""):
+    """Run one binding call; return its values (None, one value, or a tuple); raise on error."""
+    err, *values = fn(*args)
+    if err not in _SUCCESS:
+        raise CudaError(fn.__name__, err, detail)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    ordinal: int
+    name: str
+    compute_capability: tuple[int, int]
+    num_sms: int
+    total_memory: int
+    max_shared_per_block_optin: int
+    l2_bytes: int
+
+    @property
+    def arch(self) -> str:
+        """The NVRTC target for this device's own architecture, e.g. 'sm_90'."""
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+class Device:
+    """One GPU with its primary context made current on this thread."""
+
+    def __init__(self, ordinal: int = 0):
+        try:
+            call(driver.cuInit, 0)
+        except CudaError as e:
+            raise NoDeviceError("cuInit", e.code, "is an NVIDIA driver installed?") from None
+        except Exception as e:  # cuda.pathfinder raises DynamicLibNotFoundError without a driver
+            raise NoDeviceError("cuInit", type(e).__name__, str(e)) from None
+        count = call(driver.cuDeviceGetCount)
+        if ordinal >= count:
+            raise NoDeviceError("cuDeviceGet", driver.CUresult.CUDA_ERROR_NO_DEVICE,
+                                f"device {ordinal} requested, {count} present")
+        self.handle = call(driver.cuDeviceGet, ordinal)
+        self.context = call(driver.cuDevicePrimaryCtxRetain, self.handle)
+        call(driver.cuCtxSetCurrent, self.context)
+        self.info = self._read_info(ordinal)
+
+    def _attr(self, attr) -> int:
+        return call(driver.cuDeviceGetAttribute, attr, self.handle)
+
+    def _read_info(self, ordinal: int) -> DeviceInfo:
+        A = driver.CUdevice_attribute
+        name = call(driver.cuDeviceGetName, 256, self.handle)
+        return DeviceInfo(
+            ordinal=ordinal,
+            name=name.split(b"\0", 1)[0].decode(),
+            compute_capability=(self._attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                                self._attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            num_sms=self._attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            total_memory=call(driver.cuDeviceTotalMem, self.handle),
+            max_shared_per_block_optin=self._attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            l2_bytes=self._attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+        )
+
+    def make_current(self) -> None:
+        call(driver.cuCtxSetCurrent, self.context)
+
+    def synchronize(self) -> None:
+        call(driver.cuCtxSynchronize)
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes, as the driver sees them for this context."""
+        return call(driver.cuMemGetInfo)
+
+
+@cache
+def get_device(ordinal: int = 0) -> Device:
+    """The process-wide Device for `ordinal` (created once; raises NoDeviceError without a GPU)."""
+    return Device(ordinal)
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, name) when a CUDA device can be used, else (False, why). Never raises."""
+    try:
+        dev = get_device()
+    except NoDeviceError as e:
+        return False, str(e)
+    except Exception as e:  # anything else the bindings throw without a driver
+        return False, f"{type(e).__name__}: {e}"
+    return True, dev.info.name

@@ -1,0 +1,133 @@
+"""Device buffers, typed device arrays and pinned host buffers.
+
+Everything is a plain `cuMemAlloc` allocation (no managed memory). Copies between host
+and device go through pinned buffers when they must be asynchronous (the per-step upload);
+one-off copies (weights, test data) may come from ordinary numpy arrays.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+from cuda.bindings import driver
+
+from .driver import call
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+class DeviceArray:
+    """A typed, C-contiguous device allocation: `shape`, `dtype`, `ptr` (int), `nbytes`.
+
+    `base` is set for views (`rows`), which never free memory themselves.
+    """
+
+    def __init__(self, shape, dtype, *, ptr: int | None = None, base: "DeviceArray | None" = None):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = _nbytes(self.shape, self.dtype)
+        self.base = base
+        if ptr is None:
+            # A zero-byte allocation is an error in the driver: keep one byte so every array has an address.
+            ptr = int(call(driver.cuMemAlloc, max(self.nbytes, 1), detail=f"{self.nbytes} bytes"))
+            self._owned = True
+        else:
+            self._owned = False
+        self.ptr = int(ptr)
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def empty(cls, shape, dtype) -> "DeviceArray":
+        return cls(shape, dtype)
+
+    @classmethod
+    def from_host(cls, array: np.ndarray, stream=None) -> "DeviceArray":
+        array = np.ascontiguousarray(array)
+        out = cls(array.shape, array.dtype)
+        out.copy_from_host(array, stream)
+        return out
+
+    @classmethod
+    def zeros(cls, shape, dtype, stream=None) -> "DeviceArray":
+        out = cls(shape, dtype)
+        out.fill_bytes(0, stream)
+        return out
+
+    # -- copies ------------------------------------------------------------------------
+    def copy_from_host(self, array: np.ndarray, stream=None) -> None:
+        array = np.ascontiguousarray(array)
+        if array.nbytes != self.nbytes:
+            raise ValueError(f"copy_from_host: {array.nbytes} bytes into a {self.nbytes}-byte array {self.shape}")
+        if stream is None:
+            call(driver.cuMemcpyHtoD, self.ptr, array.ctypes.data, self.nbytes)
+        else:
+            call(driver.cuMemcpyHtoDAsync, self.ptr, array.ctypes.data, self.nbytes, stream.handle)
+
+    def to_host(self, stream=None) -> np.ndarray:
+        """Copy to a new numpy array (synchronous: the stream, if given, is synchronized)."""
+        out = np.empty(self.shape, self.dtype)
+        if stream is None:
+            call(driver.cuMemcpyDtoH, out.ctypes.data, self.ptr, self.nbytes)
+        else:
+            call(driver.cuMemcpyDtoHAsync, out.ctypes.data, self.ptr, self.nbytes, stream.handle)
+            stream.synchronize()
+        return out
+
+    def fill_bytes(self, value: int, stream=None) -> None:
+        """Set every byte to `value` (0 to clear; 0xFF to poison test outputs)."""
+        if stream is None:
+            call(driver.cuMemsetD8, self.ptr, value, self.nbytes)
+        else:
+            call(driver.cuMemsetD8Async, self.ptr, value, self.nbytes, stream.handle)
+
+    # -- views -------------------------------------------------------------------------
+    def rows(self, start: int, stop: int) -> "DeviceArray":
+        """A view of rows [start, stop) along the first axis (no copy)."""
+        if not 0 <= start <= stop <= self.shape[0]:
+            raise IndexError(f"rows({start}, {stop}) out of range for shape {self.shape}")
+        row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
+        return DeviceArray((stop - start,) + self.shape[1:], self.dtype,
+                           ptr=self.ptr + start * row_bytes, base=self)
+
+    def view(self, shape, dtype=None) -> "DeviceArray":
+        """The same bytes with another shape (and dtype); sizes must agree."""
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if _nbytes(shape, dtype) != self.nbytes:
+            raise ValueError(f"view {shape} {dtype} does not match {self.shape} {self.dtype}")
+        return DeviceArray(shape, dtype, ptr=self.ptr, base=self)
+
+    # -- lifetime ----------------------------------------------------------------------
+    def free(self) -> None:
+        if self._owned and self.ptr:
+            call(driver.cuMemFree, self.ptr)
+        self.ptr = 0
+        self._owned = False
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
+
+
+class PinnedBuffer:
+    """Page-locked host memory viewed as a numpy array (for asynchronous copies)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.ptr = int(call(driver.cuMemHostAlloc, max(self.nbytes, 1), 0, detail=f"{self.nbytes} bytes"))
+        raw = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
+        self.bytes = np.ctypeslib.as_array(raw)[: self.nbytes]
+
+    def array(self, shape, dtype, offset: int = 0) -> np.ndarray:
+        """A numpy view of part of the buffer."""
+        n = _nbytes(shape, dtype)
+        if offset + n > self.nbytes:
+            raise ValueError(f"pinned view of {n} bytes at {offset} exceeds {self.nbytes}")
+        return self.bytes[offset: offset + n].view(dtype).reshape(shape)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.bytes = None
+            call(driver.cuMemFreeHost, self.ptr)
+            self.ptr = 0

@@ -1,0 +1,85 @@
+"""Loaded cubins and kernel launches through `cuLaunchKernel`.
+
+Kernel arguments are passed explicitly typed: a `DeviceArray` (its pointer), `None` (a
+null pointer) or a ctypes scalar (`ctypes.c_int32(n)`, `ctypes.c_float(eps)`, ...). The
+launch packs them into the `void*[]` array the driver copies from, so the same call works
+eagerly and while a stream is being captured into a graph.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+from cuda.bindings import driver
+
+from .compiler import compile_file
+from .driver import call, get_device
+from .memory import DeviceArray
+
+I32, U32, I64, U64, F32 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
+
+
+def _as_ctype(arg):
+    if isinstance(arg, DeviceArray):
+        return ctypes.c_void_p(arg.ptr)
+    if arg is None:
+        return ctypes.c_void_p(0)
+    if isinstance(arg, ctypes._SimpleCData):
+        return arg
+    raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None or a ctypes scalar (e.g. ctypes.c_int32(n))")
+
+
+class Kernel:
+    def __init__(self, module: "Module", name: str):
+        self.module, self.name = module, name
+        self.function = call(driver.cuModuleGetFunction, module.handle, name.encode(), detail=name)
+        self.max_dynamic_smem = 0
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        """Allow more than 48 KB of dynamic shared memory (needed before such a launch)."""
+        if nbytes > self.max_dynamic_smem:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            call(driver.cuFuncSetAttribute, self.function, attr, nbytes, detail=self.name)
+            self.max_dynamic_smem = nbytes
+
+    def attribute(self, attr) -> int:
+        return call(driver.cuFuncGetAttribute, attr, self.function)
+
+    def launch(self, grid, block, args, stream, smem: int = 0) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        if min(grid) <= 0:
+            return  # nothing to do (an empty batch); launching a 0-sized grid is an error
+        values = [_as_ctype(a) for a in args]
+        pointers = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        if smem > 48 * 1024:
+            self.set_max_dynamic_smem(smem)
+        call(driver.cuLaunchKernel, self.function, *grid, *block, smem, stream.handle,
+             ctypes.addressof(pointers), 0, detail=f"kernel {self.name} grid={grid} block={block} smem={smem}")
+
+
+class Module:
+    def __init__(self, cubin: bytes, label: str):
+        self.label = label
+        self._image = cubin  # keep the bytes alive while the module is loaded
+        self.handle = call(driver.cuModuleLoadData, cubin, detail=label)
+        self._kernels: dict[str, Kernel] = {}
+
+    def kernel(self, name: str) -> Kernel:
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, name)
+        return self._kernels[name]
+
+
+@cache
+def load_module(filename: str, defines: tuple = ()) -> Module:
+    """Compile (or fetch from cache) and load `cuda_src/<filename>` for the current device."""
+    arch = get_device().info.arch
+    if arch == "sm_90":
+        arch = "sm_90a"  # Hopper's own instructions (wgmma, setmaxnreg) need the 'a' target
+    cubin = compile_file(filename, arch, dict(defines))
+    return Module(cubin, f"{filename} ({arch})")
+
+
+def kernel(filename: str, name: str) -> Kernel:
+    return load_module(filename).kernel(name)
