@@ -1,0 +1,66 @@
+// The fused attention-input kernel: per token, RMSNorm each query and key head over head_dim
+// (q_norm / k_norm weights), rotate both with RoPE, write the queries out and store the new
+// keys and values into the paged cache at the token's slot.
+//
+// Cache layout (one pool per layer for K and one for V; see tileinfer/kv/paged_cache.py):
+//   pool[page, kv_head, offset, head_dim]  bf16, slot = page * page_size + offset.
+#include "common.cuh"
+
+#define HD 128  // head_dim: every Qwen3 model uses 128
+
+// ============================================================================= kernels
+// grid (n_tokens, ceil((H + KV) / 4)), block (128): one warp per head; heads [0, H) are query
+// heads, [H, H + KV) key heads (whose value head is stored alongside).
+// qkv: [n, (H + 2 KV) * HD] bf16 (q heads, then k heads, then v heads), from the QKV GEMM.
+// Lane l owns channels 2l, 2l+1 and their rotary partners 64+2l, 64+2l+1.
+// slots[t] < 0 marks a padding token: nothing is stored and its queries are still written.
+extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *__restrict__ positions,
+                                      const int *__restrict__ slots, const bf16 *__restrict__ q_norm_w,
+                                      const bf16 *__restrict__ k_norm_w, const float *__restrict__ inv_freq,
+                                      bf16 *__restrict__ q_out, bf16 *__restrict__ k_pool, bf16 *__restrict__ v_pool,
+                                      int num_heads, int num_kv_heads, int page_size, float eps) {
+    const int t = blockIdx.x;
+    const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (head >= num_heads + num_kv_heads) return;
+    const bool is_q = head < num_heads;
+    const int slot = slots[t];
+    if (!is_q && slot < 0) return;
+
+    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
+    const bf16 *src = qkv + (size_t)t * row_elems + (size_t)head * HD;
+    const u32 lo = reinterpret_cast<const u32 *>(src)[lane];            // channels 2l, 2l+1
+    const u32 hi = reinterpret_cast<const u32 *>(src + HD / 2)[lane];   // channels 64+2l, 64+2l+1
+    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
+
+    // RMSNorm over the head's 128 channels.
+    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
+    const u32 *wn = reinterpret_cast<const u32 *>(is_q ? q_norm_w : k_norm_w);
+    const u32 wlo = wn[lane], whi = wn[HD / 4 + lane];
+    x0 *= r * bf16lo(wlo); x1 *= r * bf16hi(wlo);
+    y0 *= r * bf16lo(whi); y1 *= r * bf16hi(whi);
+
+    // RoPE, rotate-half pairing (i, i + 64): (x, y) -> (x cos - y sin, y cos + x sin).
+    const float pos = (float)positions[t];
+    float s0, c0, s1, c1;
+    sincosf(pos * inv_freq[2 * lane], &s0, &c0);
+    sincosf(pos * inv_freq[2 * lane + 1], &s1, &c1);
+    const float a0 = x0 * c0 - y0 * s0, b0 = y0 * c0 + x0 * s0;
+    const float a1 = x1 * c1 - y1 * s1, b1 = y1 * c1 + x1 * s1;
+
+    if (is_q) {
+        bf16 *dst = q_out + ((size_t)t * num_heads + head) * HD;
+        reinterpret_cast<u32 *>(dst)[lane] = pack_bf16x2(a0, a1);
+        reinterpret_cast<u32 *>(dst + HD / 2)[lane] = pack_bf16x2(b0, b1);
+        return;
+    }
+    const int kvh = head - num_heads;
+    const size_t page = slot / page_size, off = slot % page_size;
+    const size_t at = ((page * num_kv_heads + kvh) * page_size + off) * HD;
+    reinterpret_cast<u32 *>(k_pool + at)[lane] = pack_bf16x2(a0, a1);
+    reinterpret_cast<u32 *>(k_pool + at + HD / 2)[lane] = pack_bf16x2(b0, b1);
+    // The value head is copied unchanged: 256 bytes, 8 per lane.
+    const bf16 *vsrc = src + (size_t)num_kv_heads * HD;
+    reinterpret_cast<u32 *>(v_pool + at)[2 * lane] = reinterpret_cast<const u32 *>(vsrc)[2 * lane];
+    reinterpret_cast<u32 *>(v_pool + at)[2 * lane + 1] = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
+}

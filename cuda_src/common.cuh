@@ -1,0 +1,125 @@
+// Shared device helpers: bf16 <-> f32, 16-byte vectors, warp reductions, PTX wrappers.
+//
+// No CUDA header is included anywhere in cuda_src/: bf16 values travel as raw 16-bit
+// patterns (`bf16`), converted with single PTX instructions. That keeps NVRTC compiles
+// fast and identical across NVRTC versions (13.0 on the GPU machine, newer from pip).
+#pragma once
+
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define TI_INF __int_as_float(0x7f800000)
+
+struct __align__(16) vec16 { u32 w[4]; };   // 16 bytes: 8 bf16, or 4 f32/i32
+
+// ----------------------------------------------------------------------------- conversions
+__device__ __forceinline__ float bf16_to_f32(bf16 x) { return __uint_as_float(((u32)x) << 16); }
+
+__device__ __forceinline__ bf16 f32_to_bf16(float x) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// Two floats -> one u32 holding two bf16: `lo` in the low half (the lower address).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float bf16lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Unpack 8 bf16 from a 16-byte vector.
+__device__ __forceinline__ void unpack8(const vec16 &v, float f[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { f[2 * i] = bf16lo(v.w[i]); f[2 * i + 1] = bf16hi(v.w[i]); }
+}
+
+__device__ __forceinline__ vec16 pack8(const float f[8]) {
+    vec16 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v.w[i] = pack_bf16x2(f[2 * i], f[2 * i + 1]);
+    return v;
+}
+
+// ----------------------------------------------------------------------------- loads
+__device__ __forceinline__ vec16 ld16(const void *p) { return *reinterpret_cast<const vec16 *>(p); }
+__device__ __forceinline__ void st16(void *p, const vec16 &v) { *reinterpret_cast<vec16 *>(p) = v; }
+
+// Streaming load for weights read once per step: bypass L1, do not keep in L1.
+__device__ __forceinline__ vec16 ld16_stream(const void *p) {
+    vec16 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3]) : "l"(p));
+    return v;
+}
+
+// ----------------------------------------------------------------------------- reductions
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block; `scratch` holds >= 32 floats. Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : -TI_INF;
+    return warp_max(v);
+}
+
+// ----------------------------------------------------------------------------- tensor cores
+// Shared-memory address for PTX (32-bit .shared window).
+__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte global -> shared copy, zero-filled when `valid` is false (no bytes read then).
+__device__ __forceinline__ void cp_async16(u32 dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, f32 accumulators.
+// Fragment layout (g = lane/4, t = lane%4): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
+// a3 (g+8, 2t+8..); b0 (k=2t..2t+1, n=g), b1 (k=2t+8.., n=g); d0,d1 (g, 2t..2t+1), d2,d3 (g+8, 2t..).
+__device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

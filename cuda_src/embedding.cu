@@ -1,0 +1,21 @@
+// Token embedding lookup: out[i, :] = table[tokens[i], :] as float32 (the residual stream).
+#include "common.cuh"
+
+// ============================================================================= kernels
+// grid (n), block (128). dim % 8 == 0. Tokens outside [0, vocab) (padding rows) give zeros.
+extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 *__restrict__ table,
+                                     float *__restrict__ out, int dim, int vocab) {
+    const int row = blockIdx.x;
+    const int token = tokens[row];
+    const bool valid = token >= 0 && token < vocab;
+    const bf16 *src = table + (size_t)(valid ? token : 0) * dim;
+    float *dst = out + (size_t)row * dim;
+    for (int c = threadIdx.x * 8; c < dim; c += blockDim.x * 8) {
+        float f[8];
+        unpack8(ld16(src + c), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = valid ? f[i] : 0.f;
+        *reinterpret_cast<float4 *>(dst + c) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4 *>(dst + c + 4) = make_float4(f[4], f[5], f[6], f[7]);
+    }
+}

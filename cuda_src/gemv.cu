@@ -1,0 +1,96 @@
+// Decode-time matrix products y[m, n] = sum_k x[m, k] * W[n, k] for a few rows of x (M <= 8).
+//
+// Bandwidth-bound: every weight byte is read exactly once per step, with 16-byte streaming
+// loads, coalesced across the warp (a warp reads 512 contiguous bytes of a row per step).
+// Each warp owns two output rows, so twice the loads are in flight per lane. x is small and
+// re-read from L1. The epilogue is fused: plain bf16 store, residual add into the float32
+// stream, SiLU(gate) * up, or float32 logits.
+//
+// W is [N, K] bf16 row-major (Hugging Face's [out, in]); x is [M, K] bf16; K % 8 == 0.
+#include "common.cuh"
+
+enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+
+#define WARPS 8
+#define UNROLL 4
+
+// Row pair owned by warp `w`: for SILU_MUL the gate row j and the up row j + N/2 (W is
+// [gate; up]), otherwise rows 2w and 2w + 1.
+template <int M, int EPI>
+__device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16 *__restrict__ W,
+                                          void *__restrict__ out, int N, int K, int pair) {
+    const int lane = threadIdx.x & 31;
+    const int n_out = EPI == EPI_SILU_MUL ? N / 2 : N;
+    int r0, r1;
+    if (EPI == EPI_SILU_MUL) { r0 = pair; r1 = pair + N / 2; }
+    else { r0 = 2 * pair; r1 = 2 * pair + 1; }
+    if (EPI == EPI_SILU_MUL ? pair >= n_out : r0 >= N) return;
+    const bool has_r1 = r1 < N;
+    const bf16 *w0 = W + (size_t)r0 * K;
+    const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
+
+    float acc0[M], acc1[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = 0.f;
+
+    for (int k0 = lane * 8; k0 < K; k0 += 32 * 8 * UNROLL) {
+        vec16 a[UNROLL], b[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u * 256;
+            if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u * 256;
+            if (k < K) {
+                float wa[8], wb[8];
+                unpack8(a[u], wa);
+                unpack8(b[u], wb);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float xv[8];
+                    unpack8(ld16(x + (size_t)m * K + k), xv);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) { acc0[m] += wa[i] * xv[i]; acc1[m] += wb[i] * xv[i]; }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) { acc0[m] = warp_sum(acc0[m]); acc1[m] = warp_sum(acc1[m]); }
+    if (lane != 0) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (EPI == EPI_BF16) {
+            bf16 *o = reinterpret_cast<bf16 *>(out) + (size_t)m * N;
+            o[r0] = f32_to_bf16(acc0[m]);
+            if (has_r1) o[r1] = f32_to_bf16(acc1[m]);
+        } else if (EPI == EPI_RESIDUAL) {
+            float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
+            o[r0] += acc0[m];
+            if (has_r1) o[r1] += acc1[m];
+        } else if (EPI == EPI_F32) {
+            float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
+            o[r0] = acc0[m];
+            if (has_r1) o[r1] = acc1[m];
+        } else {  // SiLU(gate) * up
+            const float g = acc0[m], u = acc1[m];
+            reinterpret_cast<bf16 *>(out)[(size_t)m * n_out + pair] = f32_to_bf16(g / (1.f + __expf(-g)) * u);
+        }
+    }
+}
+
+// ============================================================================= kernels
+// grid (ceil(pairs / 8)), block (256). pairs = N/2 for SILU_MUL (N = 2 * intermediate), else ceil(N/2).
+#define GEMV_KERNEL(M, EPI)                                                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
+        gemv_m##M##_e##EPI(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, \
+                           int N, int K) {                                                              \
+        gemv_rows<M, EPI>(x, W, out, N, K, blockIdx.x * WARPS + (threadIdx.x >> 5));                    \
+    }
+#define GEMV_ALL_EPI(M) GEMV_KERNEL(M, 0) GEMV_KERNEL(M, 1) GEMV_KERNEL(M, 2) GEMV_KERNEL(M, 3)
+GEMV_ALL_EPI(1)
+GEMV_ALL_EPI(2)
+GEMV_ALL_EPI(4)
+GEMV_ALL_EPI(8)

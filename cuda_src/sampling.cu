@@ -1,0 +1,152 @@
+// Next-token selection from float32 logits: greedy argmax, and seeded sampling with
+// temperature, top-k and top-p.
+//
+// Sampling is the Gumbel-max trick over the kept tokens: argmax_i (z_i + g_i) with
+// z = logits / T and g_i = -log(-log(u_i)), u_i a counter-based hash of (seed, counter, i).
+// It needs no prefix sum, is exact, and is reproducible: a request's sample depends only on
+// its logits, its seed and the counter (the position being sampled), never on the batch.
+//
+// Top-k then top-p (as Hugging Face and vLLM apply them) choose a threshold t on z; the kept
+// set is {i : z_i >= t}. Each threshold is found by bisection over the 32-bit order-preserving
+// keys of the float values, so it lands exactly on a logit value (ties at t are all kept).
+#include "common.cuh"
+
+#define THREADS 1024
+
+// Float -> u32 key with the same order (negative floats reversed, positives shifted up).
+__device__ __forceinline__ u32 order_key(float f) {
+    const u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1) from (seed, counter, index); mirrored exactly by tileinfer.engine.sampler.
+__device__ __forceinline__ float uniform01(u64 seed, u32 counter, u32 index) {
+    const u64 h = splitmix64(seed ^ splitmix64(((u64)counter << 32) | index));
+    return ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+struct ArgMax { float v; int i; };
+
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+    // Larger value wins; on a tie the smaller index (deterministic, like numpy.argmax).
+    return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+__device__ ArgMax block_argmax(ArgMax m, float *sv, int *si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax other{__shfl_xor_sync(0xffffffffu, m.v, o), __shfl_xor_sync(0xffffffffu, m.i, o)};
+        m = better(m, other);
+    }
+    __syncthreads();
+    if (lane == 0) { sv[warp] = m.v; si[warp] = m.i; }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? ArgMax{sv[lane], si[lane]} : ArgMax{-TI_INF, 0x7fffffff};
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            ArgMax other{__shfl_xor_sync(0xffffffffu, m.v, o), __shfl_xor_sync(0xffffffffu, m.i, o)};
+            m = better(m, other);
+        }
+        if (lane == 0) { sv[0] = m.v; si[0] = m.i; }
+    }
+    __syncthreads();
+    ArgMax r{sv[0], si[0]};
+    __syncthreads();
+    return r;
+}
+
+// Count and softmax mass (relative to zmax) of the tokens whose key is >= `threshold`.
+__device__ void count_and_mass(const float *z, int vocab, float inv_t, float zmax, u32 threshold,
+                               float *scratch, float *count, float *mass) {
+    float c = 0.f, m = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = z[i] * inv_t;
+        if (order_key(v) >= threshold) { c += 1.f; m += __expf(v - zmax); }
+    }
+    *count = block_sum(c, scratch);
+    *mass = block_sum(m, scratch);
+}
+
+// Largest key k such that pred(count(>= k), mass(>= k)) holds; pred is monotone (true at 0).
+template <typename Pred>
+__device__ u32 bisect_threshold(const float *z, int vocab, float inv_t, float zmax, float *scratch, Pred pred) {
+    u32 lo = 0, hi = 0xffffffffu;  // invariant: pred(lo) true; answer in [lo, hi]
+    while (lo < hi) {
+        const u32 mid = lo + (u32)(((u64)hi - lo + 1) >> 1);
+        float c, m;
+        count_and_mass(z, vocab, inv_t, zmax, mid, scratch, &c, &m);
+        if (pred(c, m)) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// ============================================================================= kernels
+// grid (rows), block (1024). out[r] = argmax of logits row r (lowest index on ties).
+extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *__restrict__ logits, int vocab,
+                                                                  int *__restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float *z = logits + (size_t)blockIdx.x * vocab;
+    ArgMax m{-TI_INF, 0x7fffffff};
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = better(m, ArgMax{z[i], i});
+    m = block_argmax(m, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = m.i;
+}
+
+// grid (rows), block (1024). Per row r: temperature[r] <= 0 means greedy; top_k[r] <= 0 or >= vocab
+// disables top-k; top_p[r] >= 1 disables top-p. counters[r] is the position being sampled.
+extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
+        const float *__restrict__ logits, int vocab, const float *__restrict__ temperature,
+        const int *__restrict__ top_k, const float *__restrict__ top_p, const u64 *__restrict__ seeds,
+        const int *__restrict__ counters, int *__restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int r = blockIdx.x;
+    const float *z = logits + (size_t)r * vocab;
+    const float temp = temperature[r];
+
+    ArgMax m{-TI_INF, 0x7fffffff};
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = better(m, ArgMax{z[i], i});
+    m = block_argmax(m, sv, si);
+    if (!(temp > 0.f)) {
+        if (threadIdx.x == 0) out[r] = m.i;
+        return;
+    }
+    const float inv_t = 1.f / temp, zmax = m.v * inv_t;
+    u32 threshold = 0;  // keep everything
+    const int k = top_k[r];
+    if (k > 0 && k < vocab) {
+        threshold = bisect_threshold(z, vocab, inv_t, zmax, sv, [k](float c, float) { return c >= (float)k; });
+    }
+    const float p = top_p[r];
+    if (p < 1.f) {
+        float c, kept_mass;
+        count_and_mass(z, vocab, inv_t, zmax, threshold, sv, &c, &kept_mass);
+        const float target = p * kept_mass;
+        threshold = bisect_threshold(z, vocab, inv_t, zmax, sv, [target](float, float mass) { return mass >= target; });
+    }
+    const u64 seed = seeds[r];
+    const u32 counter = (u32)counters[r];
+    ArgMax best{-TI_INF, 0x7fffffff};
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = z[i] * inv_t;
+        if (order_key(v) >= threshold) {
+            const float g = -__logf(-__logf(uniform01(seed, counter, (u32)i)));
+            best = better(best, ArgMax{v + g, i});
+        }
+    }
+    best = block_argmax(best, sv, si);
+    if (threadIdx.x == 0) out[r] = best.i;
+}

@@ -1,0 +1,9 @@
+"""One launcher module per cuda_src/ kernel family: validate shapes, compute the grid, launch."""
+from .attention import attention
+from .attn_input import attn_input
+from .embedding import embedding
+from .linear import linear
+from .rmsnorm import rmsnorm
+from .sampling import argmax, sample
+
+__all__ = ["attention", "attn_input", "embedding", "linear", "rmsnorm", "argmax", "sample"]

@@ -1,0 +1,26 @@
+"""Shape and dtype checks shared by the launchers (each raises ValueError naming the argument)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ..cuda import DeviceArray
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32 = np.dtype(np.float32)
+INT32 = np.dtype(np.int32)
+UINT64 = np.dtype(np.uint64)
+
+
+def expect(name: str, array: DeviceArray | None, shape: tuple, dtype) -> None:
+    """`array` must have exactly `shape` (None entries match anything) and `dtype`."""
+    if array is None:
+        raise ValueError(f"{name}: expected a device array of shape {shape}, got None")
+    dtype = np.dtype(dtype)
+    ok = len(array.shape) == len(shape) and all(s is None or s == a for s, a in zip(shape, array.shape))
+    if not ok or array.dtype != dtype:
+        raise ValueError(f"{name}: expected shape {shape} {dtype}, got {array.shape} {array.dtype}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
