@@ -1,0 +1,64 @@
+"""The decode-graph manager: one CUDA graph per batch bucket, over persistent buffers.
+
+A decode step is ~10 kernels per layer (hundreds per step); launched one by one from Python
+each costs ~9 us, inside a graph ~1 us. Graphs freeze their kernel arguments, so a step's
+inputs must already sit in the persistent step buffers (tileinfer.engine.step) and every
+shape is the bucket's: a batch of b sequences replays the smallest bucket >= b, and the
+padding rows are no-ops for every kernel (no query tokens, slot -1).
+
+All host planning (reserving pages, filling the step buffers) happens outside the graph.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from tileinfer.cuda import Graph, Stream
+
+log = logging.getLogger(__name__)
+
+
+def bucket_for(batch: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `batch` sequences."""
+    for b in sorted(buckets):
+        if b >= batch:
+            return b
+    raise ValueError(f"a batch of {batch} exceeds the largest decode bucket ({max(buckets)})")
+
+
+class DecodeGraphs:
+    """Captures `enqueue_step(bucket, stream)` once per bucket and replays it.
+
+    `enqueue_step` must only launch kernels over persistent buffers (no allocation, no sync).
+    """
+
+    def __init__(self, enqueue_step: Callable[[int, Stream], None], buckets: Sequence[int]):
+        self.enqueue_step = enqueue_step
+        self.buckets = tuple(sorted(set(buckets)))
+        self.graphs: dict[int, Graph] = {}
+        self.capture_seconds = 0.0
+
+    def capture(self, stream: Stream, buckets: Sequence[int] | None = None) -> None:
+        """Capture the given buckets (default: all), largest first."""
+        for b in sorted(buckets or self.buckets, reverse=True):
+            if b in self.graphs:
+                continue
+            start = time.perf_counter()
+            self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s))
+            seconds = time.perf_counter() - start
+            self.capture_seconds += seconds
+            log.info("captured decode graph for batch %d: %d nodes in %.3f s", b, self.graphs[b].num_nodes, seconds)
+
+    def replay(self, batch: int, stream: Stream) -> int:
+        """Launch the graph for `batch` sequences (capturing it on first use); returns the bucket."""
+        b = bucket_for(batch, self.buckets)
+        if b not in self.graphs:
+            self.capture(stream, [b])
+        self.graphs[b].launch(stream)
+        return b
+
+    def destroy(self) -> None:
+        for g in self.graphs.values():
+            g.destroy()
+        self.graphs.clear()

@@ -1,0 +1,88 @@
+"""Single-sequence generation: prefill the prompt in chunks, then decode with a CUDA graph."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..kv import Sequence
+from .model import Model
+from .step import SamplingRow
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]                  # the new tokens only
+    text: str
+    finish_reason: str                    # "stop" (an EOS token) or "length" (max_new_tokens)
+    prompt_token_ids: list[int] = field(repr=False, default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the decode steps (the first token comes from the prefill)."""
+        steps = len(self.token_ids) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
+    """Raise ValueError naming the field and its allowed range."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
+
+def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> GenerationResult:
+    """Continue `prompt` (text, or token ids) by up to `max_new_tokens` tokens, stopping at EOS.
+
+    The KV cache is sized for the prompt plus the budget. temperature 0 is greedy; otherwise
+    sampling is seeded (a fresh random seed when `seed` is None) and reproducible for a seed.
+    """
+    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty: give some text or token ids")
+        ids = model.encode(prompt)
+    else:
+        ids = model._validate_ids(prompt)
+    total = len(ids) + max_new_tokens
+    limit = model.config.max_position_embeddings
+    if total > limit:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                         f"model's context of {limit} positions; shorten the prompt or lower max_new_tokens")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    row = SamplingRow(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
+    cache = model.ensure_cache(total)
+    seq = Sequence()
+    out: list[int] = []
+    finish = "length"
+    try:
+        start = time.perf_counter()
+        chunk = model.max_batch_tokens
+        for begin in range(0, len(ids), chunk):
+            part = ids[begin: begin + chunk]
+            cache.manager.reserve(seq, len(part))
+            last = begin + chunk >= len(ids)
+            next_ids = model.step([(seq, part)], [row], sample=last)
+        token = int(next_ids[0])
+        prefill_done = time.perf_counter()
+        out.append(token)
+        while len(out) < max_new_tokens and not (stop_at_eos and token in model.eos_token_ids):
+            cache.manager.reserve(seq, 1)
+            token = int(model.step([(seq, [token])], [row])[0])
+            out.append(token)
+        end = time.perf_counter()
+        if stop_at_eos and out[-1] in model.eos_token_ids:
+            finish = "stop"
+    finally:
+        cache.manager.release(seq)
+    return GenerationResult(token_ids=out, text=model.decode(out), finish_reason=finish, prompt_token_ids=ids,
+                            prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done)
