@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Decode and prefill benchmarks on synthetic checkpoints, side by side with the peer.
+
+    python scripts/bench.py --models qwen3-0.6b,qwen3-4b,qwen3-8b --peer bench/peer_gptfast.py
+
+For each model: batch-1 decode tokens/s after a prompt of --context tokens (--new tokens
+timed, after a warm-up generation that captures the decode graph), with the bytes a step
+must read (every weight once + the KV cache) as achieved GB/s and the fraction of the
+bandwidth roofline; prefill tokens/s and TFLOP/s for each --prefill length. With --peer,
+the gpt-fast-style peer runs the same decode case in the same process tree, one subprocess
+per model. Prints a markdown table; writes bench.json (and the table) to $OUT or --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import tileinfer
+from tileinfer.cuda import Event, get_device
+from tileinfer.kv import Sequence
+from tileinfer.model.config import preset
+from tileinfer.model.synthetic import cached_checkpoint
+
+ROOFLINE_BYTES_PER_S = 4.3e12   # measured read bandwidth of the H200 (../shared/GPU.md)
+MATMUL_FLOPS = 790e12            # measured bf16 matrix-product rate of the H200
+
+
+def weight_bytes(cfg) -> int:
+    """Bytes of weights a decode step reads: everything once (the embedding only as the LM head)."""
+    return 2 * cfg.num_parameters()
+
+
+def kv_bytes(cfg, positions: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * positions
+
+
+def bench_decode(model, context: int, new: int, repeats: int) -> dict:
+    prompt = np.random.default_rng(0).integers(0, 151643, context).tolist()
+    tileinfer.generate(model, prompt, max_new_tokens=16, stop_at_eos=False)  # warm-up: kernels, graph
+    rates = []
+    for _ in range(repeats):
+        r = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False)
+        rates.append(r.decode_tokens_per_second)
+    tok_s = float(np.median(rates))
+    cfg = model.config
+    step_bytes = weight_bytes(cfg) + kv_bytes(cfg, context + new // 2)
+    return dict(decode_tok_s=tok_s, decode_runs=rates, step_bytes=step_bytes, GB_s=tok_s * step_bytes / 1e9,
+                roofline_tok_s=ROOFLINE_BYTES_PER_S / step_bytes,
+                roofline_fraction=tok_s * step_bytes / ROOFLINE_BYTES_PER_S)
+
+
+def bench_prefill(model, n: int, repeats: int) -> dict:
+    prompt = np.random.default_rng(1).integers(0, 151643, n).tolist()
+    cache = model.ensure_cache(n + 1)
+    times = []
+    start, end = Event(), Event()
+    for i in range(repeats + 1):
+        seq = Sequence()
+        try:
+            start.record(model.stream)
+            for begin in range(0, n, model.max_batch_tokens):
+                part = prompt[begin: begin + model.max_batch_tokens]
+                cache.manager.reserve(seq, len(part))
+                model.step([(seq, part)], sample=begin + len(part) >= n)
+            end.record(model.stream)
+            end.synchronize()
+            if i:  # the first run is a warm-up
+                times.append(start.elapsed_ms(end) / 1e3)
+        finally:
+            cache.manager.release(seq)
+    seconds = float(np.median(times))
+    cfg = model.config
+    attn_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n / 2
+    flops = 2 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * n + attn_flops \
+        + 2 * cfg.vocab_size * cfg.hidden_size  # the LM head runs for the last token only
+    return dict(prefill_tokens=n, prefill_s=seconds, prefill_tok_s=n / seconds, TFLOP_s=flops / seconds / 1e12,
+                matmul_fraction=flops / seconds / MATMUL_FLOPS)
+
+
+def run_peer(peer: Path, name: str, context: int, new: int, timeout: int) -> dict | None:
+    try:
+        proc = subprocess.run([sys.executable, str(peer), name, "1", str(context), str(new)], capture_output=True,
+                              text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        print(f"peer {name}: timed out after {timeout} s", flush=True)
+        return None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"peer {name} failed (exit {proc.returncode}): {proc.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
+    ap.add_argument("--context", type=int, default=512, help="prompt positions before the timed decode")
+    ap.add_argument("--new", type=int, default=128, help="decode tokens timed per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill", default="512,4096", help="prompt lengths for the prefill benchmark ('' = none)")
+    ap.add_argument("--peer", type=Path, help="path to peer_gptfast.py (runs the same decode case)")
+    ap.add_argument("--peer-timeout", type=int, default=300)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args()
+
+    dev = get_device()
+    print(f"GPU: {dev.info.name}, {dev.info.num_sms} SMs; tileinfer {tileinfer.__version__}", flush=True)
+    results = []
+    for name in args.models.split(","):
+        cfg = preset(name)
+        t = time.perf_counter()
+        path = cached_checkpoint(name)
+        print(f"{name}: checkpoint ready in {time.perf_counter() - t:.1f} s", flush=True)
+        t = time.perf_counter()
+        with tileinfer.load_model(path, progress=False) as model:
+            load_s = time.perf_counter() - t
+            row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", load_s=load_s,
+                       weight_GB=weight_bytes(cfg) / 1e9, load_GB_s=model.weights.nbytes / 1e9 / model.weights.load_seconds)
+            row.update(bench_decode(model, args.context, args.new, args.repeats))
+            print(f"{name}: decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
+                  f"{100 * row['roofline_fraction']:.1f}% of roofline)", flush=True)
+            row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
+            for p in row["prefill"]:
+                print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
+                      f"({p['TFLOP_s']:.0f} TFLOP/s)", flush=True)
+        if args.peer:
+            peer = run_peer(args.peer, name, args.context, args.new, args.peer_timeout)
+            row["peer"] = peer
+            if peer:
+                print(f"{name}: peer {peer['decode_tok_s_per_seq']:.1f} tok/s", flush=True)
+        results.append(row)
+
+    table = render(results, dev.info.name)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(dict(gpu=dev.info.name, results=results), indent=1))
+    (args.out / "bench.md").write_text(table)
+
+
+def render(results: list[dict], gpu: str) -> str:
+    lines = [f"GPU: {gpu}; bf16 weights and KV cache; batch 1; synthetic checkpoints", "",
+             "| model | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        peer = r.get("peer")
+        p = peer["decode_tok_s_per_seq"] if peer else None
+        lines.append(f"| {r['model']} | {r['context']} | {r['decode_tok_s']:.1f} | {r['GB_s']:.0f} | "
+                     f"{100 * r['roofline_fraction']:.1f} | {r['roofline_tok_s']:.0f} | "
+                     f"{'%.1f' % p if p else '-'} | {'%.2fx' % (r['decode_tok_s'] / p) if p else '-'} |")
+    lines += ["", "| model | prompt tokens | prefill tok/s | TFLOP/s | % of 790 TFLOP/s |", "|---|---|---|---|---|"]
+    for r in results:
+        for p in r["prefill"]:
+            lines.append(f"| {r['model']} | {p['prefill_tokens']} | {p['prefill_tok_s']:.0f} | {p['TFLOP_s']:.0f} | "
+                         f"{100 * p['matmul_fraction']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
