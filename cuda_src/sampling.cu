@@ -30,9 +30,10 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 }
 
 // Uniform in (0, 1) from (seed, counter, index); mirrored exactly by tileinfer.engine.sampler.
+// 23 random bits: (k + 0.5) / 2^23 is exact in float32, so u is never 0 or 1.
 __device__ __forceinline__ float uniform01(u64 seed, u32 counter, u32 index) {
     const u64 h = splitmix64(seed ^ splitmix64(((u64)counter << 32) | index));
-    return ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    return ((float)(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
 }
 
 struct ArgMax { float v; int i; };
@@ -73,7 +74,7 @@ __device__ void count_and_mass(const float *z, int vocab, float inv_t, float zma
     float c = 0.f, m = 0.f;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float v = z[i] * inv_t;
-        if (order_key(v) >= threshold) { c += 1.f; m += __expf(v - zmax); }
+        if (order_key(v) >= threshold) { c += 1.f; m += expf(v - zmax); }
     }
     *count = block_sum(c, scratch);
     *mass = block_sum(m, scratch);
@@ -131,7 +132,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         threshold = bisect_threshold(z, vocab, inv_t, zmax, sv, [k](float c, float) { return c >= (float)k; });
     }
     const float p = top_p[r];
-    if (p < 1.f) {
+    if (!(p > 0.f)) {
+        threshold = order_key(zmax);  // top_p <= 0 (rejected by the API): keep the most likely token only
+    } else if (p < 1.f) {
         float c, kept_mass;
         count_and_mass(z, vocab, inv_t, zmax, threshold, sv, &c, &kept_mass);
         const float target = p * kept_mass;
@@ -143,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float v = z[i] * inv_t;
         if (order_key(v) >= threshold) {
-            const float g = -__logf(-__logf(uniform01(seed, counter, (u32)i)));
+            const float g = -logf(-logf(uniform01(seed, counter, (u32)i)));
             best = better(best, ArgMax{v + g, i});
         }
     }

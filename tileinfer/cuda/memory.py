@@ -62,14 +62,18 @@ class DeviceArray:
         if array.nbytes != self.nbytes:
             raise ValueError(f"copy_from_host: {array.nbytes} bytes into a {self.nbytes}-byte array {self.shape}")
         if stream is None:
+            # Synchronous for the whole device: the engine's streams do not wait for the legacy stream.
             call(driver.cuMemcpyHtoD, self.ptr, array.ctypes.data, self.nbytes)
+            call(driver.cuCtxSynchronize)
         else:
             call(driver.cuMemcpyHtoDAsync, self.ptr, array.ctypes.data, self.nbytes, stream.handle)
 
     def to_host(self, stream=None) -> np.ndarray:
-        """Copy to a new numpy array (synchronous: the stream, if given, is synchronized)."""
+        """Copy to a new numpy array. Synchronous: with a stream, after that stream's work; without, after
+        all work on the device."""
         out = np.empty(self.shape, self.dtype)
         if stream is None:
+            call(driver.cuCtxSynchronize)  # wait for kernels on every stream that may write this array
             call(driver.cuMemcpyDtoH, out.ctypes.data, self.ptr, self.nbytes)
         else:
             call(driver.cuMemcpyDtoHAsync, out.ctypes.data, self.ptr, self.nbytes, stream.handle)
@@ -80,6 +84,7 @@ class DeviceArray:
         """Set every byte to `value` (0 to clear; 0xFF to poison test outputs)."""
         if stream is None:
             call(driver.cuMemsetD8, self.ptr, value, self.nbytes)
+            call(driver.cuCtxSynchronize)
         else:
             call(driver.cuMemsetD8Async, self.ptr, value, self.nbytes, stream.handle)
 

@@ -25,7 +25,7 @@ def uniform01(seed: int, counter: int, index: np.ndarray) -> np.ndarray:
     """Uniform floats in (0, 1), bit-identical to the kernel's uniform01. # [len(index)] float32"""
     key = (np.uint64(counter & 0xFFFFFFFF) << np.uint64(32)) | index.astype(np.uint64)
     h = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _splitmix64(key))
-    return ((h >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return ((h >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
 
 
 def scaled(logits: np.ndarray, temperature: float) -> np.ndarray:

@@ -1,0 +1,747 @@
+"""Every kernel family against a float64/float32 numpy reference, at awkward sizes.
+
+Conventions (STYLE.md habit 12, METHOD.md "Correct first"):
+  * Inputs are fresh random data from np.random.default_rng(<seed fixed per test case>), rounded to
+    bf16 where the kernel reads bf16; references are computed from those same rounded values.
+    (Linear weights are drawn once per shape and shared by that shape's cases; x is fresh per case.)
+  * Every output is poisoned first (0xFF bytes: NaN for bf16/f32, -1 for int32) and must hold no
+    NaN afterwards wherever the kernel writes all of it.
+  * Tolerances are stated next to each assertion. On failure (and with -s always) a line reports
+    the shape, max |err|, the worst element and its values, and ||err|| / ||ref||.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from functools import lru_cache
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tileinfer.cuda import DeviceArray
+from tileinfer.engine import sampler
+from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, rmsnorm, sample
+from tileinfer.kv import BlockManager, Sequence
+from tileinfer.model import reference
+
+pytestmark = pytest.mark.gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+HD = 128            # head_dim of every Qwen3 model (the attention kernels' HD)
+POISON = 0xFF       # byte pattern: bf16 0xFFFF and f32 0xFFFFFFFF are NaN, int32 is -1
+BF16_POISON = 0xFFFF
+
+
+# ============================================================================= helpers
+
+
+def seed_of(*parts) -> int:
+    """A fixed seed per test case (stable across runs, unlike hash())."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def rand_bf16(rng: np.random.Generator, shape, scale: float = 1.0, mean: float = 0.0) -> np.ndarray:
+    """Normal(mean, scale) samples rounded to bf16."""
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale) + np.float32(mean)).astype(BF16)
+
+
+def to_f32(a) -> np.ndarray:
+    """Exact float32 copy (bf16 widened by a bit shift: fast on big weights)."""
+    a = np.asarray(a)
+    if a.dtype == BF16:
+        return (np.ascontiguousarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def to_f64(a) -> np.ndarray:
+    return to_f32(a).astype(np.float64)
+
+
+def rms(a) -> float:
+    """Root mean square, in float64, a chunk at a time (weights can be 155M entries)."""
+    flat = np.asarray(a).reshape(-1)
+    total = 0.0
+    for i in range(0, flat.size, 1 << 24):
+        chunk = to_f64(flat[i:i + (1 << 24)])
+        total += float(np.dot(chunk, chunk))
+    return math.sqrt(total / max(flat.size, 1))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def assert_close(got, ref, *, atol, rtol: float, label: str, rel_norm: float | None = None) -> float:
+    """|got - ref| <= atol + rtol * |ref| everywhere (atol may be an array broadcasting against ref),
+    nothing non-finite in got, and ||got - ref|| / ||ref|| <= rel_norm when given. Returns that norm ratio."""
+    got64, ref64 = to_f64(got), to_f64(ref)
+    assert got64.shape == ref64.shape, f"{label}: shape {got64.shape} != reference shape {ref64.shape}"
+    assert np.isfinite(ref64).all(), f"{label}: the reference itself is not finite (test bug)"
+    bad = ~np.isfinite(got64)
+    if bad.any():
+        where = np.argwhere(bad)
+        raise AssertionError(
+            f"{label}: {int(bad.sum())} of {bad.size} elements are NaN/inf (poisoned output never written?); "
+            f"shape {got64.shape}, first at {tuple(int(i) for i in where[0])}, "
+            f"last at {tuple(int(i) for i in where[-1])}")
+    err = np.abs(got64 - ref64)
+    bound = np.broadcast_to(atol + rtol * np.abs(ref64), ref64.shape)
+    ratio = err / bound
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(ratio)), ratio.shape))
+    worst_abs = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
+    rel = float(np.linalg.norm(err) / max(float(np.linalg.norm(ref64)), 1e-300))
+    n_bad = int((err > bound).sum())
+    summary = (f"{label}: shape {got64.shape}; max|err| {err.max():.3e} at {worst_abs} "
+               f"(got {got64[worst_abs]:.6g}, ref {ref64[worst_abs]:.6g}); worst err/allowed {ratio.max():.3f} at "
+               f"{worst} (got {got64[worst]:.6g}, ref {ref64[worst]:.6g}, allowed {bound[worst]:.3e}); "
+               f"||err||/||ref|| {rel:.2e}; "
+               f"{n_bad} of {err.size} outside atol + {rtol:g}|ref|")
+    print(summary)
+    assert n_bad == 0, summary
+    if rel_norm is not None:
+        assert rel <= rel_norm, f"{summary}; ||err||/||ref|| limit {rel_norm:g}"
+    return rel
+
+
+def assert_exact(got, ref, label: str) -> None:
+    """Bit-exact equality (bf16 compared as bit patterns; NaN in got never matches)."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape == ref.shape, f"{label}: shape {got.shape} != reference shape {ref.shape}"
+    if got.dtype == BF16:
+        got, ref = got.view(np.uint16), np.asarray(ref, BF16).view(np.uint16)
+    diff = got != ref
+    if diff.any():
+        where = np.argwhere(diff)
+        first = tuple(int(i) for i in where[0])
+        raise AssertionError(f"{label}: {int(diff.sum())} of {diff.size} elements differ; shape {got.shape}; "
+                             f"first at {first}: got {got[first]!r}, expected {ref[first]!r}; "
+                             f"last at {tuple(int(i) for i in where[-1])}")
+
+
+class Buffers:
+    """Device arrays of one test, all on the test's stream; freed when the test ends."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._owned: list[DeviceArray] = []
+
+    def upload(self, host: np.ndarray) -> DeviceArray:
+        array = DeviceArray.from_host(np.ascontiguousarray(host), self.stream)
+        self._owned.append(array)
+        return array
+
+    def poisoned(self, shape, dtype) -> DeviceArray:
+        array = DeviceArray.empty(shape, dtype)
+        self._owned.append(array)
+        array.fill_bytes(POISON, self.stream)
+        return array
+
+    def free(self) -> None:
+        for array in reversed(self._owned):
+            array.free()
+        self._owned.clear()
+
+
+@pytest.fixture
+def buf(stream):
+    b = Buffers(stream)
+    yield b
+    stream.synchronize()
+    b.free()
+
+
+def shuffled_manager(num_pages: int, page_size: int, rng: np.random.Generator) -> BlockManager:
+    """A BlockManager that hands its pages out in a random order (public API only: take every page
+    with a one-position sequence, then release them in a random order onto the free stack)."""
+    bm = BlockManager(num_pages, page_size)
+    holders = [Sequence() for _ in range(num_pages)]
+    for holder in holders:
+        bm.reserve(holder, 1)
+    for i in rng.permutation(num_pages):
+        bm.release(holders[i])
+    assert bm.num_free_pages == num_pages
+    return bm
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(chi-square with `dof` degrees of freedom > x), closed forms for integer dof (no scipy)."""
+    if dof % 2 == 0:
+        term, total = 1.0, 1.0
+        for i in range(1, dof // 2):
+            term *= (x / 2) / i
+            total += term
+        return math.exp(-x / 2) * total
+    total, term = 0.0, 0.0
+    for j in range(1, (dof - 1) // 2 + 1):
+        term = 1.0 if j == 1 else term * x / (2 * j - 1)
+        total += term
+    return math.erfc(math.sqrt(x / 2)) + math.sqrt(2 * x / math.pi) * math.exp(-x / 2) * total
+
+
+# ============================================================================= embedding
+
+
+@pytest.mark.parametrize("dim", [8, 1024, 2568], ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("n", [1, 7, 65], ids=lambda n: f"n{n}")
+def test_embedding(n, dim, buf, stream):
+    vocab = 1000
+    rng = np.random.default_rng(seed_of("embedding", n, dim))
+    table = rand_bf16(rng, (vocab, dim))
+    tokens = rng.integers(0, vocab, n).astype(np.int32)
+    if n > 1:
+        tokens[0], tokens[-1] = -1, vocab  # padding ids outside the vocabulary: zero rows
+    if n > 2:
+        tokens[1] = vocab - 1              # the last valid row
+    valid = (tokens >= 0) & (tokens < vocab)
+    ref = np.zeros((n, dim), np.float32)
+    ref[valid] = to_f32(table)[tokens[valid]]
+
+    out = buf.poisoned((n, dim), F32)
+    embedding(buf.upload(tokens), buf.upload(table), out, stream)
+    got = out.to_host(stream)
+    # Exact: a bf16 -> f32 widening is exact; invalid ids give +0 rows.
+    assert_exact(got, ref, f"embedding n={n} dim={dim} tokens={tokens[:4].tolist()}...")
+
+
+# ============================================================================= rmsnorm
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["all-rows", "gather-rows"])
+@pytest.mark.parametrize("dim", [128, 1024, 2560, 4096], ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("n", [1, 7, 63, 65, 1000], ids=lambda n: f"n{n}")
+def test_rmsnorm(n, dim, gather, buf, stream):
+    eps = 1e-6
+    rng = np.random.default_rng(seed_of("rmsnorm", n, dim, gather))
+    row_scale = np.exp(rng.uniform(-3, 3, (n, 1)))  # rows of very different magnitude
+    x = (rng.standard_normal((n, dim)) * row_scale).astype(np.float32)
+    w = rand_bf16(rng, (dim,), scale=0.5, mean=1.0)
+    rows = None
+    if gather:  # the final norm picks each sequence's last token: any rows, in any order, repeats allowed
+        rows = np.concatenate([[n - 1, 0, min(3, n - 1)], rng.integers(0, n, 5)]).astype(np.int32)
+    src = to_f64(x if rows is None else x[rows])
+    ref = src / np.sqrt(np.mean(src * src, axis=1, keepdims=True) + eps) * to_f64(w)
+
+    out = buf.poisoned(ref.shape, BF16)
+    rmsnorm(buf.upload(x), buf.upload(w), out, eps, stream, rows=None if rows is None else buf.upload(rows))
+    got = out.to_host(stream)
+    # bf16 output: rounding <= 2^-8 relative (rtol 1e-2); atol 1e-2 * rms(ref) for entries near zero.
+    assert_close(got, ref, atol=1e-2 * rms(ref), rtol=1e-2, rel_norm=1e-2,
+                 label=f"rmsnorm n={n} dim={dim} rows={None if rows is None else rows.tolist()}")
+
+
+# ============================================================================= linear (GEMM / GEMV)
+
+EPILOGUES = ("bf16", "residual", "silu_mul", "f32")
+GEMM_SHAPES = [(1, 128, 64), (7, 136, 128), (63, 264, 352), (65, 1024, 1024), (130, 2560, 2568),
+               (1000, 512, 4096), (257, 6144, 2560)]
+GEMV_NK = [(8, 64), (136, 352), (1024, 2560), (6144, 4096), (2560, 9728)]
+LM_HEAD_N, LM_HEAD_K = 151936, 1024
+
+# Cases grouped by weight shape (so the per-shape weight cache below stays small).
+GEMM_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}") for M, N, K in GEMM_SHAPES for e in EPILOGUES]
+GEMV_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
+              for N, K in GEMV_NK for M in (1, 2, 4, 8) for e in EPILOGUES]
+
+
+@lru_cache(maxsize=3)
+def linear_weight(N: int, K: int) -> np.ndarray:
+    """W [N, K] bf16 with std 1/sqrt(K) (so x @ W.T is O(1)); drawn once per shape, read-only."""
+    w = rand_bf16(np.random.default_rng(seed_of("weight", N, K)), (N, K), scale=1 / math.sqrt(K))
+    w.flags.writeable = False
+    return w
+
+
+def matmul_ref(x: np.ndarray, w: np.ndarray, chunk: int = 16384) -> np.ndarray:
+    """x @ w.T in float64 from bf16 x [M, K] and w [N, K], w widened a chunk of rows at a time. # [M, N]"""
+    x64 = to_f64(x)
+    out = np.empty((x.shape[0], w.shape[0]))
+    for i in range(0, w.shape[0], chunk):
+        out[:, i:i + chunk] = x64 @ to_f64(w[i:i + chunk]).T
+    return out
+
+
+def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None):
+    rng = np.random.default_rng(seed_of("linear", path, M, N, K, epilogue))
+    w = linear_weight(N, K) if w is None else w
+    x = rand_bf16(rng, (M, K))
+    acc = matmul_ref(x, w)  # [M, N] float64
+    # Scale of one dot product of K terms: errors of float32 accumulation are relative to it.
+    dot_scale = math.sqrt(K) * rms(x) * rms(w)
+    if epilogue == "silu_mul":
+        gate, up = acc[:, :N // 2], acc[:, N // 2:]  # W = [gate; up]
+        ref = gate / (1.0 + np.exp(-gate)) * up
+        out = buf.poisoned((M, N // 2), BF16)
+    elif epilogue == "residual":
+        old = (rng.standard_normal((M, N), dtype=np.float32) * np.float32(dot_scale))
+        ref = old.astype(np.float64) + acc
+        out = buf.upload(old)  # out += x @ W.T: no poison possible; an unwritten element keeps `old` and fails
+    else:
+        ref = acc
+        out = buf.poisoned((M, N), BF16 if epilogue == "bf16" else F32)
+
+    linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path)
+    got = out.to_host(stream)
+    label = f"linear {path} {epilogue} M={M} N={N} K={K}"
+    if epilogue in ("bf16", "silu_mul"):
+        # bf16 output: rounding <= 2^-8 relative (rtol 1e-2); float32 accumulation error is far below
+        # atol = 2e-3 * rms(ref); ||err|| / ||ref|| < 1e-2 (bf16 rounding gives ~1.5e-3).
+        assert_close(got, ref, atol=2e-3 * rms(ref), rtol=1e-2, rel_norm=1e-2, label=label)
+    else:
+        # float32 output: float32 (tensor-core) accumulation over K, error ~1e-5 of the dot-product
+        # scale sqrt(K)*rms(x)*rms(w): atol 3e-4 of it, rtol 1e-5 (the residual add), ||err||/||ref|| < 1e-4.
+        assert_close(got, ref, atol=3e-4 * dot_scale, rtol=1e-5, rel_norm=1e-4, label=label)
+
+
+@pytest.mark.parametrize("M, N, K, epilogue", GEMM_CASES)
+def test_linear_gemm(M, N, K, epilogue, buf, stream):
+    check_linear(buf, stream, M, N, K, epilogue, "gemm")
+
+
+@pytest.mark.parametrize("M, N, K, epilogue", GEMV_CASES)
+def test_linear_gemv(M, N, K, epilogue, buf, stream):
+    check_linear(buf, stream, M, N, K, epilogue, "gemv")
+
+
+@pytest.mark.parametrize("path, M", [("gemv", 1), ("gemm", 64)], ids=["gemv-M1", "gemm-M64"])
+def test_linear_lm_head(path, M, buf, stream):
+    # The LM head: N = 151936 (Qwen3's vocabulary), float32 logits.
+    check_linear(buf, stream, M, LM_HEAD_N, LM_HEAD_K, "f32", path, w=linear_weight(LM_HEAD_N, LM_HEAD_K))
+
+
+# ============================================================================= attn_input
+
+ATTN_INPUT_CASES = [
+    pytest.param(1, 16, 8, 64, 5000, id="n1-H16-KV8-page64"),
+    pytest.param(7, 16, 8, 64, 5000, id="n7-H16-KV8-page64"),
+    pytest.param(65, 16, 8, 64, 5000, id="n65-H16-KV8-page64"),
+    pytest.param(65, 16, 8, 16, 5000, id="n65-H16-KV8-page16"),
+    pytest.param(7, 4, 2, 16, 5000, id="n7-H4-KV2-page16"),
+    pytest.param(65, 4, 2, 64, 40000, id="n65-H4-KV2-page64-pos40000"),
+    pytest.param(65, 16, 8, 16, 40000, id="n65-H16-KV8-page16-pos40000"),
+]
+
+
+@pytest.mark.parametrize("n, H, KV, page_size, max_pos", ATTN_INPUT_CASES)
+def test_attn_input(n, H, KV, page_size, max_pos, buf, stream):
+    eps = 1e-6
+    rng = np.random.default_rng(seed_of("attn_input", n, H, KV, page_size, max_pos))
+    qkv = rand_bf16(rng, (n, (H + 2 * KV) * HD), scale=2.0)
+    q_norm = rand_bf16(rng, (HD,), scale=0.1, mean=1.0)
+    k_norm = rand_bf16(rng, (HD,), scale=0.1, mean=1.0)
+    k_norm[5], k_norm[70] = BF16.type(100.0), BF16.type(-90.0)  # Qwen3's k_norm has a few huge channels
+    positions = rng.choice(max_pos, n, replace=False).astype(np.int32)
+    inv_freq = reference.rope_inv_freq(HD, 1e6)
+
+    # The tokens' slots: one sequence of max_pos positions in shuffled pages, after a dummy's pages.
+    num_pages = cdiv(max_pos, page_size) + 5
+    bm = shuffled_manager(num_pages, page_size, rng)
+    dummy, seq = Sequence(), Sequence()
+    bm.reserve(dummy, 3 * page_size)
+    bm.reserve(seq, max_pos)
+    slots = np.array([bm.slots(seq, int(p), 1)[0] for p in positions], np.int32)
+    pad = n // 2 if n > 1 else None
+    if pad is not None:
+        slots[pad] = -1  # a padding token: its K/V must not be stored, its queries are still written
+
+    # Pools [pages, KV, page_size, HD] are views between two poisoned guard pages.
+    k_store = buf.poisoned((num_pages + 2, KV, page_size, HD), BF16)
+    v_store = buf.poisoned((num_pages + 2, KV, page_size, HD), BF16)
+    q_out = buf.poisoned((n, H, HD), BF16)
+    attn_input(buf.upload(qkv), buf.upload(positions), buf.upload(slots), buf.upload(q_norm), buf.upload(k_norm),
+               buf.upload(inv_freq), q_out, k_store.rows(1, num_pages + 1), v_store.rows(1, num_pages + 1),
+               H, KV, eps, stream)
+    got_q = q_out.to_host(stream)
+    k_all, v_all = k_store.to_host(stream), v_store.to_host(stream)
+
+    x = to_f32(qkv)
+    q = x[:, :H * HD].reshape(n, H, HD)
+    k = x[:, H * HD:(H + KV) * HD].reshape(n, KV, HD)
+    v = qkv[:, (H + KV) * HD:].reshape(n, KV, HD)
+    q_ref = reference.apply_rope(reference.rms_norm(q, to_f32(q_norm), eps), positions, inv_freq)
+    k_ref = reference.apply_rope(reference.rms_norm(k, to_f32(k_norm), eps), positions, inv_freq)
+    label = f"attn_input n={n} H={H} KV={KV} page={page_size} max_pos={max_pos}"
+
+    # bf16 outputs: rtol 1e-2 (rounding <= 2^-8); atol 1e-2 * the channel's rms over the reference
+    # (per channel, because the k_norm channels 5 and 70 are ~100x the others).
+    def channel_atol(ref):
+        return 1e-2 * np.sqrt(np.mean(np.square(ref.astype(np.float64)), axis=(0, 1)))
+
+    assert_close(got_q, q_ref, atol=channel_atol(q_ref), rtol=1e-2, rel_norm=1e-2, label=f"{label} q_out")
+
+    written = slots >= 0
+    page = slots[written] // page_size + 1  # +1: the guard page in front
+    offset = slots[written] % page_size
+    assert_close(k_all[page, :, offset, :], k_ref[written], atol=channel_atol(k_ref), rtol=1e-2, rel_norm=1e-2,
+                 label=f"{label} keys at their slots")
+    assert_exact(v_all[page, :, offset, :], v[written], f"{label} values at their slots (copied unchanged)")
+
+    # Nothing else was touched: every other slot, the padding token's and both guard pages stay poisoned.
+    untouched = np.ones((num_pages + 2, page_size), bool)
+    untouched[page, offset] = False
+    for name, pool in (("k_pool", k_all), ("v_pool", v_all)):
+        rest = pool.view(np.uint16).transpose(0, 2, 1, 3)[untouched]  # [untouched slots, KV, HD]
+        changed = np.any(rest != BF16_POISON, axis=(1, 2))
+        if changed.any():
+            where = [tuple(int(i) for i in w) for w in np.argwhere(untouched)[changed]]
+            raise AssertionError(f"{label}: {name} has {int(changed.sum())} slots written that no token owns; "
+                                 f"first (storage page, offset) {where[0]} (storage page 0 and "
+                                 f"{num_pages + 1} are guards); padding token slot -1 at index {pad}")
+
+
+# ============================================================================= attention
+
+
+class PagedBatch:
+    """One attention launch's inputs: sequences (q_len, kv_len) whose cached positions hold random K/V
+    in shuffled pages of a pool that is poisoned everywhere else (other pages, page tails, a dummy's
+    pages), their queries, cu_q / kv_lens / block tables, and the numpy reference."""
+
+    def __init__(self, rng: np.random.Generator, spec: list[tuple[int, int]], H: int, KV: int, page_size: int):
+        self.spec, self.H, self.KV, self.page_size = spec, H, KV, page_size
+        num_pages = sum(cdiv(kv_len, page_size) for _, kv_len in spec) + 3 + 2  # + dummy's 3 + 2 spare
+        bm = shuffled_manager(num_pages, page_size, rng)
+        dummy = Sequence()
+        bm.reserve(dummy, 2 * page_size + 1)  # 3 pages no sequence owns (they stay poisoned)
+        seqs = [Sequence() for _ in spec]
+        for s, (_, kv_len) in zip(seqs, spec):
+            bm.reserve(s, kv_len)
+        self.block_tables = bm.block_table_array(seqs, cdiv(num_pages, 16) * 16)
+
+        shape = (num_pages, KV, page_size, HD)
+        self.k_pool = np.full(shape, BF16_POISON, np.uint16).view(BF16)
+        self.v_pool = np.full(shape, BF16_POISON, np.uint16).view(BF16)
+        self.keys, self.values = [], []  # per sequence [kv_len, KV, HD] bf16
+        for s, (_, kv_len) in zip(seqs, spec):
+            k, v = rand_bf16(rng, (kv_len, KV, HD)), rand_bf16(rng, (kv_len, KV, HD))
+            slots = bm.slots(s, 0, kv_len)
+            self.k_pool[slots // page_size, :, slots % page_size, :] = k
+            self.v_pool[slots // page_size, :, slots % page_size, :] = v
+            self.keys.append(k)
+            self.values.append(v)
+
+        q_lens = np.array([q for q, _ in spec], np.int32)
+        self.cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.kv_lens = np.array([kv for _, kv in spec], np.int32)
+        self.T = int(self.cu_q[-1])
+        self.max_q_len = int(q_lens.max())
+        self.q = rand_bf16(rng, (self.T, H, HD), scale=2.0)  # scores q.k/sqrt(128) with std ~2: peaked softmax
+        self.vmax = max(float(np.abs(to_f32(v)).max()) for v in self.values if v.size)
+        self._device = None
+
+    def run(self, buf: Buffers, stream, num_splits: int) -> np.ndarray:
+        """Launch attention (inputs uploaded once, output and partials poisoned per run). # [T, H, HD] bf16"""
+        if self._device is None:
+            self._device = [buf.upload(a) for a in (self.q, self.k_pool, self.v_pool, self.cu_q, self.kv_lens,
+                                                    self.block_tables)]
+        q, k_pool, v_pool, cu_q, kv_lens, tables = self._device
+        out = buf.poisoned((self.T, self.H, HD), BF16)
+        partials = None
+        if num_splits > 1:
+            partials = (buf.poisoned((num_splits, self.T, self.H, HD), F32),
+                        buf.poisoned((num_splits, self.T, self.H, 2), F32))
+        attention(q, k_pool, v_pool, out, cu_q, kv_lens, tables, max_q_len=self.max_q_len,
+                  num_splits=num_splits, partials=partials, stream=stream)
+        return out.to_host(stream)
+
+    def reference(self) -> np.ndarray:
+        """Causal GQA attention per sequence: its first query sits at position kv_len - q_len. # [T, H, HD] f32"""
+        ref = np.full((self.T, self.H, HD), np.nan, np.float32)
+        for b, (q_len, kv_len) in enumerate(self.spec):
+            if q_len == 0:
+                continue
+            c0 = int(self.cu_q[b])
+            ref[c0:c0 + q_len] = reference.attention(
+                to_f32(self.q[c0:c0 + q_len]), to_f32(self.keys[b]), to_f32(self.values[b]),
+                np.arange(kv_len - q_len, kv_len), np.arange(kv_len))
+        return ref
+
+    def label(self, num_splits: int) -> str:
+        return (f"attention seqs(q_len, kv_len)={self.spec} H={self.H} KV={self.KV} page={self.page_size} "
+                f"splits={num_splits}")
+
+
+def check_attention(got: np.ndarray, ref: np.ndarray, vmax: float, label: str) -> None:
+    # bf16 output, and P rounded to bf16 before P.V: each ~2^-9 relative. Elementwise rtol 2e-2 with
+    # atol 2e-2 * max|v|, and ||err|| / ||ref|| < 1e-2 (expected ~2e-3), which catches a wrong mask.
+    assert_close(got, ref, atol=2e-2 * vmax, rtol=2e-2, rel_norm=1e-2, label=label)
+
+
+def check_splits_agree(got_1: np.ndarray, got_s: np.ndarray, vmax: float, label: str) -> None:
+    # Both bf16 and within ~2^-8 of the reference: rtol 1e-2, atol 1e-2 * max|v|, ||diff|| / ||out|| < 1e-2.
+    assert_close(got_s, got_1, atol=1e-2 * vmax, rtol=1e-2, rel_norm=1e-2, label=label + " vs splits=1")
+
+
+PREFILL_CASES = [pytest.param(kv, 16, 8, 64, id=f"kv{kv}-H16-KV8-page64") for kv in (1, 7, 63, 64, 65, 200, 1000)] + [
+    pytest.param(65, 32, 8, 64, id="kv65-H32-KV8-page64"),
+    pytest.param(200, 32, 8, 16, id="kv200-H32-KV8-page16"),
+    pytest.param(1000, 16, 8, 16, id="kv1000-H16-KV8-page16"),
+]
+
+
+@pytest.mark.parametrize("kv_len, H, KV, page_size", PREFILL_CASES)
+def test_attention_prefill(kv_len, H, KV, page_size, buf, stream):
+    rng = np.random.default_rng(seed_of("prefill", kv_len, H, KV, page_size))
+    batch = PagedBatch(rng, [(kv_len, kv_len)], H, KV, page_size)
+    check_attention(batch.run(buf, stream, 1), batch.reference(), batch.vmax, batch.label(1))
+
+
+@pytest.mark.parametrize("H, page_size", [(16, 64), (16, 16), (32, 64)], ids=["H16-page64", "H16-page16", "H32-page64"])
+def test_attention_chunk_after_cached_pages(H, page_size, buf, stream):
+    # 37 new queries at positions 100..136 attend to 100 positions earlier steps cached, across pages.
+    rng = np.random.default_rng(seed_of("chunk", H, page_size))
+    batch = PagedBatch(rng, [(37, 137)], H, 8, page_size)
+    check_attention(batch.run(buf, stream, 1), batch.reference(), batch.vmax, batch.label(1))
+
+
+DECODE_CASES = [pytest.param(kv, s, 16, 64, id=f"kv{kv}-splits{s}") for kv in (1, 63, 64, 65, 4097) for s in (1, 4, 16)]
+DECODE_CASES += [pytest.param(4097, 4, 32, 16, id="kv4097-splits4-H32-page16"),
+                 pytest.param(65, 16, 32, 64, id="kv65-splits16-H32-page64")]
+
+
+@pytest.mark.parametrize("kv_len, num_splits, H, page_size", DECODE_CASES)
+def test_attention_decode(kv_len, num_splits, H, page_size, buf, stream):
+    rng = np.random.default_rng(seed_of("decode", kv_len, num_splits, H, page_size))
+    batch = PagedBatch(rng, [(1, kv_len)], H, 8, page_size)
+    check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax, batch.label(num_splits))
+
+
+@pytest.mark.parametrize("kv_len", [1, 65, 4097], ids=lambda kv: f"kv{kv}")
+def test_attention_decode_splits_agree(kv_len, buf, stream):
+    rng = np.random.default_rng(seed_of("splits-agree", kv_len))
+    batch = PagedBatch(rng, [(1, kv_len), (1, max(1, kv_len // 3))], 16, 8, 64)
+    got_1, got_16 = batch.run(buf, stream, 1), batch.run(buf, stream, 16)
+    check_splits_agree(got_1, got_16, batch.vmax, batch.label(16))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("page_size", [64, 16], ids=lambda p: f"page{p}")
+def test_attention_mixed_batch(page_size, num_splits, buf, stream):
+    # One launch: a decode, an empty padding sequence (q_len 0, kv_len 0: a no-op), a chunk after
+    # cached pages, a fresh prefill and a decode at the very first position.
+    rng = np.random.default_rng(seed_of("batch", page_size, num_splits))
+    batch = PagedBatch(rng, [(1, 300), (0, 0), (37, 137), (70, 70), (1, 1)], 16, 8, page_size)
+    check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax, batch.label(num_splits))
+
+
+def test_attention_long_decode(buf, stream):
+    # 32768 cached positions (512 pages of 64): splits=16 against the reference and against splits=1.
+    rng = np.random.default_rng(seed_of("long-decode"))
+    batch = PagedBatch(rng, [(1, 32768)], 16, 8, 64)
+    ref = batch.reference()
+    got_16 = batch.run(buf, stream, 16)
+    check_attention(got_16, ref, batch.vmax, batch.label(16))
+    got_1 = batch.run(buf, stream, 1)
+    check_attention(got_1, ref, batch.vmax, batch.label(1))
+    check_splits_agree(got_1, got_16, batch.vmax, batch.label(16))
+
+
+# ============================================================================= argmax
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 151936], ids=lambda v: f"vocab{v}")
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda r: f"rows{r}")
+def test_argmax(rows, vocab, buf, stream):
+    rng = np.random.default_rng(seed_of("argmax", rows, vocab))
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(3)
+    # Row 0: two equal maxima; the lower index must win. Past 1024 entries, put the lower index in a
+    # higher thread (i % 1024 > j % 1024) so a reduction that prefers thread order would fail.
+    if vocab > 1024:
+        i, j = int(rng.integers(900, 1024)), 1024 + int(rng.integers(0, 100))
+    else:
+        i, j = sorted(int(a) for a in rng.choice(vocab, 2, replace=False))
+    logits[0, [i, j]] = logits[0].max() + 1
+    if rows > 1:
+        logits[1] -= 100                            # every logit negative
+    if rows > 2:
+        logits[2, -1] = logits[2].max() + 0.5       # the maximum is the last entry
+    expected = np.argmax(logits, axis=1).astype(np.int32)
+    assert expected[0] == i
+
+    out = buf.poisoned((rows,), I32)
+    argmax(buf.upload(logits), out, stream)
+    # Exact: an index.
+    assert_exact(out.to_host(stream), expected, f"argmax rows={rows} vocab={vocab} (tie at {i}, {j})")
+
+
+# ============================================================================= sampling
+
+# (temperature, top_k, top_p) per row, cycled: greedy, top-k, top-p, and both.
+SAMPLE_PARAMS = [(0.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9), (1.3, 20, 0.8)]
+
+
+def launch_sample(buf, stream, logits, temperature, top_k, top_p, seeds, counters) -> np.ndarray:
+    rows = logits.shape[0]
+    out = buf.poisoned((rows,), I32)
+    sample(buf.upload(logits), buf.upload(np.asarray(temperature, np.float32)), buf.upload(np.asarray(top_k, np.int32)),
+           buf.upload(np.asarray(top_p, np.float32)), buf.upload(np.asarray(seeds, np.uint64)),
+           buf.upload(np.asarray(counters, np.int32)), out, stream)
+    got = out.to_host(stream)
+    bad = (got < 0) | (got >= logits.shape[1])
+    assert not bad.any(), (f"sample: {int(bad.sum())} of {rows} rows out of [0, {logits.shape[1]}) "
+                           f"(-1 = never written); first row {int(np.argmax(bad))}: {got[bad][0]}")
+    return got
+
+
+def top_p_boundary_excuse(logits: np.ndarray, temperature: float, top_k: int, top_p: float, choice: int):
+    """Why a kernel choice outside numpy's kept set may still be right, or None.
+
+    Only the top-p boundary is fuzzy: the kernel sums the softmax mass in float32 (with __expf), numpy
+    in float64. Accepted: the choice is the next value below numpy's threshold, and the float64 mass
+    kept at that threshold exceeds the target by at most 1e-4 of the total (float32 sums may say "short").
+    """
+    if top_p >= 1.0:
+        return None
+    z = sampler.scaled(logits, temperature)
+    keep = np.ones(z.shape, bool)
+    if 0 < top_k < z.size:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    cand = np.sort(z[keep])[::-1]
+    cum = np.cumsum(np.exp((cand - cand[0]).astype(np.float64)))
+    target = top_p * cum[-1]
+    idx = int(np.searchsorted(cum, target))
+    threshold = cand[min(idx, cand.size - 1)]
+    below = cand[cand < threshold]
+    if not keep[choice] or below.size == 0 or z[choice] != below[0]:
+        return None
+    kept_mass = cum[np.nonzero(cand >= threshold)[0][-1]]
+    gap = (kept_mass - target) / cum[-1]
+    return f"next below the top-p threshold, mass margin {gap:.2e} of the total" if gap <= 1e-4 else None
+
+
+@pytest.mark.parametrize("vocab, pairs", [(1000, 200), (151936, 40)], ids=["vocab1000", "vocab151936"])
+def test_sample_matches_numpy_sampler(vocab, pairs, buf, stream):
+    rng = np.random.default_rng(seed_of("sample", vocab))
+    rows = len(SAMPLE_PARAMS) * pairs
+    params = [SAMPLE_PARAMS[r % len(SAMPLE_PARAMS)] for r in range(rows)]
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(3)
+    seeds = rng.integers(0, 2**64, rows, dtype=np.uint64)
+    counters = rng.integers(0, 2**31 - 1, rows).astype(np.int32)
+    got = launch_sample(buf, stream, logits, [p[0] for p in params], [p[1] for p in params],
+                        [p[2] for p in params], seeds, counters)
+
+    agree, outside, excused = {p: 0 for p in SAMPLE_PARAMS}, [], []
+    for r, (temperature, top_k, top_p) in enumerate(params):
+        want = sampler.sample(logits[r], temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=int(seeds[r]), counter=int(counters[r]))
+        if int(got[r]) == want:
+            agree[params[r]] += 1
+            continue
+        if temperature <= 0:
+            raise AssertionError(f"greedy row {r}: kernel chose {got[r]}, argmax is {want} "
+                                 f"(logits {logits[r, got[r]]} vs {logits[r, want]})")
+        keep = sampler.kept_mask(logits[r], temperature, top_k, top_p)
+        if not keep[got[r]]:
+            why = top_p_boundary_excuse(logits[r], temperature, top_k, top_p, int(got[r]))
+            (excused if why else outside).append((r, params[r], int(got[r]), want, int(keep.sum()), why))
+    summary = (f"sample vocab={vocab}: agreement per (T, top_k, top_p) "
+               f"{ {p: f'{n}/{pairs}' for p, n in agree.items()} }; outside numpy's kept set: {outside}; "
+               f"excused at the top-p boundary: {excused}")
+    print(summary)
+    # (a) every choice is in numpy's kept set (or the single boundary token, within float32 mass rounding)
+    assert not outside, summary
+    # (b) >= 99% equal to the numpy sampler exactly (same uniforms; the kernel's __logf differs in rounding)
+    sampled = sum(n for p, n in agree.items() if p[0] > 0)
+    total = pairs * sum(1 for p in SAMPLE_PARAMS if p[0] > 0)
+    assert sampled >= 0.99 * total, summary
+    assert agree[SAMPLE_PARAMS[0]] == pairs, summary  # greedy rows: all exact
+
+
+def test_sample_distribution_small_vocab(buf, stream):
+    # 20,000 draws from one row of 8 logits (T = 1), each with its own seed and counter: the counts
+    # must fit softmax(logits) (chi-square, 7 dof, p > 1e-3); with top_k = 3 only the top three may
+    # appear, in proportion to their renormalized softmax (2 dof, p > 1e-3).
+    n = 20000
+    rng = np.random.default_rng(seed_of("sample-distribution"))
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2], np.float32)
+    grid = np.tile(logits, (n, 1))
+    seeds = rng.integers(0, 2**64, n, dtype=np.uint64)
+    counters = rng.integers(0, 2**31 - 1, n).astype(np.int32)
+    probs = np.exp(logits.astype(np.float64) - logits.max())
+    probs /= probs.sum()
+
+    for top_k in (0, 3):
+        got = launch_sample(buf, stream, grid, np.ones(n), np.full(n, top_k), np.ones(n), seeds, counters)
+        counts = np.bincount(got, minlength=logits.size)
+        support = np.argsort(-logits)[:top_k] if top_k else np.arange(logits.size)
+        outside = np.setdiff1d(np.nonzero(counts)[0], support)
+        assert outside.size == 0, f"top_k={top_k}: tokens {outside.tolist()} outside the top {top_k} drawn: {counts}"
+        expected = n * probs[support] / probs[support].sum()
+        chi2 = float(np.sum((counts[support] - expected) ** 2 / expected))
+        p_value = chi2_sf(chi2, support.size - 1)
+        print(f"sample top_k={top_k}: counts {counts[support].tolist()} expected {np.round(expected, 1).tolist()} "
+              f"chi2 {chi2:.2f} ({support.size - 1} dof) p {p_value:.3g}")
+        # p > 1e-3: a correct sampler fails this one time in a thousand (the seeds are fixed, so never twice).
+        assert p_value > 1e-3, (f"top_k={top_k}: counts {counts.tolist()} do not fit softmax: "
+                                f"chi2 {chi2:.2f}, p {p_value:.2e}")
+
+
+# ============================================================================= argument checks
+
+LAUNCHER_ERRORS = {
+    # linear
+    "linear unknown epilogue": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 128), BF16), "gelu", s),
+    "linear x float32": lambda B, s: linear(B((4, 64), F32), B((128, 64), BF16), B((4, 128), BF16), "bf16", s),
+    "linear K of w differs": lambda B, s: linear(B((4, 64), BF16), B((128, 72), BF16), B((4, 128), BF16), "bf16", s),
+    "linear out width": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 120), BF16), "bf16", s),
+    "linear out rows": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((5, 128), BF16), "bf16", s),
+    "linear bf16 into float32": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 128), F32), "bf16", s),
+    "linear residual into bf16": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 128), BF16),
+                                                     "residual", s),
+    "linear silu_mul out not [M, N/2]": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 128), BF16),
+                                                            "silu_mul", s),
+    "linear silu_mul odd N": lambda B, s: linear(B((4, 64), BF16), B((9, 64), BF16), B((4, 4), BF16), "silu_mul", s),
+    "linear K not a multiple of 8": lambda B, s: linear(B((4, 60), BF16), B((128, 60), BF16), B((4, 128), BF16),
+                                                        "bf16", s),
+    "linear N not a multiple of 8": lambda B, s: linear(B((4, 64), BF16), B((100, 64), BF16), B((4, 100), BF16),
+                                                        "bf16", s),
+    "linear gemv with M=3": lambda B, s: linear(B((3, 64), BF16), B((128, 64), BF16), B((3, 128), BF16), "bf16", s,
+                                                force="gemv"),
+    "linear unknown path": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 128), BF16), "bf16", s,
+                                               force="tensor"),
+    # the other launchers
+    "embedding dim not a multiple of 8": lambda B, s: embedding(B((3,), I32), B((10, 12), BF16), B((3, 12), F32), s),
+    "embedding int64 tokens": lambda B, s: embedding(B((3,), np.int64), B((10, 16), BF16), B((3, 16), F32), s),
+    "rmsnorm weight length": lambda B, s: rmsnorm(B((3, 128), F32), B((64,), BF16), B((3, 128), BF16), 1e-6, s),
+    "rmsnorm more rows out than in": lambda B, s: rmsnorm(B((3, 128), F32), B((128,), BF16), B((4, 128), BF16),
+                                                          1e-6, s),
+    "rmsnorm rows int64": lambda B, s: rmsnorm(B((3, 128), F32), B((128,), BF16), B((2, 128), BF16), 1e-6, s,
+                                               rows=B((2,), np.int64)),
+    "attn_input inv_freq length": lambda B, s: attn_input(
+        B((2, 8 * HD), BF16), B((2,), I32), B((2,), I32), B((HD,), BF16), B((HD,), BF16), B((HD,), F32),
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), BF16), B((3, 2, 16, HD), BF16), 4, 2, 1e-6, s),
+    "attn_input qkv width": lambda B, s: attn_input(
+        B((2, 7 * HD), BF16), B((2,), I32), B((2,), I32), B((HD,), BF16), B((HD,), BF16), B((HD // 2,), F32),
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), BF16), B((3, 2, 16, HD), BF16), 4, 2, 1e-6, s),
+    "attention head_dim 64": lambda B, s: attention(
+        B((2, 4, 64), BF16), B((3, 2, 16, 64), BF16), B((3, 2, 16, 64), BF16), B((2, 4, 64), BF16), B((2,), I32),
+        B((1,), I32), B((1, 16), I32), max_q_len=2, stream=s),
+    "attention heads not a multiple of KV heads": lambda B, s: attention(
+        B((2, 6, HD), BF16), B((3, 4, 16, HD), BF16), B((3, 4, 16, HD), BF16), B((2, 6, HD), BF16), B((2,), I32),
+        B((1,), I32), B((1, 16), I32), max_q_len=2, stream=s),
+    "attention splits without partials": lambda B, s: attention(
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), BF16), B((3, 2, 16, HD), BF16), B((2, 4, HD), BF16), B((2,), I32),
+        B((1,), I32), B((1, 16), I32), max_q_len=2, num_splits=4, stream=s),
+    "attention partials of the wrong split count": lambda B, s: attention(
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), BF16), B((3, 2, 16, HD), BF16), B((2, 4, HD), BF16), B((2,), I32),
+        B((1,), I32), B((1, 16), I32), max_q_len=2, num_splits=4,
+        partials=(B((2, 2, 4, HD), F32), B((2, 2, 4, 2), F32)), stream=s),
+    "attention cu_q length": lambda B, s: attention(
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), BF16), B((3, 2, 16, HD), BF16), B((2, 4, HD), BF16), B((3,), I32),
+        B((1,), I32), B((1, 16), I32), max_q_len=2, stream=s),
+    "argmax out float32": lambda B, s: argmax(B((2, 10), F32), B((2,), F32), s),
+    "sample seeds int64": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((2,), I32), B((2,), F32),
+                                              B((2,), np.int64), B((2,), I32), B((2,), I32), s),
+    "sample top_k rows": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((3,), I32), B((2,), F32),
+                                             B((2,), np.uint64), B((2,), I32), B((2,), I32), s),
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHER_ERRORS))
+def test_launcher_rejects_bad_arguments(case, buf, stream):
+    # Every case must raise ValueError in the launcher, before anything is launched.
+    with pytest.raises(ValueError) as info:
+        LAUNCHER_ERRORS[case](buf.poisoned, stream)
+    print(f"{case}: {info.value}")

@@ -1,0 +1,150 @@
+"""NVRTC compilation and the kernel cache, on the CPU (no GPU needed: NVRTC comes from pip).
+
+Every cuda_src/*.cu must compile for Hopper (sm_90, and sm_90a, which load_module picks on an
+H100/H200) into an ELF cubin that exports the entry points the launchers call. The cache must
+compile each key once (STATS.compiled), serve it from disk in a fresh process (disk_hits) and
+from memory in this one (memory_hits), and change its key with every input that changes the
+binary. NVRTC failures must surface as CompileError with the log and numbered source.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tileinfer.cuda import CompileError, compiler, gpu_available
+from tileinfer.cuda.compiler import cache_key, compile_file, compile_source, cuda_src_dir, read_headers
+
+CU_FILES = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
+ARCHS = ("sm_90", "sm_90a")
+ELF_MAGIC = b"\x7fELF"
+
+# The entry points tileinfer/kernels/*.py launch, by file (a new file simply has no entry here).
+ENTRY_POINTS = {
+    "embedding.cu": ["embedding"],
+    "rmsnorm.cu": ["rmsnorm"],
+    "attn_input.cu": ["attn_input"],
+    "gemm.cu": [f"gemm_e{e}" for e in range(4)],
+    "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)],
+    "attention.cu": ["attention", "attention_combine"],
+    "sampling.cu": ["argmax_rows", "sample_rows"],
+}
+
+# A small source that includes our header, so header changes must reach the key.
+TINY_SOURCE = """#include "common.cuh"
+extern "C" __global__ void tiny(const bf16 *x, float *y) { y[threadIdx.x] = bf16_to_f32(x[threadIdx.x]) * SCALE; }
+"""
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty on-disk cache in tmp_path, an empty in-memory cache and zeroed STATS (all restored after)."""
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiler, "_memory_cache", {})
+    monkeypatch.setattr(compiler, "STATS", compiler.CompileStats())
+    return tmp_path / "kernels"
+
+
+def stats() -> tuple[int, int, int]:
+    s = compiler.STATS
+    return s.compiled, s.disk_hits, s.memory_hits
+
+
+def test_kernel_sources_are_found():
+    assert cuda_src_dir().is_dir(), cuda_src_dir()
+    assert set(ENTRY_POINTS) <= set(CU_FILES), f"missing kernel files: {set(ENTRY_POINTS) - set(CU_FILES)}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("filename", CU_FILES)
+def test_kernel_file_compiles(filename, arch, fresh_cache):
+    cubin = compile_file(filename, arch)
+    assert isinstance(cubin, bytes) and len(cubin) > 1024, f"{filename} {arch}: {len(cubin)}-byte cubin"
+    assert cubin[:4] == ELF_MAGIC, f"{filename} {arch}: not an ELF image, starts {cubin[:8]!r}"
+    assert stats() == (1, 0, 0), f"{filename} {arch}: expected one real NVRTC compile, STATS = {compiler.STATS}"
+    # The symbol names the launchers pass to cuModuleGetFunction are in the cubin's string table.
+    missing = [name for name in ENTRY_POINTS.get(filename, []) if name.encode() + b"\0" not in cubin]
+    assert not missing, f"{filename} {arch}: cubin lacks entry points {missing}"
+
+
+def test_disk_then_memory_cache(fresh_cache):
+    first = compile_file("rmsnorm.cu", "sm_90")
+    assert stats() == (1, 0, 0), compiler.STATS
+    files = sorted(fresh_cache.iterdir())
+    assert [f.suffix for f in files] == [".cubin"], f"expected one cubin and no temp files, found {files}"
+    assert files[0].read_bytes() == first
+
+    compiler._memory_cache.clear()  # as a new process would start
+    second = compile_file("rmsnorm.cu", "sm_90")
+    assert second == first
+    assert stats() == (1, 1, 0), f"expected a disk hit and no recompile, STATS = {compiler.STATS}"
+
+    third = compile_file("rmsnorm.cu", "sm_90")
+    assert third == first
+    assert stats() == (1, 1, 1), f"expected a memory hit, STATS = {compiler.STATS}"
+
+    compile_file("rmsnorm.cu", "sm_90a")  # another arch is another key
+    assert stats() == (2, 1, 1), compiler.STATS
+    assert len(list(fresh_cache.glob("*.cubin"))) == 2
+
+
+def test_cache_key_covers_every_input(tmp_path):
+    src_dir = cuda_src_dir()
+    source = (src_dir / "rmsnorm.cu").read_text()
+    headers = read_headers(source, src_dir)
+    assert "common.cuh" in headers, f"read_headers found {sorted(headers)}"
+    options = [*compiler.BASE_OPTIONS, "-arch=sm_90"]
+    base = cache_key(source, headers, options, "sm_90")
+    assert cache_key(source, dict(headers), list(options), "sm_90") == base  # deterministic
+
+    variants = {
+        "define": cache_key(source, headers, options + ["-DFOO=1"], "sm_90"),
+        "define value": cache_key(source, headers, options + ["-DFOO=2"], "sm_90"),
+        "header": cache_key(source, {**headers, "common.cuh": headers["common.cuh"] + "\n// edited\n"},
+                            options, "sm_90"),
+        "source": cache_key(source + "\n", headers, options, "sm_90"),
+        "arch": cache_key(source, headers, options, "sm_90a"),
+    }
+    assert base not in variants.values(), variants
+    assert len(set(variants.values())) == len(variants), f"two different inputs share a key: {variants}"
+
+
+def test_defines_and_header_edits_recompile(tmp_path, fresh_cache):
+    # A private source directory: a copy of common.cuh that this test edits.
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    (src_dir / "common.cuh").write_text((cuda_src_dir() / "common.cuh").read_text())
+
+    a = compile_source("tiny.cu", TINY_SOURCE, "sm_90", {"SCALE": "2.0f"}, src_dir)
+    compile_source("tiny.cu", TINY_SOURCE, "sm_90", {"SCALE": "2.0f"}, src_dir)
+    assert stats() == (1, 0, 1), compiler.STATS
+    b = compile_source("tiny.cu", TINY_SOURCE, "sm_90", {"SCALE": "3.0f"}, src_dir)
+    assert stats() == (2, 0, 1), f"a changed define must recompile, STATS = {compiler.STATS}"
+    assert a[:4] == b[:4] == ELF_MAGIC and a != b
+
+    with open(src_dir / "common.cuh", "a") as f:
+        f.write("\n__device__ __forceinline__ float tiny_helper(float x) { return x; }\n")
+    compile_source("tiny.cu", TINY_SOURCE, "sm_90", {"SCALE": "2.0f"}, src_dir)
+    assert stats() == (3, 0, 1), f"an edited header must recompile, STATS = {compiler.STATS}"
+
+
+def test_compile_error_carries_log_and_numbered_source(fresh_cache):
+    source = 'extern "C" __global__ void broken(float *x) {\n    x[0] = 1.0f;\n    x[1] = 2.0f\n}\n'
+    with pytest.raises(CompileError) as info:
+        compile_source("broken.cu", source, "sm_90")
+    err = info.value
+    message = str(err)
+    assert "error" in err.log and "broken.cu" in err.log, f"unexpected NVRTC log: {err.log!r}"
+    assert err.log.strip() in message, message
+    assert "   3 |     x[1] = 2.0f" in message, message  # numbered source, 4-wide line numbers
+    assert "   4 | }" in message, message
+    assert "-arch=sm_90" in message and "-arch=sm_90" in err.options, message
+    assert stats() == (0, 0, 0), f"a failed compile counts as nothing, STATS = {compiler.STATS}"
+    assert not fresh_cache.exists() or not any(fresh_cache.iterdir()), "a failed compile left files in the cache"
+
+
+def test_gpu_available_reports_instead_of_raising():
+    ok, why = gpu_available()
+    assert isinstance(ok, bool), ok
+    assert isinstance(why, str) and why, why
+    if ok:
+        pytest.skip(f"a GPU is present ({why}); the no-GPU answer cannot be checked here")
+    assert ok is False
