@@ -119,7 +119,7 @@ def main() -> None:
         path = cached_checkpoint(name)
         print(f"{name}: checkpoint ready in {time.perf_counter() - t:.1f} s", flush=True)
         t = time.perf_counter()
-        with tileinfer.load_model(path, progress=False) as model:
+        with tileinfer.load_model(path, progress=False, max_batch_tokens=max(4096, args.context)) as model:
             load_s = time.perf_counter() - t
             row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", load_s=load_s,
                        weight_GB=weight_bytes(cfg) / 1e9, load_GB_s=model.weights.nbytes / 1e9 / model.weights.load_seconds)
@@ -136,12 +136,14 @@ def main() -> None:
             if peer:
                 print(f"{name}: peer {peer['decode_tok_s_per_seq']:.1f} tok/s", flush=True)
         results.append(row)
+        save(args.out, results, dev.info.name)  # after every model, so a cut-short run keeps what it measured
+    print(render(results, dev.info.name))
 
-    table = render(results, dev.info.name)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(dict(gpu=dev.info.name, results=results), indent=1))
-    (args.out / "bench.md").write_text(table)
+
+def save(out: Path, results: list[dict], gpu: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))
+    (out / "bench.md").write_text(render(results, gpu))
 
 
 def render(results: list[dict], gpu: str) -> str:

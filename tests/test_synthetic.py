@@ -117,6 +117,9 @@ def test_weights_look_like_a_trained_models(tiny_checkpoint):
     assert len(big) == 6 and set(big[3:] - half) == set(big[:3])
     assert np.all(k_norm[big] / np.median(k_norm) > 70)
     assert as_f32(ckpt, "model.layers.1.self_attn.k_norm.weight").max() < 2
+    # ...matched by query channels 100x smaller, so the attention scores stay moderate.
+    q_norm = as_f32(ckpt, "model.layers.0.self_attn.q_norm.weight")
+    assert np.all(q_norm[big] < 0.02) and np.flatnonzero(q_norm < 0.5).tolist() == big.tolist()
 
 
 def forward_logits(ckpt: Checkpoint, ids: np.ndarray) -> np.ndarray:

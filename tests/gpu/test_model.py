@@ -1,9 +1,12 @@
 """The whole model on the GPU against the float32 numpy reference and Hugging Face transformers.
 
 Tolerances. The engine runs bf16 weights and activations with float32 accumulation and a
-float32 residual stream; the reference runs the same bf16 weights in float32. Logits are
-compared relative to their spread: max |engine - reference| <= 0.1 * std(reference logits)
-per row, and the greedy (top-1) choice must agree on >= 99% of teacher-forced positions.
+float32 residual stream; the reference runs the same bf16 weights in float32. A numpy
+simulation of an ideal bf16 engine (every activation the engine stores rounded to bf16) on
+the tiny checkpoint lands at max |error| ~0.03 and mean ~0.003 of the logits' std, and
+disagrees on the top-1 token only where the reference's top two are nearly tied. So:
+max |engine - reference| <= 0.1 std per row, mean <= 0.01 std; top-1 agreement >= 99% over
+4 prompts x 64 teacher-forced tokens, and every disagreement a near tie (gap < 0.05 std).
 """
 from __future__ import annotations
 
@@ -36,40 +39,57 @@ def random_prompt(n: int, seed: int, vocab: int = 151643) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
-def compare_logits(got: np.ndarray, ref: np.ndarray, label: str) -> float:
-    """Assert the tolerance in the module docstring; return the top-1 agreement."""
+def compare_logits(got: np.ndarray, ref: np.ndarray, label: str) -> tuple[int, list[float]]:
+    """Assert the per-row tolerances in the module docstring; return (agreeing rows, gaps at disagreements)."""
     assert got.shape == ref.shape, (got.shape, ref.shape)
     assert np.isfinite(got).all(), f"{label}: non-finite logits"
     spread = ref.std(axis=1, keepdims=True)
     err = np.abs(got - ref) / spread
     worst = np.unravel_index(np.argmax(err), err.shape)
-    agree = float(np.mean(got.argmax(1) == ref.argmax(1)))
-    print(f"{label}: max |err|/std = {err.max():.4f} at {worst}, mean {err.mean():.5f}, top-1 agreement {agree:.4f}")
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    gap = (top2[:, 1] - top2[:, 0]) / spread[:, 0]
+    miss = np.flatnonzero(got.argmax(1) != ref.argmax(1))
+    print(f"{label}: max |err|/std = {err.max():.4f} at {worst}, mean {err.mean():.5f}, "
+          f"top-1 agreement {1 - miss.size / len(ref):.4f}, gaps at disagreements {np.round(gap[miss], 4).tolist()}")
     assert err.max() <= 0.1, f"{label}: logits differ by {err.max():.3f} std at {worst}"
-    assert agree >= 0.99, f"{label}: top-1 agreement {agree:.3f} < 0.99"
-    return agree
+    assert err.mean() <= 0.01, f"{label}: mean error {err.mean():.4f} std"
+    return len(ref) - miss.size, gap[miss].tolist()
+
+
+def check_agreement(results: list[tuple[int, list[float]]], total: int, label: str) -> None:
+    agree = sum(r[0] for r in results) / total
+    gaps = [g for r in results for g in r[1]]
+    print(f"{label}: top-1 agreement {agree:.4f} over {total} tokens")
+    assert agree >= 0.99, f"{label}: top-1 agreement {agree:.4f} < 0.99"
+    assert all(g < 0.05 for g in gaps), f"{label}: a top-1 disagreement that is not a near tie: gaps {gaps}"
+
+
+def compare_prompts(logits_fn, reference_fn, label: str, seeds=(11, 12, 13, 14), n: int = 64) -> None:
+    results = []
+    for seed in seeds:
+        ids = random_prompt(n, seed)
+        results.append(compare_logits(logits_fn(ids), reference_fn(ids), f"{label}, prompt seed {seed}"))
+    check_agreement(results, n * len(seeds), label)
 
 
 def test_tiny_logits_match_reference(tiny_model, tiny_reference):
-    ids = random_prompt(64, seed=1)
-    compare_logits(tiny_model.logits(ids), tiny_reference.forward(ids), "tiny, 64 tokens")
+    compare_prompts(tiny_model.logits, tiny_reference.forward, "tiny")
 
 
 def test_tiny_logits_chunked_across_pages(tiny_model, tiny_reference):
     # Chunks of 48 positions over 64-position pages: every chunk attends to pages earlier chunks wrote.
     ids = random_prompt(300, seed=2)
     whole = tiny_reference.forward(ids)
-    compare_logits(tiny_model.logits(ids, chunk=48), whole, "tiny, 300 tokens in chunks of 48")
-    compare_logits(tiny_model.logits(ids, chunk=256), whole, "tiny, 300 tokens in chunks of 256")
+    for chunk in (48, 256):
+        result = compare_logits(tiny_model.logits(ids, chunk=chunk), whole, f"tiny, 300 tokens in chunks of {chunk}")
+        check_agreement([result], len(ids), f"tiny, chunks of {chunk}")
 
 
 def test_qwen3_06b_logits_match_reference():
     path = cached_checkpoint("qwen3-0.6b")
-    ids = random_prompt(64, seed=3)
+    reference = ReferenceModel.from_checkpoint(Checkpoint.open(path))
     with tileinfer.load_model(path, progress=False) as model:
-        got = model.logits(ids)
-    ref = ReferenceModel.from_checkpoint(Checkpoint.open(path)).forward(ids)
-    compare_logits(got, ref, "qwen3-0.6b, 64 tokens")
+        compare_prompts(model.logits, reference.forward, "qwen3-0.6b")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
@@ -77,20 +97,23 @@ def test_logits_match_transformers(preset, tiny_checkpoint):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     path = tiny_checkpoint if preset == "tiny" else cached_checkpoint(preset)
-    ids = random_prompt(64, seed=4)
-    with tileinfer.load_model(path, progress=False) as model:
-        got = model.logits(ids)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
-    del hf
-    torch.cuda.empty_cache()
-    compare_logits(got, ref, f"{preset} vs transformers (float32)")
-    # The numpy reference and transformers agree far more tightly (both float32).
+
+    def hf_logits(ids):
+        with torch.no_grad():
+            return hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+
+    # transformers (float32) and the numpy reference agree far more tightly than bf16 allows.
+    ids = random_prompt(64, seed=4)
     ours = ReferenceModel.from_checkpoint(Checkpoint.open(path)).forward(ids)
-    rel = np.abs(ours - ref).max() / ref.std()
+    theirs = hf_logits(ids)
+    rel = np.abs(ours - theirs).max() / theirs.std()
     print(f"{preset}: numpy reference vs transformers float32: max |err|/std = {rel:.2e}")
     assert rel < 1e-3
+    with tileinfer.load_model(path, progress=False) as model:
+        compare_prompts(model.logits, hf_logits, f"{preset} vs transformers (float32)")
+    del hf
+    torch.cuda.empty_cache()
 
 
 def test_graph_replay_equals_eager(tiny_model):

@@ -3,7 +3,8 @@
 Weights are random bf16 but shaped like a trained model's, so kernels and the engine see realistic
 numbers: linears N(0, 0.02) (o_proj and down_proj shrunk by 1/sqrt(2 * layers), so the residual
 stream grows like a trained model's), RMSNorm weights 1 + N(0, 0.05), three rotary pairs of layer 0's
-k_norm 100x the rest (real Qwen3's first layer has such channels; they exercise INT8 key smoothing),
+k_norm 100x the rest (real Qwen3's first layer has such channels; they exercise INT8 key smoothing)
+with the matching q_norm channels 100x smaller (as trained, so attention scores stay moderate),
 and a final norm scaled so the logits have a trained model's spread (see `final_norm_scale`).
 
 Every chunk of every tensor has its own generator, seeded from (seed, tensor name, chunk index), so
@@ -80,10 +81,20 @@ def generate_chunk(config: Qwen3Config, seed: int, name: str, index: int, size: 
     values *= np.float32(std)
     values += np.float32(mean)
     if name == "model.layers.0.self_attn.k_norm.weight":    # small: always a single chunk
-        half = config.head_dim // 2
-        pairs = rng.choice(half, K_NORM_OUTLIER_PAIRS, replace=False)
-        values[np.concatenate([pairs, pairs + half])] *= np.float32(K_NORM_OUTLIER_GAIN)
+        values[outlier_channels(config, seed)] *= np.float32(K_NORM_OUTLIER_GAIN)
+    if name == "model.layers.0.self_attn.q_norm.weight":
+        # A trained model pairs its large key channels with small query channels: the scores stay
+        # moderate. Without this, layer 0's attention scores would have a std of ~25 and every
+        # bf16 rounding would move which key a query attends to.
+        values[outlier_channels(config, seed)] /= np.float32(K_NORM_OUTLIER_GAIN)
     return values.astype(BF16)                      # round to nearest even
+
+
+def outlier_channels(config: Qwen3Config, seed: int) -> np.ndarray:
+    """The channels of layer 0's outlier rotary pairs (i, i + head_dim/2), the same for q_norm and k_norm."""
+    half = config.head_dim // 2
+    pairs = np.random.default_rng(_entropy(seed, "k_norm outliers", 0)).choice(half, K_NORM_OUTLIER_PAIRS, replace=False)
+    return np.concatenate([pairs, pairs + half])
 
 
 def _entropy(seed: int, name: str, index: int) -> list[int]:
