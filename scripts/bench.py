@@ -49,11 +49,30 @@ def bench_decode(model, context: int, new: int, repeats: int) -> dict:
         r = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False)
         rates.append(r.decode_tokens_per_second)
     tok_s = float(np.median(rates))
+    graph_ms = graph_step_ms(model)
     cfg = model.config
     step_bytes = weight_bytes(cfg) + kv_bytes(cfg, context + new // 2)
-    return dict(decode_tok_s=tok_s, decode_runs=rates, step_bytes=step_bytes, GB_s=tok_s * step_bytes / 1e9,
+    return dict(decode_tok_s=tok_s, decode_runs=rates, graph_step_ms=graph_ms, wall_step_ms=1e3 / tok_s,
+                step_bytes=step_bytes, GB_s=tok_s * step_bytes / 1e9, graph_GB_s=step_bytes / graph_ms / 1e6,
                 roofline_tok_s=ROOFLINE_BYTES_PER_S / step_bytes,
                 roofline_fraction=tok_s * step_bytes / ROOFLINE_BYTES_PER_S)
+
+
+def graph_step_ms(model, replays: int = 50) -> float:
+    """GPU time of one decode step: back-to-back replays of the batch-1 graph, timed with events.
+
+    Each replay recomputes the last step (same inputs, same cache slot), so nothing changes; the
+    difference to the wall-clock time per token is the host's share (planning, upload, sync).
+    """
+    graph = model.graphs.graphs[1]
+    start, end = Event(), Event()
+    graph.launch(model.stream)
+    start.record(model.stream)
+    for _ in range(replays):
+        graph.launch(model.stream)
+    end.record(model.stream)
+    end.synchronize()
+    return start.elapsed_ms(end) / replays
 
 
 def bench_prefill(model, n: int, repeats: int) -> dict:
@@ -125,7 +144,8 @@ def main() -> None:
                        weight_GB=weight_bytes(cfg) / 1e9, load_GB_s=model.weights.nbytes / 1e9 / model.weights.load_seconds)
             row.update(bench_decode(model, args.context, args.new, args.repeats))
             print(f"{name}: decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
-                  f"{100 * row['roofline_fraction']:.1f}% of roofline)", flush=True)
+                  f"{100 * row['roofline_fraction']:.1f}% of roofline); GPU time per step {row['graph_step_ms']:.3f} ms "
+                  f"({row['graph_GB_s']:.0f} GB/s), wall {row['wall_step_ms']:.3f} ms", flush=True)
             row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
             for p in row["prefill"]:
                 print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
@@ -148,14 +168,15 @@ def save(out: Path, results: list[dict], gpu: str) -> None:
 
 def render(results: list[dict], gpu: str) -> str:
     lines = [f"GPU: {gpu}; bf16 weights and KV cache; batch 1; synthetic checkpoints", "",
-             "| model | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio | GPU ms/step | wall ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peer = r.get("peer")
         p = peer["decode_tok_s_per_seq"] if peer else None
         lines.append(f"| {r['model']} | {r['context']} | {r['decode_tok_s']:.1f} | {r['GB_s']:.0f} | "
                      f"{100 * r['roofline_fraction']:.1f} | {r['roofline_tok_s']:.0f} | "
-                     f"{'%.1f' % p if p else '-'} | {'%.2fx' % (r['decode_tok_s'] / p) if p else '-'} |")
+                     f"{'%.1f' % p if p else '-'} | {'%.2fx' % (r['decode_tok_s'] / p) if p else '-'} | "
+                     f"{r['graph_step_ms']:.3f} | {r['wall_step_ms']:.3f} |")
     lines += ["", "| model | prompt tokens | prefill tok/s | TFLOP/s | % of 790 TFLOP/s |", "|---|---|---|---|---|"]
     for r in results:
         for p in r["prefill"]:

@@ -1,15 +1,20 @@
 """The whole model on the GPU against the float32 numpy reference and Hugging Face transformers.
 
 Tolerances. The engine runs bf16 weights and activations with float32 accumulation and a
-float32 residual stream; the reference runs the same bf16 weights in float32. A numpy
-simulation of an ideal bf16 engine (every activation the engine stores rounded to bf16) on
-the tiny checkpoint lands at max |error| ~0.03 and mean ~0.003 of the logits' std, and
-disagrees on the top-1 token only where the reference's top two are nearly tied. So:
-max |engine - reference| <= 0.1 std per row, mean <= 0.01 std; top-1 agreement >= 99% over
-4 prompts x 64 teacher-forced tokens, and every disagreement a near tie (gap < 0.05 std).
+float32 residual stream; the reference runs the same bf16 weights in float32. The error
+budget is that of an ideal bf16 engine, simulated in numpy (`ideal_bf16_logits`: the
+reference with every activation the engine stores rounded to bf16). On the synthetic
+checkpoints that simulation lands at max |error| ~0.035 and mean ~0.005 of the logits' std.
+Random logits over 151,936 tokens are often nearly tied at the top (on qwen3-0.6b, ~7% of
+positions have a top-two gap under 0.01 std), and there the ideal bf16 engine itself picks
+the other token on ~2.5% of positions (6 of 256 on the prompts below). So we require:
+max |engine - reference| <= 0.1 std per row and mean <= 0.01 std; every top-1 disagreement
+a near tie (gap < 0.05 std); and top-1 agreement over 4 prompts x 64 teacher-forced tokens
+>= 99%, or at least the ideal bf16 engine's agreement on the same prompts.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -17,6 +22,7 @@ import tileinfer
 from tileinfer.kv import Sequence
 from tileinfer.engine.step import SamplingRow
 from tileinfer.model.checkpoint import Checkpoint
+from tileinfer.model import reference as R
 from tileinfer.model.reference import ReferenceModel
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -56,24 +62,48 @@ def compare_logits(got: np.ndarray, ref: np.ndarray, label: str) -> tuple[int, l
     return len(ref) - miss.size, gap[miss].tolist()
 
 
-def check_agreement(results: list[tuple[int, list[float]]], total: int, label: str) -> None:
+def check_agreement(results: list[tuple[int, list[float]]], total: int, label: str, baseline: float = 1.0) -> None:
     agree = sum(r[0] for r in results) / total
     gaps = [g for r in results for g in r[1]]
-    print(f"{label}: top-1 agreement {agree:.4f} over {total} tokens")
-    assert agree >= 0.99, f"{label}: top-1 agreement {agree:.4f} < 0.99"
+    print(f"{label}: top-1 agreement {agree:.4f} over {total} tokens (ideal bf16 engine: {baseline:.4f})")
     assert all(g < 0.05 for g in gaps), f"{label}: a top-1 disagreement that is not a near tie: gaps {gaps}"
+    assert agree >= min(0.99, baseline), f"{label}: top-1 agreement {agree:.4f} < min(0.99, {baseline:.4f})"
 
 
-def compare_prompts(logits_fn, reference_fn, label: str, seeds=(11, 12, 13, 14), n: int = 64) -> None:
-    results = []
+def ideal_bf16_logits(ref: ReferenceModel, ids: list[int]) -> np.ndarray:
+    """The reference forward with every activation the engine keeps in bf16 rounded to bf16."""
+    def bf(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    c, eps = ref.config, ref.config.rms_norm_eps
+    pos = np.arange(len(ids))
+    h = ref.embed[np.asarray(ids)].astype(np.float32)
+    for layer in ref.layers:
+        x = bf(R.rms_norm(h, layer.input_norm, eps))
+        q = bf(x @ layer.q_proj.T).reshape(len(ids), c.num_attention_heads, c.head_dim)
+        k = bf(x @ layer.k_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
+        v = bf(x @ layer.v_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
+        q = bf(R.apply_rope(R.rms_norm(q, layer.q_norm, eps), pos, ref.inv_freq))
+        k = bf(R.apply_rope(R.rms_norm(k, layer.k_norm, eps), pos, ref.inv_freq))
+        h = h + bf(R.attention(q, k, v, pos, pos)).reshape(len(ids), -1) @ layer.o_proj.T
+        x = bf(R.rms_norm(h, layer.post_norm, eps))
+        h = h + bf(R.silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
+    return bf(R.rms_norm(h, ref.norm, eps)) @ ref.lm_head.T
+
+
+def compare_prompts(logits_fn, reference_fn, label: str, ref_model: ReferenceModel,
+                    seeds=(11, 12, 13, 14), n: int = 64) -> None:
+    results, baseline = [], 0
     for seed in seeds:
         ids = random_prompt(n, seed)
-        results.append(compare_logits(logits_fn(ids), reference_fn(ids), f"{label}, prompt seed {seed}"))
-    check_agreement(results, n * len(seeds), label)
+        expected = reference_fn(ids)
+        results.append(compare_logits(logits_fn(ids), expected, f"{label}, prompt seed {seed}"))
+        baseline += int(np.sum(ideal_bf16_logits(ref_model, ids).argmax(1) == expected.argmax(1)))
+    check_agreement(results, n * len(seeds), label, baseline / (n * len(seeds)))
 
 
 def test_tiny_logits_match_reference(tiny_model, tiny_reference):
-    compare_prompts(tiny_model.logits, tiny_reference.forward, "tiny")
+    compare_prompts(tiny_model.logits, tiny_reference.forward, "tiny", tiny_reference)
 
 
 def test_tiny_logits_chunked_across_pages(tiny_model, tiny_reference):
@@ -82,14 +112,15 @@ def test_tiny_logits_chunked_across_pages(tiny_model, tiny_reference):
     whole = tiny_reference.forward(ids)
     for chunk in (48, 256):
         result = compare_logits(tiny_model.logits(ids, chunk=chunk), whole, f"tiny, 300 tokens in chunks of {chunk}")
-        check_agreement([result], len(ids), f"tiny, chunks of {chunk}")
+        baseline = float(np.mean(ideal_bf16_logits(tiny_reference, ids).argmax(1) == whole.argmax(1)))
+        check_agreement([result], len(ids), f"tiny, chunks of {chunk}", baseline)
 
 
 def test_qwen3_06b_logits_match_reference():
     path = cached_checkpoint("qwen3-0.6b")
     reference = ReferenceModel.from_checkpoint(Checkpoint.open(path))
     with tileinfer.load_model(path, progress=False) as model:
-        compare_prompts(model.logits, reference.forward, "qwen3-0.6b")
+        compare_prompts(model.logits, reference.forward, "qwen3-0.6b", reference)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
@@ -105,13 +136,14 @@ def test_logits_match_transformers(preset, tiny_checkpoint):
 
     # transformers (float32) and the numpy reference agree far more tightly than bf16 allows.
     ids = random_prompt(64, seed=4)
-    ours = ReferenceModel.from_checkpoint(Checkpoint.open(path)).forward(ids)
+    reference = ReferenceModel.from_checkpoint(Checkpoint.open(path))
+    ours = reference.forward(ids)
     theirs = hf_logits(ids)
     rel = np.abs(ours - theirs).max() / theirs.std()
     print(f"{preset}: numpy reference vs transformers float32: max |err|/std = {rel:.2e}")
     assert rel < 1e-3
     with tileinfer.load_model(path, progress=False) as model:
-        compare_prompts(model.logits, hf_logits, f"{preset} vs transformers (float32)")
+        compare_prompts(model.logits, hf_logits, f"{preset} vs transformers (float32)", reference)
     del hf
     torch.cuda.empty_cache()
 
