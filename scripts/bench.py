@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import tileinfer
-from tileinfer.cuda import Event, get_device
+from tileinfer.cuda import Event, Graph, Kernel, get_device
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import cached_checkpoint
@@ -73,6 +73,58 @@ def graph_step_ms(model, replays: int = 50) -> float:
     end.record(model.stream)
     end.synchronize()
     return start.elapsed_ms(end) / replays
+
+
+def profile_step(model) -> list[dict]:
+    """Per-kernel GPU time of one batch-1 decode step.
+
+    The step is captured again with an event recorded before every launch (and one after the
+    last); replaying that graph timestamps each kernel without launch gaps from Python. Rows
+    are grouped by kernel name; for the GEMVs, the bytes are the weights they stream (N x K bf16).
+    """
+    marks: list[tuple[str, Event, int]] = []
+    original = Kernel.launch
+
+    def launch(self, grid, block, args, stream, smem=0):
+        event = Event()
+        event.record(stream, external=True)
+        nbytes = 0
+        if self.name.startswith("gemv"):
+            n, k = args[-2].value, args[-1].value
+            nbytes = 2 * n * k
+        marks.append((self.name, event, nbytes))
+        original(self, grid, block, args, stream, smem)
+
+    end = Event()
+    Kernel.launch = launch
+    try:
+        graph = Graph(model.stream, lambda s: (model._enqueue_decode(1, s), end.record(s, external=True)))
+    finally:
+        Kernel.launch = original
+    for _ in range(3):
+        graph.launch(model.stream)
+    end.synchronize()
+    rows: dict[str, dict] = {}
+    for i, (name, event, nbytes) in enumerate(marks):
+        nxt = marks[i + 1][1] if i + 1 < len(marks) else end
+        r = rows.setdefault(name, dict(kernel=name, launches=0, us=0.0, bytes=0))
+        r["launches"] += 1
+        r["us"] += event.elapsed_ms(nxt) * 1e3
+        r["bytes"] += nbytes
+    graph.destroy()
+    for r in rows.values():
+        r["GB_s"] = r["bytes"] / (r["us"] * 1e3) if r["bytes"] else None
+    return sorted(rows.values(), key=lambda r: -r["us"])
+
+
+def render_profile(name: str, rows: list[dict]) -> str:
+    total = sum(r["us"] for r in rows)
+    lines = [f"{name}: one decode step, {total:.0f} us of GPU time", "",
+             "| kernel | launches | total us | share | GB/s |", "|---|---|---|---|---|"]
+    for r in rows:
+        gbs = f"{r['GB_s']:.0f}" if r["GB_s"] else "-"
+        lines.append(f"| {r['kernel']} | {r['launches']} | {r['us']:.1f} | {100 * r['us'] / total:.1f}% | {gbs} |")
+    return "\n".join(lines) + "\n"
 
 
 def bench_prefill(model, n: int, repeats: int) -> dict:
@@ -127,6 +179,7 @@ def main() -> None:
     ap.add_argument("--peer", type=Path, help="path to peer_gptfast.py (runs the same decode case)")
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--profile", action="store_true", help="also print the per-kernel time of one decode step")
     args = ap.parse_args()
 
     dev = get_device()
@@ -146,6 +199,9 @@ def main() -> None:
             print(f"{name}: decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
                   f"{100 * row['roofline_fraction']:.1f}% of roofline); GPU time per step {row['graph_step_ms']:.3f} ms "
                   f"({row['graph_GB_s']:.0f} GB/s), wall {row['wall_step_ms']:.3f} ms", flush=True)
+            if args.profile:
+                row["profile"] = profile_step(model)
+                print(render_profile(name, row["profile"]), flush=True)
             row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
             for p in row["prefill"]:
                 print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "

@@ -26,8 +26,14 @@ class Event:
         flags = 0 if timing else int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         self.handle = call(driver.cuEventCreate, flags)
 
-    def record(self, stream: Stream) -> None:
-        call(driver.cuEventRecord, self.handle, stream.handle)
+    def record(self, stream: Stream, *, external: bool = False) -> None:
+        """Record on `stream`. During graph capture, external=True makes it an event-record node of
+        the graph (a timestamp at each replay) instead of a capture dependency marker."""
+        if external:
+            flags = int(driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+            call(driver.cuEventRecordWithFlags, self.handle, stream.handle, flags)
+        else:
+            call(driver.cuEventRecord, self.handle, stream.handle)
 
     def synchronize(self) -> None:
         call(driver.cuEventSynchronize, self.handle)
