@@ -6,6 +6,11 @@
 // re-read from L1. The epilogue is fused: plain bf16 store, residual add into the float32
 // stream, SiLU(gate) * up, or float32 logits.
 //
+// Matrices with few rows (o_proj and down_proj have N = hidden size) would leave most SMs
+// idle with one warp per row pair, so `ksplit` warps (1, 2, 4 or 8) share a row pair, each
+// reading every ksplit-th 512-byte segment of the rows; their partial sums meet in shared
+// memory before the epilogue.
+//
 // W is [N, K] bf16 row-major (Hugging Face's [out, in]); x is [M, K] bf16; K % 8 == 0.
 #include "common.cuh"
 
@@ -14,52 +19,66 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 #define WARPS 8
 #define UNROLL 4
 
-// Row pair owned by warp `w`: for SILU_MUL the gate row j and the up row j + N/2 (W is
-// [gate; up]), otherwise rows 2w and 2w + 1.
+// Row pair `pair`: for SILU_MUL the gate row j and the up row j + N/2 (W is [gate; up]),
+// otherwise rows 2 pair and 2 pair + 1. This warp reads segments kpart, kpart + ksplit, ...
 template <int M, int EPI>
 __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16 *__restrict__ W,
-                                          void *__restrict__ out, int N, int K, int pair) {
-    const int lane = threadIdx.x & 31;
+                                          void *__restrict__ out, int N, int K, int pair, int kpart, int ksplit,
+                                          float (*partial)[M][2]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = EPI == EPI_SILU_MUL ? N / 2 : N;
     int r0, r1;
     if (EPI == EPI_SILU_MUL) { r0 = pair; r1 = pair + N / 2; }
     else { r0 = 2 * pair; r1 = 2 * pair + 1; }
-    if (EPI == EPI_SILU_MUL ? pair >= n_out : r0 >= N) return;
+    const bool active = EPI == EPI_SILU_MUL ? pair < n_out : r0 < N;
     const bool has_r1 = r1 < N;
-    const bf16 *w0 = W + (size_t)r0 * K;
-    const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
 
     float acc0[M], acc1[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = 0.f;
 
-    for (int k0 = lane * 8; k0 < K; k0 += 32 * 8 * UNROLL) {
-        vec16 a[UNROLL], b[UNROLL];
+    if (active) {
+        const bf16 *w0 = W + (size_t)r0 * K;
+        const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
+        const int step = 256 * ksplit;  // elements between this warp's segments
+        for (int k0 = kpart * 256 + lane * 8; k0 < K; k0 += step * UNROLL) {
+            vec16 a[UNROLL], b[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = k0 + u * 256;
-            if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
-        }
+            for (int u = 0; u < UNROLL; ++u) {
+                const int k = k0 + u * step;
+                if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
+            }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = k0 + u * 256;
-            if (k < K) {
-                float wa[8], wb[8];
-                unpack8(a[u], wa);
-                unpack8(b[u], wb);
+            for (int u = 0; u < UNROLL; ++u) {
+                const int k = k0 + u * step;
+                if (k < K) {
+                    float wa[8], wb[8];
+                    unpack8(a[u], wa);
+                    unpack8(b[u], wb);
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    float xv[8];
-                    unpack8(ld16(x + (size_t)m * K + k), xv);
+                    for (int m = 0; m < M; ++m) {
+                        float xv[8];
+                        unpack8(ld16(x + (size_t)m * K + k), xv);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) { acc0[m] += wa[i] * xv[i]; acc1[m] += wb[i] * xv[i]; }
+                        for (int i = 0; i < 8; ++i) { acc0[m] += wa[i] * xv[i]; acc1[m] += wb[i] * xv[i]; }
+                    }
                 }
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc0[m] = warp_sum(acc0[m]); acc1[m] = warp_sum(acc1[m]); }
-    if (lane != 0) return;
+    if (ksplit > 1) {  // the ksplit warps of a row pair are consecutive: sum their partials
+        if (lane == 0)
+#pragma unroll
+            for (int m = 0; m < M; ++m) { partial[warp][m][0] = acc0[m]; partial[warp][m][1] = acc1[m]; }
+        __syncthreads();
+        if (kpart != 0) return;
+        for (int w = warp + 1; w < warp + ksplit; ++w)
+#pragma unroll
+            for (int m = 0; m < M; ++m) { acc0[m] += partial[w][m][0]; acc1[m] += partial[w][m][1]; }
+    }
+    if (lane != 0 || !active) return;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         if (EPI == EPI_BF16) {
@@ -82,12 +101,15 @@ __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16
 }
 
 // ============================================================================= kernels
-// grid (ceil(pairs / 8)), block (256). pairs = N/2 for SILU_MUL (N = 2 * intermediate), else ceil(N/2).
+// grid (ceil(pairs * ksplit / 8)), block (256). pairs = N/2 for SILU_MUL (N = 2 * intermediate),
+// else ceil(N/2); ksplit in {1, 2, 4, 8} warps per row pair.
 #define GEMV_KERNEL(M, EPI)                                                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
         gemv_m##M##_e##EPI(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, \
-                           int N, int K) {                                                              \
-        gemv_rows<M, EPI>(x, W, out, N, K, blockIdx.x * WARPS + (threadIdx.x >> 5));                    \
+                           int N, int K, int ksplit) {                                                  \
+        __shared__ float partial[WARPS][M][2];                                                          \
+        const int warp = threadIdx.x >> 5;                                                              \
+        gemv_rows<M, EPI>(x, W, out, N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
     }
 #define GEMV_ALL_EPI(M) GEMV_KERNEL(M, 0) GEMV_KERNEL(M, 1) GEMV_KERNEL(M, 2) GEMV_KERNEL(M, 3)
 GEMV_ALL_EPI(1)

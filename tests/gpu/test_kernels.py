@@ -263,7 +263,8 @@ def matmul_ref(x: np.ndarray, w: np.ndarray, chunk: int = 16384) -> np.ndarray:
     return out
 
 
-def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None):
+def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None,
+                 ksplit: int | None = None):
     rng = np.random.default_rng(seed_of("linear", path, M, N, K, epilogue))
     w = linear_weight(N, K) if w is None else w
     x = rand_bf16(rng, (M, K))
@@ -282,9 +283,9 @@ def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, 
         ref = acc
         out = buf.poisoned((M, N), BF16 if epilogue == "bf16" else F32)
 
-    linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path)
+    linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path, ksplit=ksplit)
     got = out.to_host(stream)
-    label = f"linear {path} {epilogue} M={M} N={N} K={K}"
+    label = f"linear {path} {epilogue} M={M} N={N} K={K} ksplit={ksplit}"
     if epilogue in ("bf16", "silu_mul"):
         # bf16 output: rounding <= 2^-8 relative (rtol 1e-2); float32 accumulation error is far below
         # atol = 2e-3 * rms(ref); ||err|| / ||ref|| < 1e-2 (bf16 rounding gives ~1.5e-3).
@@ -303,6 +304,14 @@ def test_linear_gemm(M, N, K, epilogue, buf, stream):
 @pytest.mark.parametrize("M, N, K, epilogue", GEMV_CASES)
 def test_linear_gemv(M, N, K, epilogue, buf, stream):
     check_linear(buf, stream, M, N, K, epilogue, "gemv")
+
+
+# Every split of the rows' K range across warps, on row counts that leave partial blocks.
+@pytest.mark.parametrize("ksplit", [1, 2, 4, 8])
+@pytest.mark.parametrize("M, N, K, epilogue", [(1, 1000, 2560, "residual"), (2, 136, 4104, "silu_mul"),
+                                               (8, 24, 9728, "bf16"), (4, 1024, 352, "f32")])
+def test_linear_gemv_ksplit(M, N, K, epilogue, ksplit, buf, stream):
+    check_linear(buf, stream, M, N, K, epilogue, "gemv", ksplit=ksplit)
 
 
 @pytest.mark.parametrize("path, M", [("gemv", 1), ("gemm", 64)], ids=["gemv-M1", "gemm-M64"])

@@ -25,8 +25,18 @@ def _out_spec(epilogue: str, M: int, N: int):
     return (M, N), (BF16 if epilogue == "bf16" else FLOAT32)
 
 
-def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None) -> None:
-    """out <- epilogue(x @ w.T). `force` ("gemm" or "gemv") overrides the choice, for tests."""
+def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS) -> int:
+    """Warps per row pair: enough warps to fill the GPU (~4 blocks per SM on an H200), while
+    each warp still streams at least two 512-byte segments of its rows."""
+    ksplit = 1
+    while ksplit < 8 and pairs * ksplit < target_warps and K >= 512 * ksplit * 2:
+        ksplit *= 2
+    return ksplit
+
+
+def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
+           ksplit: int | None = None) -> None:
+    """out <- epilogue(x @ w.T). `force` ("gemm" or "gemv") and `ksplit` override the choices, for tests."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
     M, K = x.shape
@@ -43,8 +53,11 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         if M not in GEMV_ROWS:
             raise ValueError(f"linear: the GEMV handles M in {GEMV_ROWS}, got M={M}")
         pairs = N // 2 if epilogue == "silu_mul" else cdiv(N, 2)
+        ksplit = ksplit or gemv_ksplit(pairs, K)
+        if ksplit not in (1, 2, 4, 8):
+            raise ValueError(f"linear: ksplit must be 1, 2, 4 or 8, got {ksplit}")
         kernel("gemv.cu", f"gemv_m{M}_e{epi}").launch(
-            (cdiv(pairs, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K)], stream)
+            (cdiv(pairs * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit)], stream)
     elif path == "gemm":
         grid = (cdiv(N, GEMM_TILE), cdiv(M, GEMM_TILE))
         kernel("gemm.cu", f"gemm_e{epi}").launch(grid, (256,), [x, w, out, I32(M), I32(N), I32(K)], stream,
