@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import kernels as K
 from ..cuda import Stream, get_device
+from ..graphs import DecodeGraphs, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..model.checkpoint import Checkpoint
 from ..model.qwen3 import Workspace, forward
@@ -69,7 +70,6 @@ class Model:
         self._drop_cache()
         self.cache = PagedKVCache(self.config, max_tokens=max_tokens, page_size=page_size)
         self.steps = StepBuffers(self.max_batch_tokens, max(DECODE_BUCKETS), self.cache.layout.block_table_width)
-        from tileinfer.graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self._enqueue_decode, DECODE_BUCKETS)
         log.info("KV cache: %d pages of %d positions, %.2f GB", self.cache.layout.num_pages, page_size,
                  self.cache.layout.nbytes / 1e9)
@@ -104,7 +104,6 @@ class Model:
         self._check_open()
         decode = all(len(ids) == 1 for _, ids in batch) and len(batch) <= max(DECODE_BUCKETS)
         if decode and self.use_graphs:
-            from tileinfer.graphs import bucket_for
             bucket = bucket_for(len(batch), DECODE_BUCKETS)
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket)
             self.steps.upload(self.stream)

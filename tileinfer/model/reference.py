@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tileinfer.model.checkpoint import expected_tensors as weight_shapes  # one list of HF names and shapes
 from tileinfer.model.config import Qwen3Config
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -160,31 +161,6 @@ class _Layer:
     gate_proj: np.ndarray   # [intermediate, hidden]
     up_proj: np.ndarray     # [intermediate, hidden]
     down_proj: np.ndarray   # [hidden, intermediate]
-
-
-def weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3 checkpoint needs, by Hugging Face name, with its shape."""
-    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (config.q_size, d),
-            p + "self_attn.k_proj.weight": (config.kv_size, d),
-            p + "self_attn.v_proj.weight": (config.kv_size, d),
-            p + "self_attn.o_proj.weight": (d, config.q_size),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        })
-    shapes["model.norm.weight"] = (d,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, d)
-    return shapes
 
 
 def _as_float32(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
