@@ -1,8 +1,10 @@
-"""The `tileinfer` command line: `tileinfer generate --model DIR --prompt TEXT`."""
+"""The `tileinfer` command line: `tileinfer generate --model DIR --prompt TEXT`, `tileinfer size MODEL`."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+from tileinfer import sizing_cli
 
 
 def _generate(args) -> int:
@@ -29,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(run=_generate)
+    s = sub.add_parser("size", help="KV cache and weight sizes, and how much of the cache fits on the GPU",
+                       description=sizing_cli.DESCRIPTION)
+    sizing_cli.add_arguments(s)
+    s.set_defaults(run=sizing_cli.run)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
