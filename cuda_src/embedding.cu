@@ -19,3 +19,12 @@ extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 
         *reinterpret_cast<float4 *>(dst + c + 4) = make_float4(f[4], f[5], f[6], f[7]);
     }
 }
+
+// Decode tokens that the previous step sampled on the device, without a trip through the host:
+// tokens[i] = sampled[src[i]] where src[i] >= 0 (the row of the previous step that sampled it),
+// else tokens[i] is left as uploaded. grid (ceil(n / 256)), block (256).
+extern "C" __global__ void resolve_tokens(int *__restrict__ tokens, const int *__restrict__ src,
+                                          const int *__restrict__ sampled, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && src[i] >= 0) tokens[i] = sampled[src[i]];
+}

@@ -1,14 +1,15 @@
-// Next-token selection from float32 logits: greedy argmax, and seeded sampling with
-// temperature, top-k and top-p.
+// Next-token selection from float32 logits: greedy argmax, seeded sampling with temperature,
+// min-p, top-k and top-p, and vLLM's repetition/presence/frequency penalties (in place, before).
 //
 // Sampling is the Gumbel-max trick over the kept tokens: argmax_i (z_i + g_i) with
 // z = logits / T and g_i = -log(-log(u_i)), u_i a counter-based hash of (seed, counter, i).
 // It needs no prefix sum, is exact, and is reproducible: a request's sample depends only on
 // its logits, its seed and the counter (the position being sampled), never on the batch.
 //
-// Top-k then top-p (as Hugging Face and vLLM apply them) choose a threshold t on z; the kept
-// set is {i : z_i >= t}. Each threshold is found by bisection over the 32-bit order-preserving
-// keys of the float values, so it lands exactly on a logit value (ties at t are all kept).
+// Min-p, then top-k, then top-p (as vLLM applies them) choose a threshold t on z; the kept set is
+// {i : z_i >= t}. Min-p's cut is z_max + log(min_p) (probability >= min_p * max probability).
+// Within it, top-k and top-p thresholds are found by bisection over the 32-bit order-preserving
+// keys of the float values, so they land exactly on a logit value (ties at t are all kept).
 #include "common.cuh"
 
 #define THREADS 1024
@@ -68,6 +69,16 @@ __device__ ArgMax block_argmax(ArgMax m, float *sv, int *si) {
     return r;
 }
 
+// Key of min-p's cut z_max + log(min_p); 0 (keep everything) when min_p <= 0, z_max's own when
+// min_p >= 1. log is taken in double and rounded to float, and the add is not fused with the
+// product that made z_max, so the cut is bit-identical to the numpy mirror's float32 arithmetic.
+__device__ __forceinline__ u32 min_p_key(float zmax, float min_p) {
+    if (!(min_p > 0.f)) return 0;
+    float cut = __fadd_rn(zmax, (float)log(fmin((double)min_p, 1.0)));
+    if (cut == 0.f) cut = -0.f;  // -0 and +0 compare equal but have different keys: keep both
+    return order_key(cut);
+}
+
 // Count and softmax mass (relative to zmax) of the tokens whose key is >= `threshold`.
 __device__ void count_and_mass(const float *z, int vocab, float inv_t, float zmax, u32 threshold,
                                float *scratch, float *count, float *mass) {
@@ -106,12 +117,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *_
     if (threadIdx.x == 0) out[blockIdx.x] = m.i;
 }
 
-// grid (rows), block (1024). Per row r: temperature[r] <= 0 means greedy; top_k[r] <= 0 or >= vocab
-// disables top-k; top_p[r] >= 1 disables top-p. counters[r] is the position being sampled.
+// grid (rows), block (1024). Per row r: temperature[r] <= 0 means greedy (min-p, top-k, top-p
+// ignored); min_p[r] <= 0 disables min-p; top_k[r] <= 0 or >= vocab disables top-k; top_p[r] >= 1
+// disables top-p. counters[r] is the position being sampled.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         const float *__restrict__ logits, int vocab, const float *__restrict__ temperature,
-        const int *__restrict__ top_k, const float *__restrict__ top_p, const u64 *__restrict__ seeds,
-        const int *__restrict__ counters, int *__restrict__ out) {
+        const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
+        const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out) {
     __shared__ float sv[32];
     __shared__ int si[32];
     const int r = blockIdx.x;
@@ -125,11 +137,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         if (threadIdx.x == 0) out[r] = m.i;
         return;
     }
-    const float inv_t = 1.f / temp, zmax = m.v * inv_t;
-    u32 threshold = 0;  // keep everything
+    const float inv_t = 1.f / temp, zmax = __fmul_rn(m.v, inv_t);
+    u32 threshold = min_p_key(zmax, min_p[r]);  // 0: keep everything
     const int k = top_k[r];
     if (k > 0 && k < vocab) {
-        threshold = bisect_threshold(z, vocab, inv_t, zmax, sv, [k](float c, float) { return c >= (float)k; });
+        // Top-k within min-p's set: the k-th largest key, unless that set holds k tokens or fewer.
+        float kept = (float)vocab, unused;
+        if (threshold != 0) count_and_mass(z, vocab, inv_t, zmax, threshold, sv, &kept, &unused);
+        if (kept > (float)k) {
+            threshold = bisect_threshold(z, vocab, inv_t, zmax, sv, [k](float c, float) { return c >= (float)k; });
+        }
     }
     const float p = top_p[r];
     if (!(p > 0.f)) {
@@ -147,9 +164,35 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         const float v = z[i] * inv_t;
         if (order_key(v) >= threshold) {
             const float g = -logf(-logf(uniform01(seed, counter, (u32)i)));
-            best = better(best, ArgMax{v + g, i});
+            best = better(best, ArgMax{__fadd_rn(v, g), i});  // unfused, as numpy rounds z + g
         }
     }
     best = block_argmax(best, sv, si);
     if (threadIdx.x == 0) out[r] = best.i;
+}
+
+// grid (rows), block (256). In place on logits [rows, vocab], vLLM's penalties: row r's entries
+// e in [offsets[r], offsets[r + 1]) name distinct token ids tokens[e] from its prompt or output,
+// counts[e] = occurrences in the output (0: prompt only). Repetition scales every such logit
+// (divides a positive one, multiplies the rest); presence and frequency subtract for output
+// tokens only. Ids outside [0, vocab) are skipped; a row without entries returns at once.
+// Each operation is rounded on its own (no fma), exactly as the numpy mirror computes it.
+extern "C" __global__ void __launch_bounds__(256) apply_penalties(
+        float *__restrict__ logits, int vocab, const int *__restrict__ offsets, const int *__restrict__ tokens,
+        const int *__restrict__ counts, const float *__restrict__ repetition, const float *__restrict__ presence,
+        const float *__restrict__ frequency) {
+    const int r = blockIdx.x;
+    const int begin = offsets[r], end = offsets[r + 1];
+    if (begin >= end) return;
+    const float rep = repetition[r], pres = presence[r], freq = frequency[r];
+    float *row = logits + (size_t)r * vocab;
+    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
+        const int tok = tokens[e];
+        if (tok < 0 || tok >= vocab) continue;
+        const int n = counts[e];
+        float l = row[tok];
+        if (rep != 1.f) l = l > 0.f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+        const float penalty = __fadd_rn(__fmul_rn(freq, (float)n), n > 0 ? pres : 0.f);
+        row[tok] = __fsub_rn(l, penalty);
+    }
 }

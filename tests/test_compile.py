@@ -19,13 +19,14 @@ ELF_MAGIC = b"\x7fELF"
 
 # The entry points tileinfer/kernels/*.py launch, by file (a new file simply has no entry here).
 ENTRY_POINTS = {
-    "embedding.cu": ["embedding"],
+    "embedding.cu": ["embedding", "resolve_tokens"],
     "rmsnorm.cu": ["rmsnorm"],
     "attn_input.cu": ["attn_input"],
     "gemm.cu": [f"gemm_e{e}" for e in range(4)],
     "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)],
     "attention.cu": ["attention", "attention_combine"],
-    "sampling.cu": ["argmax_rows", "sample_rows"],
+    "sampling.cu": ["argmax_rows", "sample_rows", "apply_penalties"],
+    "gemm_small.cu": [f"gemm_small_m{r}_c{k}" for r in (16, 32, 64) for k in (1, 2, 4, 8)],
 }
 
 # A small source that includes our header, so header changes must reach the key.

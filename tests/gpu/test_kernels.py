@@ -12,18 +12,17 @@ Conventions (STYLE.md habit 12, METHOD.md "Correct first"):
 from __future__ import annotations
 
 import math
-import zlib
-from functools import lru_cache
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tileinfer.cuda import DeviceArray
 from tileinfer.engine import sampler
 from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, rmsnorm, sample
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.model import reference
+
+from gpu_helpers import Buffers, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,43 +30,10 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 HD = 128            # head_dim of every Qwen3 model (the attention kernels' HD)
-POISON = 0xFF       # byte pattern: bf16 0xFFFF and f32 0xFFFFFFFF are NaN, int32 is -1
 BF16_POISON = 0xFFFF
 
 
 # ============================================================================= helpers
-
-
-def seed_of(*parts) -> int:
-    """A fixed seed per test case (stable across runs, unlike hash())."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def rand_bf16(rng: np.random.Generator, shape, scale: float = 1.0, mean: float = 0.0) -> np.ndarray:
-    """Normal(mean, scale) samples rounded to bf16."""
-    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale) + np.float32(mean)).astype(BF16)
-
-
-def to_f32(a) -> np.ndarray:
-    """Exact float32 copy (bf16 widened by a bit shift: fast on big weights)."""
-    a = np.asarray(a)
-    if a.dtype == BF16:
-        return (np.ascontiguousarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
-
-
-def to_f64(a) -> np.ndarray:
-    return to_f32(a).astype(np.float64)
-
-
-def rms(a) -> float:
-    """Root mean square, in float64, a chunk at a time (weights can be 155M entries)."""
-    flat = np.asarray(a).reshape(-1)
-    total = 0.0
-    for i in range(0, flat.size, 1 << 24):
-        chunk = to_f64(flat[i:i + (1 << 24)])
-        total += float(np.dot(chunk, chunk))
-    return math.sqrt(total / max(flat.size, 1))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -119,38 +85,6 @@ def assert_exact(got, ref, label: str) -> None:
         raise AssertionError(f"{label}: {int(diff.sum())} of {diff.size} elements differ; shape {got.shape}; "
                              f"first at {first}: got {got[first]!r}, expected {ref[first]!r}; "
                              f"last at {tuple(int(i) for i in where[-1])}")
-
-
-class Buffers:
-    """Device arrays of one test, all on the test's stream; freed when the test ends."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self._owned: list[DeviceArray] = []
-
-    def upload(self, host: np.ndarray) -> DeviceArray:
-        array = DeviceArray.from_host(np.ascontiguousarray(host), self.stream)
-        self._owned.append(array)
-        return array
-
-    def poisoned(self, shape, dtype) -> DeviceArray:
-        array = DeviceArray.empty(shape, dtype)
-        self._owned.append(array)
-        array.fill_bytes(POISON, self.stream)
-        return array
-
-    def free(self) -> None:
-        for array in reversed(self._owned):
-            array.free()
-        self._owned.clear()
-
-
-@pytest.fixture
-def buf(stream):
-    b = Buffers(stream)
-    yield b
-    stream.synchronize()
-    b.free()
 
 
 def shuffled_manager(num_pages: int, page_size: int, rng: np.random.Generator) -> BlockManager:
@@ -244,23 +178,6 @@ LM_HEAD_N, LM_HEAD_K = 151936, 1024
 GEMM_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}") for M, N, K in GEMM_SHAPES for e in EPILOGUES]
 GEMV_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
               for N, K in GEMV_NK for M in (1, 2, 4, 8) for e in EPILOGUES]
-
-
-@lru_cache(maxsize=3)
-def linear_weight(N: int, K: int) -> np.ndarray:
-    """W [N, K] bf16 with std 1/sqrt(K) (so x @ W.T is O(1)); drawn once per shape, read-only."""
-    w = rand_bf16(np.random.default_rng(seed_of("weight", N, K)), (N, K), scale=1 / math.sqrt(K))
-    w.flags.writeable = False
-    return w
-
-
-def matmul_ref(x: np.ndarray, w: np.ndarray, chunk: int = 16384) -> np.ndarray:
-    """x @ w.T in float64 from bf16 x [M, K] and w [N, K], w widened a chunk of rows at a time. # [M, N]"""
-    x64 = to_f64(x)
-    out = np.empty((x.shape[0], w.shape[0]))
-    for i in range(0, w.shape[0], chunk):
-        out[:, i:i + chunk] = x64 @ to_f64(w[i:i + chunk]).T
-    return out
 
 
 def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None,
@@ -585,8 +502,8 @@ def launch_sample(buf, stream, logits, temperature, top_k, top_p, seeds, counter
     rows = logits.shape[0]
     out = buf.poisoned((rows,), I32)
     sample(buf.upload(logits), buf.upload(np.asarray(temperature, np.float32)), buf.upload(np.asarray(top_k, np.int32)),
-           buf.upload(np.asarray(top_p, np.float32)), buf.upload(np.asarray(seeds, np.uint64)),
-           buf.upload(np.asarray(counters, np.int32)), out, stream)
+           buf.upload(np.asarray(top_p, np.float32)), buf.upload(np.zeros(rows, np.float32)),  # min_p off
+           buf.upload(np.asarray(seeds, np.uint64)), buf.upload(np.asarray(counters, np.int32)), out, stream)
     got = out.to_host(stream)
     bad = (got < 0) | (got >= logits.shape[1])
     assert not bad.any(), (f"sample: {int(bad.sum())} of {rows} rows out of [0, {logits.shape[1]}) "
@@ -742,9 +659,9 @@ LAUNCHER_ERRORS = {
         B((1,), I32), B((1, 16), I32), max_q_len=2, stream=s),
     "argmax out float32": lambda B, s: argmax(B((2, 10), F32), B((2,), F32), s),
     "sample seeds int64": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((2,), I32), B((2,), F32),
-                                              B((2,), np.int64), B((2,), I32), B((2,), I32), s),
+                                              B((2,), F32), B((2,), np.int64), B((2,), I32), B((2,), I32), s),
     "sample top_k rows": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((3,), I32), B((2,), F32),
-                                             B((2,), np.uint64), B((2,), I32), B((2,), I32), s),
+                                             B((2,), F32), B((2,), np.uint64), B((2,), I32), B((2,), I32), s),
 }
 
 

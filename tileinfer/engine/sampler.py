@@ -1,10 +1,14 @@
 """The sampling rule of cuda_src/sampling.cu, in numpy: the specification and the tests' oracle.
 
 Greedy (temperature <= 0) is the argmax, lowest index on ties. Otherwise z = logits / T;
-top-k keeps the tokens with z >= the k-th largest z; top-p then keeps the smallest top set
-(by threshold) whose softmax mass within the top-k set reaches p. The sample is
-argmax over kept i of z_i + g_i, g_i = -log(-log(u_i)), u_i = uniform01(seed, counter, i):
-the Gumbel-max trick, which draws exactly from softmax over the kept set.
+min-p keeps the tokens with z >= max z + log(min_p) (probability >= min_p * the largest);
+top-k then keeps, of those, the tokens with z >= the k-th largest z; top-p then keeps the
+smallest top set (by threshold) whose softmax mass within the min-p and top-k set reaches p.
+The sample is argmax over kept i of z_i + g_i, g_i = -log(-log(u_i)),
+u_i = uniform01(seed, counter, i): the Gumbel-max trick, which draws exactly from softmax
+over the kept set.
+
+Penalties (vLLM's, applied to the logits before all of that) are `apply_penalties`.
 """
 from __future__ import annotations
 
@@ -33,13 +37,23 @@ def scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
     return logits.astype(np.float32) * (np.float32(1.0) / np.float32(temperature))
 
 
-def kept_mask(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Which tokens survive top-k then top-p. # [vocab] bool"""
+def min_p_cut(zmax: np.float32, min_p: float) -> np.float32:
+    """min-p's threshold on z: zmax + log(min(min_p, 1)), the log rounded from float64 to float32
+    and the add rounded in float32 (exactly the kernel's arithmetic). -inf when min_p <= 0 (off)."""
+    min_p = float(np.float32(min_p))  # as the kernel reads it
+    if not min_p > 0:
+        return np.float32(-np.inf)
+    return np.float32(zmax) + np.float32(np.log(min(min_p, 1.0)))
+
+
+def kept_mask(logits: np.ndarray, temperature: float, top_k: int, top_p: float, *,
+              min_p: float = 0.0) -> np.ndarray:
+    """Which tokens survive min-p, then top-k, then top-p. # [vocab] bool"""
     z = scaled(logits, temperature)
-    keep = np.ones(z.shape, bool)
-    if 0 < top_k < z.size:
-        keep &= z >= np.sort(z)[::-1][top_k - 1]
-    if top_p < 1.0:
+    keep = z >= min_p_cut(z.max(), min_p)
+    if 0 < top_k < int(keep.sum()):
+        keep &= z >= np.sort(z[keep])[::-1][top_k - 1]
+    if top_p < 1.0:  # (top_p <= 0, which the API rejects, keeps the largest z only, as the kernel does)
         candidates = z[keep]
         order = np.argsort(-candidates, kind="stable")
         sorted_z = candidates[order]
@@ -49,14 +63,44 @@ def kept_mask(logits: np.ndarray, temperature: float, top_k: int, top_p: float) 
     return keep
 
 
-def sample(logits: np.ndarray, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
-           seed: int = 0, counter: int = 0) -> int:
-    """The token the kernel picks for one row of logits."""
-    if not temperature > 0:
-        return int(np.argmax(logits))
-    z = scaled(logits, temperature)
-    keep = kept_mask(logits, temperature, top_k, top_p)
+def gumbel_choice(z: np.ndarray, keep: np.ndarray, seed: int, counter: int) -> int:
+    """argmax over kept i of z_i + g_i (float32, lowest index on ties): the kernel's draw."""
     idx = np.nonzero(keep)[0]
     u = uniform01(seed, counter, idx.astype(np.uint64))
     g = -np.log(-np.log(u))
     return int(idx[np.argmax(z[idx] + g)])
+
+
+def sample(logits: np.ndarray, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+           seed: int = 0, counter: int = 0) -> int:
+    """The token the kernel picks for one row of logits."""
+    if not temperature > 0:
+        return int(np.argmax(logits))
+    keep = kept_mask(logits, temperature, top_k, top_p, min_p=min_p)
+    return gumbel_choice(scaled(logits, temperature), keep, seed, counter)
+
+
+def apply_penalties(logits_row: np.ndarray, tokens, counts, repetition: float, presence: float,
+                    frequency: float) -> np.ndarray:
+    """vLLM's penalties on one row, as the kernel applies them; returns a new float32 row.
+
+    tokens: distinct ids from the row's prompt or output; counts: each one's occurrences in the
+    output (0: prompt only). l = logits[t]; if repetition != 1, l = l / repetition when l > 0, else
+    l * repetition (prompt and output tokens); then l -= frequency * count + (presence if count > 0)
+    (output tokens only). Every operation rounds in float32; ids outside [0, vocab) are skipped.
+    """
+    row = np.array(logits_row, np.float32)  # a copy
+    tokens, counts = np.asarray(tokens, np.int64), np.asarray(counts, np.int32)
+    if tokens.shape != counts.shape or tokens.ndim != 1:
+        raise ValueError(f"apply_penalties: tokens {tokens.shape} and counts {counts.shape} must be equal-length 1-D")
+    if np.unique(tokens).size != tokens.size:
+        raise ValueError("apply_penalties: a row's token ids must be distinct")
+    valid = (tokens >= 0) & (tokens < row.size)
+    tokens, counts = tokens[valid], counts[valid]
+    rep, pres, freq = np.float32(repetition), np.float32(presence), np.float32(frequency)
+    l = row[tokens]
+    if rep != np.float32(1):
+        l = np.where(l > 0, l / rep, l * rep)
+    penalty = freq * counts.astype(np.float32) + np.where(counts > 0, pres, np.float32(0))
+    row[tokens] = l - penalty
+    return row

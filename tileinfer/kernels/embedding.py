@@ -13,3 +13,13 @@ def embedding(tokens: DeviceArray, table: DeviceArray, out: DeviceArray, stream)
     if dim % 8:
         raise ValueError(f"embedding: dim must be a multiple of 8, got {dim}")
     kernel("embedding.cu", "embedding").launch((n,), (128,), [tokens, table, out, I32(dim), I32(vocab)], stream)
+
+
+def resolve_tokens(tokens: DeviceArray, src: DeviceArray, sampled: DeviceArray, stream) -> None:
+    """tokens[i] = sampled[src[i]] where src[i] >= 0 (a token the previous step sampled on the device)."""
+    n = tokens.shape[0]
+    expect("tokens", tokens, (n,), INT32)
+    expect("src", src, (n,), INT32)
+    expect("sampled", sampled, (sampled.shape[0],), INT32)
+    kernel("embedding.cu", "resolve_tokens").launch(((n + 255) // 256,), (256,), [tokens, src, sampled, I32(n)],
+                                                    stream)

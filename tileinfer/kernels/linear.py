@@ -1,13 +1,21 @@
-"""Launchers for cuda_src/gemm.cu (tensor cores, prefill) and cuda_src/gemv.cu (decode).
+"""Launchers for cuda_src/gemm.cu (tensor cores, prefill), cuda_src/gemv.cu (decode) and
+cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 9..256).
 
 `linear` computes y = x W^T for x [M, K] bf16 and W [N, K] bf16 with a fused epilogue:
   "bf16"      out [M, N] bf16
   "residual"  out [M, N] float32, out += x W^T (the residual stream)
   "silu_mul"  W is [gate; up] ([2I, K]); out [M, I] bf16 = silu(x gate^T) * (x up^T)
   "f32"       out [M, N] float32 (logits)
-Decode-sized M (1, 2, 4, 8) takes the bandwidth-bound GEMV; everything else the GEMM.
+Which kernel (`default_path`): M in (1, 2) takes the bandwidth-bound GEMV. Other M take
+the small-M GEMM where the 128x128 GEMM would leave most SMs idle: M <= 64 (except very wide
+matrices like the LM head, where the 128x128 tiles already fill the GPU), or at most 40 of its
+128x128 tiles. Everything else (prefill) takes the 128x128 GEMM. Measured on the H200 with
+scripts/bench_gemm_small.py: at M = 64 the small GEMM takes 8-13 us on Qwen3-0.6B's layer
+matrices where the 128x128 GEMM takes 16-49 us; at M = 256 it wins only for N = 1024 and 2560.
 """
-from ..cuda import I32, DeviceArray, kernel
+from dataclasses import dataclass
+
+from ..cuda import I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, cdiv, expect
 
 EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}
@@ -15,6 +23,31 @@ GEMV_ROWS = (1, 2, 4, 8)
 GEMM_TILE = 128
 GEMM_SMEM = 3 * (128 + 128) * 64 * 2  # STAGES * (BM + BN) * BK * sizeof(bf16), as in gemm.cu
 GEMV_WARPS = 8
+
+# gemm_small.cu: blocks of 64 W rows x ROWS rows of A, 4 warps splitting K in 64-wide chunks, and
+# clusters of `ksplit` blocks splitting K further. Shared memory per block: 4 warps * STAGES * one
+# chunk ((ROWS + 64) x 64 bf16), as Tile<MT>::SMEM in gemm_small.cu.
+SMALL_BN = 64
+SMALL_BK = 64
+SMALL_WARPS = 4
+SMALL_ROWS = (16, 32, 64)
+SMALL_SPLITS = (1, 2, 4, 8)  # cluster sizes compiled (8 is the portable maximum)
+SMALL_STAGES = {16: 2, 32: 2, 64: 3}
+SMALL_GEMM_SMEM = {r: SMALL_WARPS * SMALL_STAGES[r] * (r + SMALL_BN) * SMALL_BK * 2 for r in SMALL_ROWS}
+# = {16: 81920, 32: 98304, 64: 196608}: two blocks per SM fit for 16 and 32 rows, one for 64.
+SMALL_BLOCK_LATENCY = 2      # cost model: a block's fixed cost (first loads, reduction) in k-chunks
+
+
+GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 go to the small GEMM (measured faster)
+
+
+def default_path(M: int, N: int) -> str:
+    """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
+    if M in GEMV_DEFAULT_ROWS:
+        return "gemv"
+    if (M <= 64 and N <= 32768) or cdiv(N, GEMM_TILE) * cdiv(M, GEMM_TILE) <= 40:
+        return "small"
+    return "gemm"
 
 
 def _out_spec(epilogue: str, M: int, N: int):
@@ -34,9 +67,56 @@ def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS) ->
     return ksplit
 
 
+@dataclass(slots=True, frozen=True)
+class SmallGemmConfig:
+    """One launch of gemm_small.cu: M tile `rows`, `ksplit` blocks per cluster, grid (ksplit, M tiles, N blocks)."""
+    rows: int
+    ksplit: int
+    grid: tuple[int, int, int]
+    smem: int
+
+    @property
+    def kernel_name(self) -> str:
+        return f"gemm_small_m{self.rows}_c{self.ksplit}"
+
+
+def small_gemm_ksplit(tiles: int, chunks: int, slots: int) -> int:
+    """Blocks per cluster for `tiles` (M tile, N block) pairs of `chunks` k-chunks each, with `slots` blocks
+    resident at once. Estimated time, in half k-chunks: waves of blocks times each block's time (a warp's
+    share of the chunks, a fixed latency, and the cluster reduction, which grows with the split). Small N
+    wants splits to cover the SMs; large N wants none. Fitted to the H200 sweep of Qwen3-0.6B's matrices
+    at M = 64 and 256 (scripts/bench_gemm_small.py --sweep-rows)."""
+    def cost(ks: int) -> int:
+        return cdiv(tiles * ks, slots) * (2 * cdiv(chunks, ks * SMALL_WARPS) + 2 * SMALL_BLOCK_LATENCY + ks)
+    return min(SMALL_SPLITS, key=lambda ks: (cost(ks), ks))
+
+
+def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows: int | None = None,
+                      sms: int = 132) -> SmallGemmConfig:
+    """The gemm_small.cu launch for x [M, K] @ W[N, K]^T on a GPU with `sms` SMs (132: the H200).
+    The M tile is 16 rows for M <= 16, else 32 (fastest in the H200 sweep at M = 64 and 256: 64-row
+    tiles fit one block per SM); `rows` and `ksplit` override."""
+    if M < 0 or N <= 0 or K <= 0:
+        raise ValueError(f"small_gemm_config: need M >= 0 and N, K > 0, got M={M}, N={N}, K={K}")
+    if rows is None:
+        rows = 16 if M <= 16 else 32
+    elif rows not in SMALL_ROWS:
+        raise ValueError(f"small_gemm_config: rows must be one of {SMALL_ROWS}, got {rows}")
+    m_tiles, n_blocks = cdiv(M, rows), cdiv(N, SMALL_BN)
+    if n_blocks > 65535:
+        raise ValueError(f"small_gemm_config: N={N} needs {n_blocks} column blocks, more than grid.z allows (65535)")
+    if ksplit is None:
+        slots = sms * (2 if SMALL_GEMM_SMEM[rows] <= 113 * 1024 else 1)
+        ksplit = small_gemm_ksplit(m_tiles * n_blocks, cdiv(K, SMALL_BK), slots)
+    elif ksplit not in SMALL_SPLITS:
+        raise ValueError(f"small_gemm_config: ksplit must be one of {SMALL_SPLITS}, got {ksplit}")
+    return SmallGemmConfig(rows, ksplit, (ksplit, m_tiles, n_blocks), SMALL_GEMM_SMEM[rows])
+
+
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
-           ksplit: int | None = None) -> None:
-    """out <- epilogue(x @ w.T). `force` ("gemm" or "gemv") and `ksplit` override the choices, for tests."""
+           ksplit: int | None = None, rows: int | None = None) -> None:
+    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv" or "small") and `ksplit` override the choices: for
+    the GEMV the warps per row pair, for the small GEMM the blocks per cluster splitting K (1, 2, 4 or 8)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
     M, K = x.shape
@@ -47,7 +127,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
     expect("out", out, shape, dtype)
     if K % 8 or N % 8:
         raise ValueError(f"linear: K and N must be multiples of 8 (16-byte rows), got K={K}, N={N}")
-    path = force or ("gemv" if M in GEMV_ROWS else "gemm")
+    path = force or default_path(M, N)
     epi = EPILOGUES[epilogue]
     if path == "gemv":
         if M not in GEMV_ROWS:
@@ -62,5 +142,9 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         grid = (cdiv(N, GEMM_TILE), cdiv(M, GEMM_TILE))
         kernel("gemm.cu", f"gemm_e{epi}").launch(grid, (256,), [x, w, out, I32(M), I32(N), I32(K)], stream,
                                                 smem=GEMM_SMEM)
+    elif path == "small":
+        cfg = small_gemm_config(M, N, K, ksplit=ksplit, rows=rows, sms=get_device().info.num_sms)
+        kernel("gemm_small.cu", cfg.kernel_name).launch(
+            cfg.grid, (SMALL_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
     else:
-        raise ValueError(f"linear: force must be 'gemm' or 'gemv', got {force!r}")
+        raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'small', got {force!r}")

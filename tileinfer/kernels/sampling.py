@@ -1,4 +1,5 @@
-"""Launchers for cuda_src/sampling.cu: greedy argmax and seeded temperature/top-k/top-p sampling."""
+"""Launchers for cuda_src/sampling.cu: greedy argmax, seeded temperature/min-p/top-k/top-p sampling,
+and vLLM's repetition/presence/frequency penalties."""
 from ..cuda import I32, DeviceArray, kernel
 from ._check import FLOAT32, INT32, UINT64, expect
 
@@ -12,14 +13,32 @@ def argmax(logits: DeviceArray, out: DeviceArray, stream) -> None:
 
 
 def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray,
-           seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream) -> None:
-    """Per row r: greedy if temperature[r] <= 0, else a Gumbel-max sample from the top-k/top-p
-    filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r])."""
+           min_p: DeviceArray, seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream) -> None:
+    """Per row r: greedy if temperature[r] <= 0, else a Gumbel-max sample from the min-p, then top-k,
+    then top-p filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r]).
+    min_p[r] <= 0 disables min-p (it keeps probabilities >= min_p[r] * the largest)."""
     rows, vocab = logits.shape
     expect("logits", logits, (rows, vocab), FLOAT32)
     for name, arr, dtype in (("temperature", temperature, FLOAT32), ("top_k", top_k, INT32),
-                             ("top_p", top_p, FLOAT32), ("seeds", seeds, UINT64),
+                             ("top_p", top_p, FLOAT32), ("min_p", min_p, FLOAT32), ("seeds", seeds, UINT64),
                              ("counters", counters, INT32), ("out", out, INT32)):
         expect(name, arr, (rows,), dtype)
     kernel("sampling.cu", "sample_rows").launch(
-        (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, seeds, counters, out], stream)
+        (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out], stream)
+
+
+def apply_penalties(logits: DeviceArray, offsets: DeviceArray, tokens: DeviceArray, counts: DeviceArray,
+                    repetition: DeviceArray, presence: DeviceArray, frequency: DeviceArray, stream) -> None:
+    """In place on logits [rows, vocab]. Row r's entries e in [offsets[r], offsets[r + 1]) name distinct
+    token ids tokens[e] of its prompt or output, counts[e] their occurrences in the output (0: prompt only):
+    logits[r, t] is divided by repetition[r] when positive (else multiplied; 1 = off), then reduced by
+    frequency[r] * counts[e] + (presence[r] if counts[e] > 0). Rows without entries are left alone."""
+    rows, vocab = logits.shape
+    expect("logits", logits, (rows, vocab), FLOAT32)
+    expect("offsets", offsets, (rows + 1,), INT32)
+    expect("tokens", tokens, (None,), INT32)
+    expect("counts", counts, tokens.shape, INT32)
+    for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
+        expect(name, arr, (rows,), FLOAT32)
+    kernel("sampling.cu", "apply_penalties").launch(
+        (rows,), (256,), [logits, I32(vocab), offsets, tokens, counts, repetition, presence, frequency], stream)

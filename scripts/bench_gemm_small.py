@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The small-M GEMM (cuda_src/gemm_small.cu) against linear()'s default path on the Qwen3 decode shapes.
+
+    python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 16,32,64,128,256] [--sweep]
+
+For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul, down residual, LM head
+f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per call, the
+bytes a decode step must read) for the default path (the 128x128 GEMM at these M, the GEMV at M <= 8) and
+for linear(force="small") with the split small_gemm_config picks; --sweep also times every cluster split.
+
+Timing: a Python launch costs ~9 us (GPU.md), more than many of these kernels, so `calls` launches are
+captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
+cycle through enough copies of W to exceed the L2 cache three times over, so every call reads its
+weights from HBM as in a decode step; x and out stay the same (they are hot in a real step too).
+Prints a markdown table (GPU, dtype bf16, fraction of the 4.3 TB/s roofline) and writes JSON to $OUT or --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from tileinfer.cuda import DeviceArray, Event, Graph, Stream, get_device
+from tileinfer.kernels import linear
+from tileinfer.kernels.linear import SMALL_ROWS, default_path, SMALL_SPLITS, small_gemm_config
+from tileinfer.model.config import preset
+
+ROOFLINE_BYTES_PER_S = 4.3e12  # measured read bandwidth of the H200 (../shared/GPU.md)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def model_matrices(name: str) -> list[tuple[str, int, int, str]]:
+    """(matrix, N, K, epilogue) of one layer of the model, plus the LM head."""
+    c = preset(name)
+    d, f = c.hidden_size, c.intermediate_size
+    return [("qkv", c.qkv_size, d, "bf16"), ("o", d, c.q_size, "residual"), ("gate_up", 2 * f, d, "silu_mul"),
+            ("down", d, f, "residual"), ("lm_head", c.vocab_size, d, "f32")]
+
+
+class Case:
+    """Device buffers for one (N, K, epilogue): copies of W, and x / out for the largest M."""
+
+    def __init__(self, N: int, K: int, epilogue: str, max_m: int, l2_bytes: int, rng: np.random.Generator):
+        self.N, self.K, self.epilogue = N, K, epilogue
+        self.w_bytes = N * K * 2
+        w = (rng.standard_normal((N, K), dtype=np.float32) / np.float32(math.sqrt(K))).astype(BF16)
+        copies = max(2, math.ceil(3 * l2_bytes / self.w_bytes))
+        self.weights = [DeviceArray.from_host(w) for _ in range(copies)]
+        self.x = DeviceArray.from_host(rng.standard_normal((max_m, K), dtype=np.float32).astype(BF16))
+        cols = N // 2 if epilogue == "silu_mul" else N
+        dtype = np.float32 if epilogue in ("residual", "f32") else BF16
+        self.out = DeviceArray.zeros((max_m, cols), dtype)
+
+    def free(self) -> None:
+        for a in (*self.weights, self.x, self.out):
+            a.free()
+
+
+def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, **linear_kwargs) -> float:
+    """Microseconds per linear() call: `calls` launches in one graph, median over `replays` replays."""
+    x, out = case.x.rows(0, M), case.out.rows(0, M)
+
+    def enqueue(s: Stream) -> None:
+        for i in range(calls):
+            linear(x, case.weights[i % len(case.weights)], out, case.epilogue, s, **linear_kwargs)
+
+    enqueue(stream)  # compile / load the kernels and set their attributes outside the capture
+    stream.synchronize()
+    graph = Graph(stream, enqueue)
+    start, end = Event(), Event()
+    try:
+        graph.launch(stream)  # warm-up replay
+        times = []
+        for _ in range(replays):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_ms(end) * 1e3 / calls)
+    finally:
+        graph.destroy()
+        start.destroy()
+        end.destroy()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
+    ap.add_argument("--m", default="16,32,64,128,256", help="batch sizes (rows of x)")
+    ap.add_argument("--sweep", action="store_true", help="also time every cluster split of the small GEMM")
+    ap.add_argument("--sweep-rows", action="store_true", help="also time every (M tile, split) pair")
+    ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
+    ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--graph-bytes", type=float, default=4e9, help="weight bytes one graph replay reads")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    ms = [int(m) for m in args.m.split(",")]
+
+    dev = get_device()
+    info = dev.info
+    print(f"# gemm_small vs default linear path on {info.name} ({info.num_sms} SMs, L2 {info.l2_bytes >> 20} MB), "
+          f"bf16 weights, float32 accumulation; GB/s = weight bytes / time; roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s")
+    stream = Stream()
+    rng = np.random.default_rng(0)
+    rows = []
+    header = ("| model | matrix | N x K | epilogue | M | default | us | GB/s | small (rows, ksplit, grid) | us | GB/s "
+              "| roofline | speedup |" + (" " + " ".join(f"ks{k} us |" for k in SMALL_SPLITS) if args.sweep else ""))
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for model in args.models.split(","):
+        for matrix, N, K, epilogue in model_matrices(model):
+            if args.no_lm_head and matrix == "lm_head":
+                continue
+            case = Case(N, K, epilogue, max(ms), info.l2_bytes, rng)
+            calls = int(min(400, max(10, args.graph_bytes // case.w_bytes)))
+            try:
+                for M in ms:
+                    default = default_path(M, N)
+                    cfg = small_gemm_config(M, N, K, sms=info.num_sms)
+                    t_default = time_calls(case, M, stream, calls, args.replays)
+                    t_small = time_calls(case, M, stream, calls, args.replays, force="small")
+                    sweep = {ks: time_calls(case, M, stream, calls, args.replays, force="small", ksplit=ks)
+                             for ks in SMALL_SPLITS} if args.sweep else {}
+                    if args.sweep_rows:
+                        for r in SMALL_ROWS:
+                            for ks in SMALL_SPLITS:
+                                us = time_calls(case, M, stream, calls, args.replays, force="small", ksplit=ks, rows=r)
+                                print(f"  sweep {model} {matrix} M={M} rows={r} ksplit={ks}: {us:.1f} us", flush=True)
+                    gbs = lambda us: case.w_bytes / us / 1e3  # noqa: E731 (bytes per microsecond -> GB/s)
+                    row = dict(model=model, matrix=matrix, N=N, K=K, epilogue=epilogue, M=M, default=default,
+                               default_us=t_default, default_GB_s=gbs(t_default), small_rows=cfg.rows,
+                               small_ksplit=cfg.ksplit, small_grid=cfg.grid, small_us=t_small,
+                               small_GB_s=gbs(t_small), roofline_fraction=gbs(t_small) * 1e9 / ROOFLINE_BYTES_PER_S,
+                               speedup=t_default / t_small, sweep_us={str(k): v for k, v in sweep.items()},
+                               calls_per_graph=calls, weight_copies=len(case.weights))
+                    rows.append(row)
+                    line = (f"| {model} | {matrix} | {N} x {K} | {epilogue} | {M} | {default} | {t_default:.1f} "
+                            f"| {row['default_GB_s']:.0f} | {cfg.rows}, {cfg.ksplit}, {cfg.grid} | {t_small:.1f} "
+                            f"| {row['small_GB_s']:.0f} | {row['roofline_fraction']:.0%} | {row['speedup']:.2f}x |")
+                    if sweep:
+                        line += " " + " ".join(f"{sweep[k]:.1f} |" for k in SMALL_SPLITS)
+                    print(line, flush=True)
+            finally:
+                stream.synchronize()
+                case.free()
+    stream.destroy()
+    path = Path(args.out) / "bench_gemm_small.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(gpu=info.name, sms=info.num_sms, roofline_bytes_per_s=ROOFLINE_BYTES_PER_S,
+                                    rows=rows), indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
