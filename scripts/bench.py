@@ -75,8 +75,8 @@ def graph_step_ms(model, replays: int = 50) -> float:
     return start.elapsed_ms(end) / replays
 
 
-def profile_step(model) -> list[dict]:
-    """Per-kernel GPU time of one batch-1 decode step.
+def profile_step(model, bucket: int = 1) -> list[dict]:
+    """Per-kernel GPU time of one decode step of `bucket` sequences (over the step buffers' last contents).
 
     The step is captured again with an event recorded before every launch (and one after the
     last); replaying that graph timestamps each kernel without launch gaps from Python. Rows
@@ -98,7 +98,7 @@ def profile_step(model) -> list[dict]:
     end = Event()
     Kernel.launch = launch
     try:
-        graph = Graph(model.stream, lambda s: (model._enqueue_decode(1, s), end.record(s, external=True)))
+        graph = Graph(model.stream, lambda s: (model._enqueue_decode(bucket, s), end.record(s, external=True)))
     finally:
         Kernel.launch = original
     for _ in range(3):
@@ -155,9 +155,9 @@ def bench_prefill(model, n: int, repeats: int) -> dict:
                 matmul_fraction=flops / seconds / MATMUL_FLOPS)
 
 
-def run_peer(peer: Path, name: str, context: int, new: int, timeout: int) -> dict | None:
+def run_peer(peer: Path, name: str, context: int, new: int, timeout: int, batch: int = 1) -> dict | None:
     try:
-        proc = subprocess.run([sys.executable, str(peer), name, "1", str(context), str(new)], capture_output=True,
+        proc = subprocess.run([sys.executable, str(peer), name, str(batch), str(context), str(new)], capture_output=True,
                               text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:
         print(f"peer {name}: timed out after {timeout} s", flush=True)
@@ -180,6 +180,12 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--profile", action="store_true", help="also print the per-kernel time of one decode step")
+    ap.add_argument("--single", default=True, action=argparse.BooleanOptionalAction,
+                    help="the batch-1 decode and prefill benchmarks on the single-sequence path")
+    ap.add_argument("--batches", default="", help="engine (LLM) decode at these batch sizes, e.g. 1,8,64,256")
+    ap.add_argument("--peer-batches", default=None, help="batch sizes the peer runs at (default: every --batches)")
+    ap.add_argument("--offline", action="store_true", help="engine offline throughput (256 requests)")
+    ap.add_argument("--shared-prefix", action="store_true", help="engine shared-prefix prefill, cache on and off")
     args = ap.parse_args()
 
     dev = get_device()
@@ -190,7 +196,74 @@ def main() -> None:
         t = time.perf_counter()
         path = cached_checkpoint(name)
         print(f"{name}: checkpoint ready in {time.perf_counter() - t:.1f} s", flush=True)
-        t = time.perf_counter()
+        row = dict(model=name, context=args.context, new=args.new)
+        if args.single:
+            row.update(single(args, name, cfg, path))
+        if args.batches or args.offline or args.shared_prefix:
+            row["engine"] = engine(args, name, path)
+        results.append(row)
+        save(args.out, results, dev.info.name)  # after every model, so a cut-short run keeps what it measured
+    print(render(results, dev.info.name))
+
+
+def engine(args, name: str, path: Path) -> dict:
+    from bench_engine import batch_decode, offline, shared_prefix
+    out: dict = {}
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if batches:
+        ctx = args.context + args.new + 64
+        with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False) as llm:
+            out["capture_s"] = llm.capture_seconds
+            out["num_graphs"] = len(llm.model.graphs.graphs)
+            out["memory"] = llm.memory_report.as_dict() if llm.memory_report else None
+            print(f"{name}: {out['num_graphs']} decode graphs captured in {llm.capture_seconds:.2f} s", flush=True)
+            batch_decode(llm, min(8, max(batches)), 64, 8)  # warm-up
+            out["batch_decode"] = []
+            for b in batches:
+                r = batch_decode(llm, b, args.context, args.new)
+                print(f"{name}: batch {b} decode {r['decode_tok_s']:.0f} tok/s in total ({r['ms_per_step']:.2f} ms/step, "
+                      f"{r['gpu_wait_ms_per_step']:.2f} ms of it waiting for the GPU)", flush=True)
+                if args.profile and b in llm.model.buckets:
+                    r["profile"] = profile_step(llm.model, b)
+                    print(render_profile(f"{name} batch {b}", r["profile"]), flush=True)
+                out["batch_decode"].append(r)
+        if args.peer:
+            peer_batches = {int(b) for b in (args.peer_batches or args.batches).split(",") if b}
+            for r in out["batch_decode"]:
+                if r["batch"] not in peer_batches:
+                    continue
+                peer = run_peer(args.peer, name, args.context, args.new, args.peer_timeout, batch=r["batch"])
+                r["peer"] = peer
+                if peer:
+                    print(f"{name}: peer batch {r['batch']} {peer['decode_tok_s_total']:.0f} tok/s in total", flush=True)
+    if args.offline:
+        with tileinfer.LLM(path, max_num_seqs=256, max_context=2048 + 64, max_num_batched_tokens=8192,
+                           progress=False) as llm:
+            r = offline(llm)
+            print(f"{name}: offline {r['output_tok_s']:.0f} output tok/s ({r['requests']} requests, "
+                  f"{r['output_tokens']} output tokens in {r['seconds']:.1f} s, {r['preemptions']} preemptions)",
+                  flush=True)
+            out["offline"] = r
+    if args.shared_prefix:
+        out["shared_prefix"] = {}
+        for on in (True, False):
+            with tileinfer.LLM(path, max_num_seqs=64, max_context=2048 + 64, enable_prefix_caching=on,
+                               progress=False) as llm:
+                shared_prefix(llm, n=2, seed=1)  # warm-up (another prefix)
+                r = shared_prefix(llm)
+                key = "on" if on else "off"
+                out["shared_prefix"][key] = r
+                print(f"{name}: shared prefix, cache {key}: {r['computed_prompt_tokens']} of {r['prompt_tokens']} "
+                      f"prompt tokens computed in {r['seconds']:.3f} s", flush=True)
+        sp = out["shared_prefix"]
+        assert sp["on"]["first_tokens"] == sp["off"]["first_tokens"], "prefix caching changed a first token"
+    return out
+
+
+def single(args, name: str, cfg, path: Path) -> dict:
+    """Batch-1 decode and prefill on the single-sequence path (tileinfer.generate), and the peer at batch 1."""
+    t = time.perf_counter()
+    if True:
         with tileinfer.load_model(path, progress=False, max_batch_tokens=max(4096, args.context)) as model:
             load_s = time.perf_counter() - t
             row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", load_s=load_s,
@@ -211,9 +284,7 @@ def main() -> None:
             row["peer"] = peer
             if peer:
                 print(f"{name}: peer {peer['decode_tok_s_per_seq']:.1f} tok/s", flush=True)
-        results.append(row)
-        save(args.out, results, dev.info.name)  # after every model, so a cut-short run keeps what it measured
-    print(render(results, dev.info.name))
+    return row
 
 
 def save(out: Path, results: list[dict], gpu: str) -> None:
@@ -223,21 +294,51 @@ def save(out: Path, results: list[dict], gpu: str) -> None:
 
 
 def render(results: list[dict], gpu: str) -> str:
-    lines = [f"GPU: {gpu}; bf16 weights and KV cache; batch 1; synthetic checkpoints", "",
-             "| model | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio | GPU ms/step | wall ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"GPU: {gpu}; bf16 weights and KV cache; synthetic checkpoints", ""]
+    single = [r for r in results if "decode_tok_s" in r]
+    if single:
+        lines += ["Batch 1, single-sequence path:", "",
+                  "| model | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio | GPU ms/step | wall ms/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in single:
+            peer = r.get("peer")
+            p = peer["decode_tok_s_per_seq"] if peer else None
+            lines.append(f"| {r['model']} | {r['context']} | {r['decode_tok_s']:.1f} | {r['GB_s']:.0f} | "
+                         f"{100 * r['roofline_fraction']:.1f} | {r['roofline_tok_s']:.0f} | "
+                         f"{'%.1f' % p if p else '-'} | {'%.2fx' % (r['decode_tok_s'] / p) if p else '-'} | "
+                         f"{r['graph_step_ms']:.3f} | {r['wall_step_ms']:.3f} |")
+        lines += ["", "| model | prompt tokens | prefill tok/s | TFLOP/s | % of 790 TFLOP/s |", "|---|---|---|---|---|"]
+        for r in single:
+            for p in r["prefill"]:
+                lines.append(f"| {r['model']} | {p['prefill_tokens']} | {p['prefill_tok_s']:.0f} | {p['TFLOP_s']:.0f} | "
+                             f"{100 * p['matmul_fraction']:.1f} |")
+    engine_rows = [(r, b) for r in results for b in r.get("engine", {}).get("batch_decode", [])]
+    if engine_rows:
+        lines += ["", "Engine (tileinfer.LLM) decode, every sequence at `context` + up to `new` positions:", "",
+                  "| model | batch | context | tok/s total | ms/step | GB/s | % roofline | peer tok/s total | ratio |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r, b in engine_rows:
+            cfg = preset(r["model"])
+            step_bytes = weight_bytes(cfg) + b["batch"] * kv_bytes(cfg, b["context"] + b["new"] // 2)
+            gbs = step_bytes / (b["ms_per_step"] / 1e3) / 1e9
+            peer = b.get("peer")
+            p = peer["decode_tok_s_total"] if peer else None
+            lines.append(f"| {r['model']} | {b['batch']} | {b['context']} | {b['decode_tok_s']:.0f} | "
+                         f"{b['ms_per_step']:.3f} | {gbs:.0f} | {100 * gbs * 1e9 / ROOFLINE_BYTES_PER_S:.1f} | "
+                         f"{'%.0f' % p if p else '-'} | {'%.2fx' % (b['decode_tok_s'] / p) if p else '-'} |")
     for r in results:
-        peer = r.get("peer")
-        p = peer["decode_tok_s_per_seq"] if peer else None
-        lines.append(f"| {r['model']} | {r['context']} | {r['decode_tok_s']:.1f} | {r['GB_s']:.0f} | "
-                     f"{100 * r['roofline_fraction']:.1f} | {r['roofline_tok_s']:.0f} | "
-                     f"{'%.1f' % p if p else '-'} | {'%.2fx' % (r['decode_tok_s'] / p) if p else '-'} | "
-                     f"{r['graph_step_ms']:.3f} | {r['wall_step_ms']:.3f} |")
-    lines += ["", "| model | prompt tokens | prefill tok/s | TFLOP/s | % of 790 TFLOP/s |", "|---|---|---|---|---|"]
-    for r in results:
-        for p in r["prefill"]:
-            lines.append(f"| {r['model']} | {p['prefill_tokens']} | {p['prefill_tok_s']:.0f} | {p['TFLOP_s']:.0f} | "
-                         f"{100 * p['matmul_fraction']:.1f} |")
+        e = r.get("engine", {})
+        if "capture_s" in e:
+            lines.append(f"\n{r['model']}: {e['num_graphs']} decode graphs captured in {e['capture_s']:.2f} s")
+        if "offline" in e:
+            o = e["offline"]
+            lines.append(f"\n{r['model']} offline: {o['requests']} requests, {o['prompt_tokens']} prompt + "
+                         f"{o['output_tokens']} output tokens in {o['seconds']:.1f} s = **{o['output_tok_s']:.0f} output "
+                         f"tok/s** ({o['total_tok_s']:.0f} tok/s in total, {o['preemptions']} preemptions)")
+        if "shared_prefix" in e:
+            for key, sp in e["shared_prefix"].items():
+                lines.append(f"\n{r['model']} shared prefix, cache {key}: {sp['computed_prompt_tokens']} of "
+                             f"{sp['prompt_tokens']} prompt tokens computed, {sp['seconds']:.3f} s")
     return "\n".join(lines) + "\n"
 
 

@@ -1,12 +1,23 @@
 """TileInfer: a single-GPU inference engine for Qwen3 models.
 
+Many requests at once (continuous batching, prefix caching):
+
     import tileinfer
+    with tileinfer.LLM("path/to/Qwen3-checkpoint") as llm:
+        for out in llm.generate(["Hello", "The capital of France is"],
+                                tileinfer.SamplingParams(max_tokens=32, temperature=0)):
+            print(out.text)
+
+One sequence, the smallest path through the engine:
+
     model = tileinfer.load_model("path/to/Qwen3-checkpoint")
     result = tileinfer.generate(model, "The capital of France is", max_new_tokens=32)
-    print(result.text)
 """
 from .engine.generate import GenerationResult, generate
+from .engine.llm import LLM, RequestOutput, StreamOutput
 from .engine.model import Model, load_model
+from .engine.params import SamplingParams
 
-__all__ = ["GenerationResult", "Model", "generate", "load_model"]
+__all__ = ["GenerationResult", "LLM", "Model", "RequestOutput", "SamplingParams", "StreamOutput", "generate",
+           "load_model"]
 __version__ = "0.1.0"

@@ -114,6 +114,15 @@ class Device:
         return call(driver.cuMemGetInfo)
 
 
+def pci_bus_id(ordinal: int = 0) -> str:
+    """The PCI bus id of CUDA device `ordinal`, e.g. "0000:19:00.0": how NVML names the same GPU
+    whatever CUDA_VISIBLE_DEVICES says. Creates no context."""
+    call(driver.cuInit, 0)
+    handle = call(driver.cuDeviceGet, ordinal)
+    raw = call(driver.cuDeviceGetPCIBusId, 32, handle)
+    return (raw if isinstance(raw, (bytes, bytearray)) else str(raw).encode()).split(b"\0", 1)[0].decode()
+
+
 @cache
 def get_device(ordinal: int = 0) -> Device:
     """The process-wide Device for `ordinal` (created once; raises NoDeviceError without a GPU)."""

@@ -19,6 +19,14 @@ def _nbytes(shape, dtype) -> int:
     return int(math.prod(shape)) * np.dtype(dtype).itemsize
 
 
+_live_bytes = 0  # bytes of every DeviceArray allocated and not yet freed (the memory report reads it)
+
+
+def allocated_bytes() -> int:
+    """Bytes this process holds in DeviceArray allocations now."""
+    return _live_bytes
+
+
 class DeviceArray:
     """A typed, C-contiguous device allocation: `shape`, `dtype`, `ptr` (int), `nbytes`.
 
@@ -34,6 +42,8 @@ class DeviceArray:
             # A zero-byte allocation is an error in the driver: keep one byte so every array has an address.
             ptr = int(call(driver.cuMemAlloc, max(self.nbytes, 1), detail=f"{self.nbytes} bytes"))
             self._owned = True
+            global _live_bytes
+            _live_bytes += max(self.nbytes, 1)
         else:
             self._owned = False
         self.ptr = int(ptr)
@@ -108,6 +118,8 @@ class DeviceArray:
     def free(self) -> None:
         if self._owned and self.ptr:
             call(driver.cuMemFree, self.ptr)
+            global _live_bytes
+            _live_bytes -= max(self.nbytes, 1)
         self.ptr = 0
         self._owned = False
 

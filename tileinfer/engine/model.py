@@ -1,12 +1,23 @@
 """A loaded model on the GPU: weights, workspace, a paged KV cache, step buffers, decode graphs.
 
-`Model.step` runs one forward step for a batch of (sequence, new tokens) pairs and returns
-the next token of each sequence. Decode steps (one new token per sequence) replay a CUDA
-graph per batch bucket; prefill chunks run eagerly (their shapes vary).
+`Model.step` runs one forward step for a batch of (sequence, new tokens[, start]) rows and
+returns the next token of each sequence. Decode steps (one new token per sequence, at most
+`max_num_seqs` of them) replay a CUDA graph per batch bucket; steps with prefill chunks run
+eagerly (their shapes vary).
+
+Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for
+1, 2, 4 or 8 rows, the tensor-core GEMM otherwise) and decode attention splits each sequence's
+keys by batch size. Different kernels sum in different orders, so a sequence's logits can
+differ in the last bits with the batch around it, and at a near-tie a greedy token can flip.
+With batch_invariant=True every product runs on the GEMM (which sums k in the same order for
+every row, whatever M) and attention never splits, so each sequence's logits are bitwise the
+same alone, in any batch, prefilled in any chunks, or recomputed after preemption; decode is
+slower (the GEMM is not built for a handful of rows).
 """
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +33,28 @@ from .step import SamplingRow, StepBuffers, StepShape, prepare_step
 
 log = logging.getLogger(__name__)
 
-DECODE_BUCKETS = (1, 2, 4, 8)
 MAX_SPLITS = 16
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
 
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes with a decode graph: 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond,
+    the last one max_num_seqs itself. A batch replays the smallest bucket that holds it."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
+    b = 8
+    while b < max_num_seqs:
+        buckets.append(b)
+        b += 8 if b < 64 else 16
+    buckets.append(max_num_seqs)
+    return tuple(buckets)
+
+
 class Model:
     def __init__(self, path: str | Path, *, device: int = 0, max_batch_tokens: int = 2048,
-                 max_logit_rows: int = 256, progress: bool = True):
+                 max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
+                 progress: bool = True):
         self.checkpoint = Checkpoint.open(path)
         self.config = self.checkpoint.config
         if self.config.head_dim != 128:
@@ -38,13 +63,21 @@ class Model:
         self.device = get_device(device)
         self.stream = Stream()
         self.weights = DeviceWeights(self.checkpoint, self.stream, progress=progress)
-        self.max_batch_tokens = max_batch_tokens
-        self.workspace = Workspace(self.config, max_tokens=max_batch_tokens, max_logit_rows=max_logit_rows,
-                                   max_decode_rows=max(DECODE_BUCKETS), max_splits=MAX_SPLITS)
+        self.buckets = decode_buckets(max_num_seqs)
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
+        self.max_context = 0  # the longest sequence the attached cache serves (sets decode splits)
+        partial_rows = max(self._splits_for(b, MAX_SPLITS) * b for b in self.buckets)
+        self.workspace = Workspace(self.config, max_tokens=self.max_batch_tokens,
+                                   max_logit_rows=max(max_logit_rows, max_num_seqs),
+                                   max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
         self.graphs = None
         self.use_graphs = True
+        self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
+        self._slot = 0           # pinned slot the next sampled step downloads into
+        self.batch_invariant = batch_invariant
         self._tokenizer = None
         self._closed = False
 
@@ -68,46 +101,79 @@ class Model:
         if self.cache is not None and self.cache.capacity >= max_tokens and self.cache.page_size == page_size:
             return self.cache
         self._drop_cache()
-        self.cache = PagedKVCache(self.config, max_tokens=max_tokens, page_size=page_size)
-        self.steps = StepBuffers(self.max_batch_tokens, max(DECODE_BUCKETS), self.cache.layout.block_table_width)
-        self.graphs = DecodeGraphs(self._enqueue_decode, DECODE_BUCKETS)
-        log.info("KV cache: %d pages of %d positions, %.2f GB", self.cache.layout.num_pages, page_size,
-                 self.cache.layout.nbytes / 1e9)
-        return self.cache
+        cache = PagedKVCache(self.config, max_tokens=max_tokens, page_size=page_size)
+        self.attach_cache(cache, max_context=cache.capacity)
+        log.info("KV cache: %d pages of %d positions, %.2f GB", cache.layout.num_pages, page_size,
+                 cache.layout.nbytes / 1e9)
+        return cache
+
+    def attach_cache(self, cache: PagedKVCache, *, max_context: int, penalty_capacity: int = 0) -> None:
+        """Use `cache` from now on (the previous one is freed): new step buffers, no graphs yet."""
+        self._check_open()
+        self._drop_cache()
+        self.cache = cache
+        self.max_context = max_context
+        self.steps = StepBuffers(self.max_batch_tokens, self.max_num_seqs, cache.layout.block_table_width,
+                                 penalty_capacity=penalty_capacity)
+        self.graphs = DecodeGraphs(self._enqueue_decode, self.buckets)
+
+    def _splits_for(self, batch: int, max_tiles: int) -> int:
+        sms = self.device.info.num_sms
+        want = -(-2 * sms // (batch * self.config.num_key_value_heads))
+        return max(1, min(MAX_SPLITS, max_tiles, want))
 
     def decode_splits(self, batch: int) -> int:
-        """Key-range splits per sequence for decode attention: enough blocks to cover the SMs."""
-        sms = self.device.info.num_sms
-        tiles = -(-self.cache.capacity // KEY_TILE)
-        want = -(-2 * sms // (batch * self.config.num_key_value_heads))
-        return max(1, min(MAX_SPLITS, tiles, want))
+        """Key-range splits per sequence for decode attention: enough blocks to cover the SMs
+        (always 1 when batch-invariant)."""
+        if self.batch_invariant:
+            return 1
+        return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
     def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream) -> None:
         logits = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=all_logits,
-                         num_splits=num_splits, stream=stream)
+                         num_splits=num_splits, stream=stream, linear_path="gemm" if self.batch_invariant else None)
         if sample:
             d, b = self.steps.dev, shape.num_seqs
+            K.apply_penalties(logits, d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens,
+                              self.steps.penalty_counts, d["repetition"].rows(0, b), d["presence"].rows(0, b),
+                              d["frequency"].rows(0, b), stream)
             K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
-                     d["seeds"].rows(0, b), d["counters"].rows(0, b), self.steps.sampled.rows(0, b), stream)
+                     d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
+                     self.steps.sampled.rows(0, b), stream)
 
     def _enqueue_decode(self, bucket: int, stream) -> None:
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
         self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream)
 
     # ------------------------------------------------------------------ steps
-    def step(self, batch: list[tuple[Sequence, list[int]]], sampling: list[SamplingRow] | None = None,
-             *, sample: bool = True) -> np.ndarray | None:
-        """One forward step; the sequences' new positions must already be reserved.
+    def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
+             penalties: list | None = None) -> np.ndarray | None:
+        """One forward step over (sequence, new ids[, start]) rows (see prepare_step), waited for; the
+        positions must already be reserved.
 
         Returns each sequence's next token (or None with sample=False, e.g. a non-final prefill chunk).
         """
+        slot = self.launch(batch, sampling, sample=sample, penalties=penalties)
+        return self.collect(slot, len(batch))
+
+    def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
+               penalties: list | None = None, token_src: list[int] | None = None) -> int | None:
+        """Enqueue one step without waiting for it; returns the slot to `collect` its samples from
+        (None with sample=False). At most two sampled steps may be in flight."""
         self._check_open()
-        decode = all(len(ids) == 1 for _, ids in batch) and len(batch) <= max(DECODE_BUCKETS)
-        if decode and self.use_graphs:
-            bucket = bucket_for(len(batch), DECODE_BUCKETS)
-            prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket)
+        copies = self.cache.manager.take_pending_copies()
+        if copies:
+            self.cache.copy_pages(copies, self.stream)
+        decode = all(len(item[1]) == 1 for item in batch) and len(batch) <= self.max_num_seqs
+        if decode:
+            # Padded to its bucket, eager or not, so a graph replay and an eager step run the same launches.
+            bucket = bucket_for(len(batch), self.buckets)
+            prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
+                         token_src=token_src)
             self.steps.upload(self.stream)
-            if bucket in self.graphs.graphs:
+            if not self.use_graphs:
+                self._enqueue_decode(bucket, self.stream)
+            elif bucket in self.graphs.graphs:
                 self.graphs.replay(len(batch), self.stream)
             else:
                 # First step of this bucket: run it eagerly (loading every kernel it uses), then
@@ -115,14 +181,27 @@ class Model:
                 self._enqueue_decode(bucket, self.stream)
                 self.graphs.capture(self.stream, [bucket])
         else:
-            shape = prepare_step(self.steps, self.cache.manager, batch, sampling)
-            splits = self.decode_splits(len(batch)) if decode else 1
+            shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
+                                 token_src=token_src)
             self.steps.upload(self.stream)
-            self._enqueue(shape, all_logits=False, sample=sample, num_splits=splits, stream=self.stream)
+            self._enqueue(shape, all_logits=False, sample=sample, num_splits=1, stream=self.stream)
         if not sample:
-            self.stream.synchronize()
             return None
-        return self.steps.download_sampled(len(batch), self.stream)
+        slot = self._slot
+        self._slot ^= 1
+        self.steps.start_download(len(batch), slot, self.stream)
+        return slot
+
+    def collect(self, slot: int | None, n: int) -> np.ndarray | None:
+        """Wait for a launched step; its n sampled tokens (None for a step that did not sample)."""
+        t = time.perf_counter()
+        if slot is None:
+            self.stream.synchronize()
+            out = None
+        else:
+            out = self.steps.finish_download(n, slot)
+        self.wait_seconds += time.perf_counter() - t
+        return out
 
     def logits(self, token_ids: list[int], *, chunk: int | None = None) -> np.ndarray:
         """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab].

@@ -13,18 +13,26 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver
 
-from ..cuda import DeviceArray, PinnedBuffer, call
-from ..kv import BlockManager, Sequence
+from ..cuda import DeviceArray, Event, PinnedBuffer, call
+from ..kv import BlockManager
 
 _ALIGN = 16
 
 
-@dataclass
+@dataclass(eq=False)
 class SamplingRow:
+    """One sequence's sampling parameters as the kernels read them (see engine/params.py)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+
+
+_GREEDY = SamplingRow()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +44,11 @@ class StepShape:
 
 
 class StepBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, table_width: int):
+    def __init__(self, max_tokens: int, max_seqs: int, table_width: int, penalty_capacity: int = 0):
         self.max_tokens, self.max_seqs, self.table_width = max_tokens, max_seqs, table_width
         fields = [
             ("tokens", (max_tokens,), np.int32),
+            ("token_src", (max_tokens,), np.int32),     # >= 0: take the token the previous step sampled in that row
             ("positions", (max_tokens,), np.int32),
             ("slots", (max_tokens,), np.int32),
             ("cu_q", (max_seqs + 1,), np.int32),
@@ -49,8 +58,13 @@ class StepBuffers:
             ("temperature", (max_seqs,), np.float32),
             ("top_k", (max_seqs,), np.int32),
             ("top_p", (max_seqs,), np.float32),
+            ("min_p", (max_seqs,), np.float32),
             ("seeds", (max_seqs,), np.uint64),
             ("counters", (max_seqs,), np.int32),       # position being sampled (the RNG counter)
+            ("repetition", (max_seqs,), np.float32),
+            ("presence", (max_seqs,), np.float32),
+            ("frequency", (max_seqs,), np.float32),
+            ("pen_offsets", (max_seqs + 1,), np.int32),  # each row's range of penalty entries
         ]
         offsets, offset = {}, 0
         for name, shape, dtype in fields:
@@ -66,75 +80,204 @@ class StepBuffers:
             self.host[name] = self.pinned.array(shape, dtype, offsets[name])
             self.dev[name] = DeviceArray(shape, dtype, ptr=self.device.ptr + offsets[name], base=self.device)
         self.pinned.bytes[:] = 0
-        # Sampled token ids come back through their own small buffers.
+        self.host["token_src"][:] = -1
+        self.src_dirty = 0  # leading token_src entries a step set (reset to -1 by the next)
+        # Sampled token ids come back through their own small buffers: one pinned slot per step in
+        # flight (two), so a step's ids can be read while the next step runs.
         self.sampled = DeviceArray((max_seqs,), np.int32)
-        self.sampled_host = PinnedBuffer(max_seqs * 4)
+        self.sampled_host = PinnedBuffer(2 * max_seqs * 4)
+        self.sampled_ready = [Event(), Event()]
+        self.uploaded = Event()  # recorded after each upload: the mirror may be rewritten once it completes
+        self._upload_pending = False
+        # Penalty entries (token id, output count) of every row, uploaded only as far as used.
+        self.penalty_capacity = max(int(penalty_capacity), 1)
+        self.penalties = DeviceArray((2, self.penalty_capacity), np.int32)
+        self.penalties_host = PinnedBuffer(self.penalties.nbytes)
+        self.num_penalty_entries = 0
+        # What each row of the block tables and sampling fields holds now: (sequence, table version)
+        # and the SamplingRow object, so unchanged rows are not rewritten every step.
+        self.row_tables: list[tuple[object, int] | None] = [None] * max_seqs
+        self.row_sampling: list[SamplingRow | None] = [None] * max_seqs
+
+    @property
+    def penalty_tokens(self) -> DeviceArray:
+        return self.penalties.rows(0, 1).view((self.penalty_capacity,))
+
+    @property
+    def penalty_counts(self) -> DeviceArray:
+        return self.penalties.rows(1, 2).view((self.penalty_capacity,))
+
+    def wait_upload(self) -> None:
+        """Block until the last upload has read the pinned mirror (before writing it again)."""
+        if self._upload_pending:
+            self.uploaded.synchronize()
+            self._upload_pending = False
 
     def upload(self, stream) -> None:
         call(driver.cuMemcpyHtoDAsync, self.device.ptr, self.pinned.ptr, self.nbytes, stream.handle)
+        n = self.num_penalty_entries
+        if n:
+            cap = self.penalty_capacity
+            call(driver.cuMemcpyHtoDAsync, self.penalties.ptr, self.penalties_host.ptr, n * 4, stream.handle)
+            call(driver.cuMemcpyHtoDAsync, self.penalties.ptr + cap * 4, self.penalties_host.ptr + cap * 4, n * 4,
+                 stream.handle)
+        self.uploaded.record(stream)
+        self._upload_pending = True
+
+    def start_download(self, n: int, slot: int, stream) -> None:
+        """Enqueue the copy of the first n sampled ids into pinned slot 0 or 1 (read with finish_download)."""
+        call(driver.cuMemcpyDtoHAsync, self.sampled_host.ptr + slot * self.max_seqs * 4, self.sampled.ptr, n * 4,
+             stream.handle)
+        self.sampled_ready[slot].record(stream)
+
+    def finish_download(self, n: int, slot: int) -> np.ndarray:
+        """Wait for a slot's copy; the step's sampled ids."""
+        self.sampled_ready[slot].synchronize()
+        return self.sampled_host.array((n,), np.int32, slot * self.max_seqs * 4).copy()
 
     def download_sampled(self, n: int, stream) -> np.ndarray:
         """Copy the first n sampled ids back and wait for them (the step's one host sync)."""
-        call(driver.cuMemcpyDtoHAsync, self.sampled_host.ptr, self.sampled.ptr, n * 4, stream.handle)
-        stream.synchronize()
-        return self.sampled_host.array((n,), np.int32).copy()
+        self.start_download(n, 0, stream)
+        return self.finish_download(n, 0)
 
     def free(self) -> None:
         self.device.free()
         self.pinned.free()
         self.sampled.free()
         self.sampled_host.free()
+        self.penalties.free()
+        self.penalties_host.free()
+        for e in (*self.sampled_ready, self.uploaded):
+            e.destroy()
 
 
-def prepare_step(buffers: StepBuffers, manager: BlockManager, batch: list[tuple[Sequence, list[int]]],
-                 sampling: list[SamplingRow] | None = None, pad_to: int | None = None) -> StepShape:
-    """Fill the pinned mirror for one step; the sequences' new positions must be reserved already.
+def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: list[SamplingRow] | None = None,
+                 pad_to: int | None = None, penalties: list | None = None,
+                 token_src: list[int] | None = None) -> StepShape:
+    """Fill the pinned mirror for one step; the positions it computes must be reserved already.
 
-    batch: (sequence, its new token ids) pairs; each sequence's last len(ids) reserved positions
-    are the ones this step computes. pad_to: the number of sequences (and, for one-token steps,
-    tokens) of the graph bucket; padding rows have no query tokens (attention skips them) and
-    slot -1 (nothing is stored).
+    batch: (sequence, new token ids, start) triples: the step computes positions start ..
+    start + len(ids) - 1 of the sequence and attends to positions < start + len(ids). A pair
+    (sequence, ids) means start = sequence.num_positions - len(ids) (its last reserved positions).
+    pad_to: the number of sequences (and, for one-token steps, tokens) of the graph bucket;
+    padding rows have no query tokens (attention skips them) and slot -1 (nothing is stored).
+    penalties: per row None or (token ids, output counts) int32 arrays for apply_penalties.
+    token_src: per row -1, or (for a one-token row) the row of the previous step whose sample is
+    this row's token: it is read on the device, so the host need not have it yet.
     """
+    buffers.wait_upload()
     h = buffers.host
     num_seqs = pad_to or len(batch)
     if num_seqs > buffers.max_seqs or num_seqs < len(batch):
         raise ValueError(f"prepare_step: {len(batch)} sequences padded to {num_seqs}, buffers hold {buffers.max_seqs}")
-    offset, max_q = 0, 1
-    for i, (seq, ids) in enumerate(batch):
+    ps = manager.page_size
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_q, kv_lens, last_rows = [], [], []
+    max_q = 1
+    for i, item in enumerate(batch):
+        seq, ids = item[0], item[1]
         n = len(ids)
-        start = seq.num_positions - n
-        if n < 1 or start < 0:
-            raise ValueError(f"prepare_step: sequence {i} has {n} new tokens and {seq.num_positions} reserved positions")
-        if offset + n > buffers.max_tokens:
-            raise ValueError(f"prepare_step: more than {buffers.max_tokens} tokens in one step")
-        rows = slice(offset, offset + n)
-        h["tokens"][rows] = ids
-        h["positions"][rows] = np.arange(start, start + n, dtype=np.int32)
-        h["slots"][rows] = manager.slots(seq, start, n)
-        h["cu_q"][i] = offset
-        h["kv_lens"][i] = seq.num_positions
-        h["last_rows"][i] = offset + n - 1
-        table = seq.block_table
-        if len(table) > buffers.table_width:
-            raise ValueError(f"prepare_step: sequence {i} has {len(table)} pages, the table holds {buffers.table_width}")
-        h["block_tables"][i, :len(table)] = table
-        h["block_tables"][i, len(table):] = 0
-        row = sampling[i] if sampling else SamplingRow()
-        h["temperature"][i], h["top_k"][i], h["top_p"][i] = row.temperature, row.top_k, row.top_p
-        h["seeds"][i] = np.uint64(row.seed & 0xFFFFFFFFFFFFFFFF)
-        h["counters"][i] = seq.num_positions
-        offset += n
+        start = item[2] if len(item) > 2 else seq.num_positions - n
+        end = start + n
+        if n < 1 or start < 0 or end > seq.num_positions:
+            raise ValueError(f"prepare_step: sequence {i} computes positions [{start}, {end}) but has "
+                             f"{seq.num_positions} reserved")
+        cu_q.append(len(tokens))
+        if n == 1:
+            tokens.append(int(ids[0]))
+            positions.append(start)
+            slots.append(seq.block_table[start // ps] * ps + start % ps)
+        else:
+            tokens.extend(ids)
+            positions.extend(range(start, end))
+            slots.extend(manager.slots(seq, start, n).tolist())
+        kv_lens.append(end)
+        last_rows.append(len(tokens) - 1)
         max_q = max(max_q, n)
+        if len(seq.block_table) > buffers.table_width:
+            raise ValueError(f"prepare_step: sequence {i} has {len(seq.block_table)} pages, the table holds "
+                             f"{buffers.table_width}")
+        key = (seq, seq.table_version)
+        held = buffers.row_tables[i]
+        if held is None or held[0] is not seq or held[1] != key[1]:
+            table = seq.block_table
+            h["block_tables"][i, :len(table)] = table
+            h["block_tables"][i, len(table):] = 0
+            buffers.row_tables[i] = key
+        row = sampling[i] if sampling else _GREEDY
+        if buffers.row_sampling[i] is not row:
+            _write_sampling(h, i, row)
+            buffers.row_sampling[i] = row
+    offset = len(tokens)
+    if offset > buffers.max_tokens:
+        raise ValueError(f"prepare_step: {offset} tokens in one step, the buffers hold {buffers.max_tokens}")
+    b = len(batch)
+    h["tokens"][:offset] = tokens
+    src = h["token_src"]
+    if buffers.src_dirty:  # clear what the last step set (it may have been longer than this one)
+        src[:buffers.src_dirty] = -1
+        buffers.src_dirty = 0
+    if token_src is not None:
+        for i, r in enumerate(token_src):
+            if r >= 0:
+                src[cu_q[i]] = r
+        buffers.src_dirty = offset
+    h["positions"][:offset] = positions
+    h["slots"][:offset] = slots
+    h["cu_q"][:b] = cu_q
+    h["kv_lens"][:b] = kv_lens
+    h["counters"][:b] = kv_lens  # the position a row's sample is for seeds the draw
+    h["last_rows"][:b] = last_rows
     num_tokens = offset
     if pad_to and max_q == 1:
         num_tokens = num_seqs  # a decode bucket: one row per (padding) sequence
     pad = slice(offset, num_tokens)
-    h["tokens"][pad], h["positions"][pad], h["slots"][pad] = 0, 0, -1
-    for i in range(len(batch), num_seqs):
-        h["cu_q"][i] = offset
-        h["kv_lens"][i] = 0
-        h["last_rows"][i] = min(offset, num_tokens - 1)
-        h["block_tables"][i] = 0
-        h["temperature"][i], h["top_k"][i], h["top_p"][i], h["seeds"][i], h["counters"][i] = 0.0, 0, 1.0, 0, 0
+    h["tokens"][pad], h["positions"][pad], h["slots"][pad], src[pad] = 0, 0, -1, -1
+    if num_seqs > b:
+        h["cu_q"][b:num_seqs] = offset
+        h["kv_lens"][b:num_seqs] = 0
+        h["counters"][b:num_seqs] = 0
+        h["last_rows"][b:num_seqs] = min(offset, num_tokens - 1)
+        for i in range(b, num_seqs):
+            if buffers.row_tables[i] is not None:
+                h["block_tables"][i] = 0
+                buffers.row_tables[i] = None
+            if buffers.row_sampling[i] is not _GREEDY:
+                _write_sampling(h, i, _GREEDY)
+                buffers.row_sampling[i] = _GREEDY
     h["cu_q"][num_seqs] = offset
+    _fill_penalties(buffers, penalties, num_seqs)
     return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, max_q_len=max_q)
+
+
+def _write_sampling(h: dict[str, np.ndarray], i: int, row: SamplingRow) -> None:
+    h["temperature"][i], h["top_k"][i], h["top_p"][i], h["min_p"][i] = row.temperature, row.top_k, row.top_p, row.min_p
+    h["seeds"][i] = np.uint64(row.seed & 0xFFFFFFFFFFFFFFFF)
+    h["repetition"][i], h["presence"][i], h["frequency"][i] = row.repetition, row.presence, row.frequency
+
+
+def _fill_penalties(buffers: StepBuffers, penalties: list | None, num_seqs: int) -> None:
+    offsets = buffers.host["pen_offsets"]
+    if not penalties or all(p is None for p in penalties):
+        if buffers.num_penalty_entries or offsets[num_seqs]:
+            offsets[:] = 0
+        buffers.num_penalty_entries = 0
+        return
+    cap = buffers.penalty_capacity
+    entries = buffers.penalties_host.array((2, cap), np.int32)
+    n = 0
+    for i in range(num_seqs):
+        offsets[i] = n
+        p = penalties[i] if i < len(penalties) else None
+        if p is None:
+            continue
+        ids, counts = p
+        if n + len(ids) > cap:
+            raise ValueError(f"prepare_step: more than {cap} penalty entries in one step")
+        entries[0, n:n + len(ids)] = ids
+        entries[1, n:n + len(ids)] = counts
+        n += len(ids)
+    offsets[num_seqs:] = n
+    buffers.num_penalty_entries = n

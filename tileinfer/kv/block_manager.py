@@ -105,6 +105,7 @@ class Sequence:
     def __init__(self) -> None:
         self.num_positions = 0
         self.block_table: list[int] = []
+        self.table_version = 0  # bumped on every change of block_table (step buffers skip unchanged rows)
         self._manager: BlockManager | None = None  # set on first reservation; one manager per sequence
         # Prefix caching: for each leading full page already named, the index entry with the same
         # contents (this page's own, or an identical page's); None after a hash collision, which
@@ -191,6 +192,7 @@ class BlockManager:
             if available < 1:
                 raise OutOfPagesError(1, available, self.page_size)
         # Commit.
+        seq.table_version += 1
         del seq.block_table[keep:]
         del seq._page_entries[n // self.page_size:]
         # Reversed: a following reserve gets the same pages back in the same order, and of a
@@ -247,6 +249,7 @@ class BlockManager:
                 del self._cached_free[entry.page]
                 self._refs[entry.page] = 1
             seq.block_table.append(entry.page)
+        seq.table_version += 1
         seq._page_entries.extend(hits)
         self._take_pages(seq, needed)
         seq.num_positions = len(token_ids)
@@ -350,6 +353,7 @@ class BlockManager:
         return self.pages_for(seq.num_positions + n) - len(seq.block_table)
 
     def _take_pages(self, seq: Sequence, count: int) -> None:
+        seq.table_version += 1
         for _ in range(count):
             seq.block_table.append(self._take_page())
 

@@ -9,8 +9,9 @@ A position's slot is page * page_size + offset; one (page, kv_head) is a contigu
 [page_size, head_dim] tile, which is what the attention kernels load. Every layer's pools
 share the sequences' block tables (the BlockManager's pages index all layers at once).
 
-The block table the kernels see has a fixed width: every page of the pool, rounded up to a
-multiple of 16, so a captured graph stays valid however long a sequence grows.
+The block table the kernels see has a fixed width: the pages of the longest sequence the cache
+serves (`max_seq_len`, default: the whole pool), rounded up to a multiple of 16, so a captured
+graph stays valid however long a sequence grows.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..cuda import DeviceArray
+from cuda.bindings import driver
+
+from ..cuda import DeviceArray, call
 from .block_manager import BlockManager
 
 
@@ -34,6 +37,7 @@ class CacheLayout:
     num_kv_heads: int
     page_size: int
     head_dim: int
+    max_seq_pages: int = 0  # pages one sequence may hold (0: the whole pool)
 
     @property
     def pool_shape(self) -> tuple[int, int, int, int]:
@@ -49,22 +53,25 @@ class CacheLayout:
 
     @property
     def block_table_width(self) -> int:
-        return cdiv(self.num_pages, 16) * 16
+        return cdiv(min(self.max_seq_pages or self.num_pages, self.num_pages), 16) * 16
 
 
 class PagedKVCache:
     """Pools for every layer plus the BlockManager that hands out their pages."""
 
-    def __init__(self, config, *, max_tokens: int | None = None, num_pages: int | None = None, page_size: int = 64):
+    def __init__(self, config, *, max_tokens: int | None = None, num_pages: int | None = None, page_size: int = 64,
+                 max_seq_len: int | None = None, enable_prefix_caching: bool = False):
         if (max_tokens is None) == (num_pages is None):
             raise ValueError("PagedKVCache: give exactly one of max_tokens or num_pages")
         if max_tokens is not None:
             if max_tokens < 1:
                 raise ValueError(f"PagedKVCache: max_tokens must be >= 1, got {max_tokens}")
             num_pages = cdiv(max_tokens, page_size)
+        if num_pages < 1:
+            raise ValueError(f"PagedKVCache: num_pages must be >= 1, got {num_pages}")
         self.layout = CacheLayout(config.num_hidden_layers, num_pages, config.num_key_value_heads,
-                                  page_size, config.head_dim)
-        self.manager = BlockManager(num_pages, page_size)
+                                  page_size, config.head_dim, cdiv(max_seq_len, page_size) if max_seq_len else 0)
+        self.manager = BlockManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
         L = self.layout
         self.pools = DeviceArray((L.num_layers, 2, *L.pool_shape), ml_dtypes.bfloat16)
         self._views = [(self.pools_view(i, 0), self.pools_view(i, 1)) for i in range(L.num_layers)]
@@ -89,6 +96,17 @@ class PagedKVCache:
     def capacity(self) -> int:
         """Positions the pool holds."""
         return self.layout.num_pages * self.layout.page_size
+
+    def copy_pages(self, copies: list[tuple[int, int]], stream) -> None:
+        """Copy whole pages (src, dst), keys and values of every layer, in order (copy-on-write)."""
+        L = self.layout
+        page_bytes = L.num_kv_heads * L.page_size * L.head_dim * 2
+        for src, dst in copies:
+            for layer in range(L.num_layers):
+                for kv in (0, 1):
+                    base = self.pools_view(layer, kv).ptr
+                    call(driver.cuMemcpyDtoDAsync, base + dst * page_bytes, base + src * page_bytes, page_bytes,
+                         stream.handle)
 
     def to_host(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) of one layer as numpy arrays [num_pages, kv_heads, page_size, head_dim] (tests)."""

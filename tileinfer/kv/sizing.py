@@ -163,9 +163,10 @@ def plan(config, total_bytes: int, *, used_bytes: int = 0, utilization: float = 
                       pages, sequences)
 
 
-def nvml_memory(device_index: int = 0) -> tuple[int, int, int]:
+def nvml_memory(device_index: int = 0, pci_bus_id: str | None = None) -> tuple[int, int, int]:
     """(free, total, used) bytes of one GPU as NVML reports them; used = total - free (everything on it,
-    other processes and the driver's own reservation included).
+    other processes and the driver's own reservation included). `pci_bus_id` (as the CUDA driver
+    names it, e.g. "0000:19:00.0") picks the GPU regardless of CUDA_VISIBLE_DEVICES; else NVML's index.
 
     Raises RuntimeError naming NVML's error when there is no driver, no GPU, or no such index.
     """
@@ -178,11 +179,16 @@ def nvml_memory(device_index: int = 0) -> tuple[int, int, int]:
     except (pynvml.NVMLError, OSError) as e:
         raise RuntimeError(f"NVML could not start: {e} (is there an NVIDIA driver and a GPU?)") from None
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        if pci_bus_id:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode() if isinstance(pci_bus_id, str)
+                                                          else pci_bus_id)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
         info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         free, total = int(info.free), int(info.total)
         return free, total, total - free
     except (pynvml.NVMLError, OSError) as e:
-        raise RuntimeError(f"NVML could not read the memory of GPU {device_index}: {e}") from None
+        which = pci_bus_id or device_index
+        raise RuntimeError(f"NVML could not read the memory of GPU {which}: {e}") from None
     finally:
         pynvml.nvmlShutdown()

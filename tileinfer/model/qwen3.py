@@ -4,7 +4,7 @@ One call enqueues a whole step on a stream: no allocation, no host synchronisati
 launches whose arguments are fixed addresses. That is what lets a decode step be captured
 once into a CUDA graph and replayed as the sequence grows.
 
-    embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V) ->
+    resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V) ->
     paged attention -> O GEMM (+= residual) -> rmsnorm -> gate/up GEMM with SiLU*mul ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
 
@@ -28,7 +28,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 class Workspace:
     """Activation buffers for steps of up to `max_tokens` rows and `max_logit_rows` logits rows."""
 
-    def __init__(self, config, max_tokens: int, max_logit_rows: int, max_decode_rows: int, max_splits: int):
+    def __init__(self, config, max_tokens: int, max_logit_rows: int, max_decode_rows: int, max_splits: int,
+                 max_partial_rows: int | None = None):
         c = config
         T = max_tokens
         self.max_tokens, self.max_logit_rows, self.max_splits = max_tokens, max_logit_rows, max_splits
@@ -41,8 +42,11 @@ class Workspace:
         self.final_x = DeviceArray((max_logit_rows, c.hidden_size), BF16)
         self.logits = DeviceArray((max_logit_rows, c.vocab_size), np.float32)
         self.max_decode_rows = max_decode_rows
-        self.part_o = DeviceArray((max_splits, max_decode_rows, c.num_attention_heads, c.head_dim), np.float32)
-        self.part_ml = DeviceArray((max_splits, max_decode_rows, c.num_attention_heads, 2), np.float32)
+        # Split-K decode attention partials: splits x rows of them, at most max_partial_rows together.
+        self.max_partial_rows = max_partial_rows or max_splits * max_decode_rows
+        P = self.max_partial_rows
+        self.part_o = DeviceArray((P, c.num_attention_heads, c.head_dim), np.float32)
+        self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
         self.inv_freq = DeviceArray.from_host(rope_inv_freq(c.head_dim, c.rope_theta).astype(np.float32))
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.logits,
                        self.part_o, self.part_ml, self.inv_freq]
@@ -57,8 +61,11 @@ class Workspace:
 
 
 def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: StepBuffers, shape: StepShape,
-            *, all_logits: bool, num_splits: int, stream) -> DeviceArray:
-    """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last."""
+            *, all_logits: bool, num_splits: int, stream, linear_path: str | None = None) -> DeviceArray:
+    """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last.
+
+    linear_path: None lets each matrix product pick its kernel by row count; "gemm" runs every one
+    on the tensor-core GEMM (batch-invariant results, see engine/model.py)."""
     c = weights.config
     n, b = shape.num_tokens, shape.num_seqs
     if n > ws.max_tokens:
@@ -71,22 +78,23 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     attn_flat = attn.view((n, c.q_size))
     partials = None
     if num_splits > 1:
-        if n > ws.max_decode_rows or num_splits > ws.max_splits:
+        if n > ws.max_decode_rows or num_splits > ws.max_splits or n * num_splits > ws.max_partial_rows:
             raise ValueError(f"split attention for {n} rows x {num_splits} splits exceeds the workspace")
         partials = (_prefix_view(ws.part_o, (num_splits, n)), _prefix_view(ws.part_ml, (num_splits, n)))
 
+    K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
     K.embedding(tokens, weights.embed, resid, stream)
     for i, lw in enumerate(weights.layers):
         K.rmsnorm(resid, lw.input_norm, x, c.rms_norm_eps, stream)
-        K.linear(x, lw.w_qkv, qkv, "bf16", stream)
+        K.linear(x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
         K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, cache.k_pool(i), cache.v_pool(i),
                      c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, stream)
         K.attention(q, cache.k_pool(i), cache.v_pool(i), attn, cu_q, kv_lens, tables, max_q_len=shape.max_q_len,
                     num_splits=num_splits, partials=partials, stream=stream)
-        K.linear(attn_flat, lw.w_o, resid, "residual", stream)
+        K.linear(attn_flat, lw.w_o, resid, "residual", stream, force=linear_path)
         K.rmsnorm(resid, lw.post_norm, x, c.rms_norm_eps, stream)
-        K.linear(x, lw.w_gu, act, "silu_mul", stream)
-        K.linear(act, lw.w_down, resid, "residual", stream)
+        K.linear(x, lw.w_gu, act, "silu_mul", stream, force=linear_path)
+        K.linear(act, lw.w_down, resid, "residual", stream, force=linear_path)
 
     rows = n if all_logits else b
     if rows > ws.max_logit_rows:
@@ -94,10 +102,10 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     final_x, logits = ws.final_x.rows(0, rows), ws.logits.rows(0, rows)
     K.rmsnorm(resid, weights.final_norm, final_x, c.rms_norm_eps, stream,
               rows=None if all_logits else d["last_rows"].rows(0, b))
-    K.linear(final_x, weights.lm_head, logits, "f32", stream)
+    K.linear(final_x, weights.lm_head, logits, "f32", stream, force=linear_path)
     return logits
 
 
 def _prefix_view(buf: DeviceArray, lead: tuple[int, int]) -> DeviceArray:
     """A [splits, rows, ...] array over the start of `buf` (the kernel indexes it split-major, rows dense)."""
-    return DeviceArray((*lead, *buf.shape[2:]), buf.dtype, ptr=buf.ptr, base=buf)
+    return DeviceArray((*lead, *buf.shape[1:]), buf.dtype, ptr=buf.ptr, base=buf)

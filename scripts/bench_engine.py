@@ -1,0 +1,78 @@
+"""Engine benchmarks (tileinfer.LLM), used by scripts/bench.py --engine.
+
+  batch decode   B requests of a `context`-token prompt decode `new` tokens together (greedy,
+                 ignore_eos); tokens/s in total over the steps in which all B decode together.
+  offline        256 requests, prompt and output lengths uniform in 100..1024 (seed 0),
+                 ignore_eos; output tokens/s over the whole run (prefill included).
+  shared prefix  64 requests sharing a 2,000-token prefix (+ 16 tokens of their own), one new token
+                 each, with prefix caching on and off: prompt tokens computed and seconds.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tileinfer import LLM, SamplingParams
+
+VOCAB = 151643
+
+
+def _run_until_done(llm: LLM) -> None:
+    while llm.has_unfinished_requests():
+        llm.step()
+
+
+def batch_decode(llm: LLM, batch: int, context: int, new: int) -> dict:
+    """Steady-state decode: tokens/s over the steps in which all `batch` requests decode together
+    (prompts are admitted over several steps, so the first and last steps run fewer rows)."""
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    ids = [llm.add_request(rng.integers(0, VOCAB, context).tolist(), params) for _ in range(batch)]
+    full_steps, t_first, t_last, wait0 = 0, None, None, None
+    while llm.has_unfinished_requests():
+        llm.step()
+        launched = llm._inflight.rows if llm._inflight is not None else []
+        now = time.perf_counter()
+        if len(launched) == batch and all(r.count == 1 for r in launched):
+            if t_first is None:
+                t_first, wait0 = now, llm.model.wait_seconds
+            else:
+                full_steps += 1
+                t_last, wait1 = now, llm.model.wait_seconds
+    outs = llm.finished_outputs()
+    assert sorted(o.request_id for o in outs) == sorted(ids) and all(len(o.token_ids) == new for o in outs)
+    dt = t_last - t_first
+    return dict(batch=batch, context=context, new=new, decode_tok_s=batch * full_steps / dt, steps=full_steps,
+                ms_per_step=dt / full_steps * 1e3, gpu_wait_ms_per_step=(wait1 - wait0) / full_steps * 1e3)
+
+
+def offline(llm: LLM, n: int = 256, low: int = 100, high: int = 1024, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    ins = rng.integers(low, high + 1, n)
+    outs_len = rng.integers(low, high + 1, n)
+    prompts = [rng.integers(0, VOCAB, int(k)).tolist() for k in ins]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in outs_len]
+    s0 = dict(llm.stats.as_dict())
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    generated = sum(len(o.token_ids) for o in outs)
+    assert generated == int(outs_len.sum())
+    return dict(requests=n, prompt_tokens=int(ins.sum()), output_tokens=generated, seconds=dt,
+                output_tok_s=generated / dt, total_tok_s=(generated + int(ins.sum())) / dt,
+                steps=llm.stats.steps - s0["steps"], preemptions=llm.stats.preemptions - s0["preemptions"])
+
+
+def shared_prefix(llm: LLM, n: int = 64, prefix: int = 2000, own: int = 16, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, VOCAB, prefix).tolist()
+    prompts = [shared + rng.integers(0, VOCAB, own).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    p0 = llm.stats.prefill_tokens
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    return dict(requests=n, prompt_tokens=n * (prefix + own), computed_prompt_tokens=llm.stats.prefill_tokens - p0,
+                cached_tokens=sum(o.num_cached_tokens for o in outs), seconds=dt,
+                first_tokens=[o.token_ids[0] for o in outs])

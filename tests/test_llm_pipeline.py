@@ -1,0 +1,136 @@
+"""The LLM's step pipeline on the CPU, with a fake model in place of the GPU.
+
+The fake model's next token depends only on (fed token, position), so every request's output is
+known in advance. It honours token_src exactly as the device does (a decode token taken from the
+previous launched step's samples), and it checks that every token the host feeds is real (no
+placeholder). Outputs must be the same pipelined or not, with stops, preemption and prefix
+caching in play.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tokenizers
+
+from tileinfer.engine.llm import LLM, EngineStats
+from tileinfer.engine.params import SamplingParams
+from tileinfer.engine.scheduler import Scheduler
+from tileinfer.kv import BlockManager
+from tileinfer.model import tokenizer as tok
+
+VOCAB = 1000
+
+
+def next_token(token: int, position: int) -> int:
+    return (token * 7919 + position * 104729 + 13) % VOCAB
+
+
+class FakeModel:
+    use_graphs = False
+
+    def __init__(self):
+        self.prev = np.zeros(0, np.int32)   # samples of the last launched step that sampled
+        self.pending: dict[int, np.ndarray] = {}
+        self.slot = 0
+
+    def launch(self, batch, sampling=None, *, sample=True, penalties=None, token_src=None):
+        out = np.zeros(len(batch), np.int32)
+        for i, (seq, ids, start) in enumerate(batch):
+            ids = list(ids)
+            if token_src is not None and token_src[i] >= 0:
+                assert len(ids) == 1
+                ids = [int(self.prev[token_src[i]])]
+            assert all(t >= 0 for t in ids), "the host fed a placeholder"
+            assert seq.num_positions >= start + len(ids)
+            out[i] = next_token(ids[-1], start + len(ids) - 1)
+        if not sample:
+            return None
+        self.prev = out
+        slot, self.slot = self.slot, self.slot ^ 1
+        self.pending[slot] = out
+        return slot
+
+    def collect(self, slot, n):
+        return None if slot is None else self.pending.pop(slot)[:n]
+
+
+def fake_llm(*, num_pages=64, page_size=4, max_num_seqs=4, budget=16, async_scheduling=True, prefix=True):
+    llm = LLM.__new__(LLM)
+    llm.max_num_seqs, llm.max_context, llm.page_size = max_num_seqs, 256, page_size
+    llm.stats = EngineStats()
+    llm._next_id, llm._requests, llm._closed = 0, {}, False
+    llm.async_scheduling, llm._inflight, llm._last_rows = async_scheduling, None, {}
+    llm.model = FakeModel()
+    llm.tokenizer = tokenizers.Tokenizer.from_str(tok.qwen3_tokenizer_json())
+    llm.eos_token_ids = {VOCAB - 1}
+    llm.config = type("C", (), {"vocab_size": VOCAB})()
+    manager = BlockManager(num_pages, page_size, enable_prefix_caching=prefix)
+    llm.scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_context=256,
+                              watermark=0.0)
+    return llm
+
+
+def expected(prompt, params: SamplingParams) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    while len(out) < params.max_tokens:
+        t = next_token(tokens[-1], len(tokens) - 1)
+        tokens.append(t)
+        out.append(t)
+        if t in params.stop_token_ids or (not params.ignore_eos and t == VOCAB - 1):
+            break
+    return out
+
+
+def workload(seed: int):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB - 1, int(n)).tolist() for n in rng.integers(1, 40, 10)]
+    params = []
+    for _ in prompts:
+        m = int(rng.integers(1, 30))
+        stops = [int(t) for t in rng.integers(0, VOCAB, 30)]  # often hit: ends requests at unknown steps
+        params.append(SamplingParams(max_tokens=m, temperature=0, stop_token_ids=stops, ignore_eos=True))
+    return prompts, params
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("num_pages", [64, 18])
+def test_pipelined_steps_give_the_expected_tokens(seed, pipelined, num_pages):
+    prompts, params = workload(seed)
+    llm = fake_llm(num_pages=num_pages, async_scheduling=pipelined)
+    outs = llm.generate(prompts, params)
+    for p, sp, o in zip(prompts, params, outs):
+        want = expected(p, sp)
+        assert o.token_ids == want
+        assert o.finish_reason == ("stop" if want[-1] in sp.stop_token_ids else "length")
+    assert llm.scheduler.manager.num_free_pages == num_pages
+    assert llm._inflight is None or not llm.scheduler.has_unfinished
+    if num_pages == 18:
+        assert llm.scheduler.num_preemptions > 0  # the tight pool preempts on every one of these workloads
+
+
+def test_stream_and_step_api_with_pipelining():
+    prompts, params = workload(100)
+    llm = fake_llm()
+    got = [[] for _ in prompts]
+    for ev in llm.generate_stream(prompts, params):
+        got[ev.index] += ev.token_ids
+    assert got == [expected(p, sp) for p, sp in zip(prompts, params)]
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while llm.has_unfinished_requests():
+        llm.step()
+    outs = {o.request_id: o for o in llm.finished_outputs()}
+    assert [outs[i].token_ids for i in ids] == got
+
+
+def test_stream_closed_early_leaves_nothing_behind():
+    prompts, params = workload(200)
+    llm = fake_llm()
+    gen = llm.generate_stream(prompts, [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * len(prompts))
+    next(gen)
+    gen.close()
+    assert not llm.scheduler.has_unfinished
+    outs = llm.generate(prompts[:2], params[:2])  # the engine goes on; the dropped step's results are ignored
+    assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+    assert llm.scheduler.manager.num_free_pages == 64
