@@ -315,11 +315,11 @@ def test_tileinfer_size_errors_are_one_line(capsys):
     assert "--utilization must be in (0, 1]" in err
 
 
-def test_generate_subcommand_unchanged(capsys):
+def test_generate_subcommand_still_needs_a_prompt(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["generate", "--prompt", "hi"])      # --model is still required
+        cli.main(["generate"])                        # --model is optional (a synthetic default), --prompt is not
     assert exit_info.value.code == 2
-    assert "--model" in capsys.readouterr().err
+    assert "--prompt" in capsys.readouterr().err
 
 
 def test_script_runs(tmp_path):

@@ -13,11 +13,12 @@ One sequence, the smallest path through the engine:
     model = tileinfer.load_model("path/to/Qwen3-checkpoint")
     result = tileinfer.generate(model, "The capital of France is", max_new_tokens=32)
 """
+from .engine.chat import ChatSession, ContextFullError
 from .engine.generate import GenerationResult, generate
 from .engine.llm import LLM, RequestOutput, StreamOutput
 from .engine.model import Model, load_model
 from .engine.params import SamplingParams
 
-__all__ = ["GenerationResult", "LLM", "Model", "RequestOutput", "SamplingParams", "StreamOutput", "generate",
-           "load_model"]
+__all__ = ["ChatSession", "ContextFullError", "GenerationResult", "LLM", "Model", "RequestOutput", "SamplingParams",
+           "StreamOutput", "generate", "load_model"]
 __version__ = "0.1.0"

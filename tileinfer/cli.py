@@ -1,48 +1,151 @@
-"""The `tileinfer` command line: `tileinfer generate --model DIR --prompt TEXT`, `tileinfer size MODEL`."""
+"""The `tileinfer` command line.
+
+    tileinfer generate --prompt TEXT [--model DIR]     continue a prompt, streaming the text
+    tileinfer chat [--model DIR]                        an interactive chat (/reset, /exit)
+    tileinfer size MODEL                                KV cache and weight sizes, what fits
+
+Without --model, a synthetic Qwen3-0.6B checkpoint (random weights: its text is noise) is written
+once to the user cache and used, so the commands run on a fresh machine with nothing else set up.
+Errors print one line and exit with status 1; Ctrl-C exits with status 130.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from tileinfer import sizing_cli
+
+DEFAULT_PRESET = "qwen3-0.6b"
+
+
+def _model_path(args) -> Path:
+    if args.model:
+        return Path(args.model)
+    from tileinfer.model.synthetic import cached_checkpoint, checkpoints_dir
+    print(f"tileinfer: no --model given: using a synthetic {DEFAULT_PRESET} checkpoint with RANDOM weights "
+          f"(its text is noise), kept in {checkpoints_dir()}; pass --model DIR for a real Qwen3 checkpoint",
+          file=sys.stderr)
+    return cached_checkpoint(DEFAULT_PRESET, progress=True)
+
+
+def _load(args):
+    import tileinfer
+    from tileinfer.cuda import get_device
+    if args.model and not Path(args.model).is_dir():
+        raise FileNotFoundError(f"--model {args.model}: no such checkpoint directory")
+    get_device()  # no GPU: say so before writing a synthetic checkpoint
+    return tileinfer.load_model(_model_path(args), progress=True)
 
 
 def _generate(args) -> int:
     import tileinfer
+    from tileinfer.engine.detokenize import IncrementalDetokenizer
 
-    with tileinfer.load_model(args.model) as model:
+    with _load(args) as model:
+        detok = IncrementalDetokenizer(model.tokenizer)
+
+        def show(token: int) -> None:
+            if token not in model.eos_token_ids:
+                sys.stdout.write(detok.add(token))
+                sys.stdout.flush()
+
         result = tileinfer.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    print(result.text)
+                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                    on_token=show)
+    sys.stdout.write("\n")
     print(f"[{len(result.token_ids)} tokens, {result.decode_tokens_per_second:.1f} tok/s decode, "
           f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def chat_loop(session, sampling: dict, read=input, out=sys.stdout, err=sys.stderr) -> int:
+    """Read lines and stream replies until /exit or end of input (0) or Ctrl-C (130)."""
+    print("Type a message; /reset starts over, /exit (or Ctrl-D) quits.", file=err)
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            out.write("\n")
+            return 0
+        except KeyboardInterrupt:
+            out.write("\n")
+            return 130
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            return 0
+        if text == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=err)
+            continue
+        try:
+            for piece in session.stream(text, **sampling):
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            out.write("\n")
+            return 130
+        out.write("\n")
+        t = session.last_turn
+        print(f"[{t.new_tokens} tokens, {t.decode_tokens_per_second:.1f} tok/s; prompt {t.prompt_tokens} tokens, "
+              f"{t.reused_tokens} reused from the cache, {t.computed_tokens} computed]", file=err)
+
+
+def _chat(args) -> int:
+    from tileinfer.engine.chat import ChatSession
+
+    with _load(args) as model:
+        session = ChatSession(model, max_context=args.max_context, system=args.system,
+                              on_overflow="drop_oldest" if args.drop_oldest else "error")
+        sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, enable_thinking=False if args.no_think else None)
+        return chat_loop(session, sampling)
+
+
+def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--model", help="a Hugging Face Qwen3 checkpoint directory (default: a synthetic "
+                                   f"{DEFAULT_PRESET} with random weights, made on first use)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: random)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tileinfer", description="Qwen3 inference on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="continue a prompt")
-    g.add_argument("--model", required=True, help="a Hugging Face Qwen3 checkpoint directory")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g = sub.add_parser("generate", help="continue a prompt, streaming the text")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    _add_model_and_sampling(g, 128)
     g.set_defaults(run=_generate)
+    c = sub.add_parser("chat", help="an interactive chat with the checkpoint's chat template")
+    _add_model_and_sampling(c, 512)
+    c.add_argument("--max-context", type=int, default=4096, help="positions the conversation may use (4096)")
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--no-think", action="store_true", help="ask the model not to reason (enable_thinking=False)")
+    c.add_argument("--drop-oldest", action="store_true",
+                   help="when the conversation is full, drop the oldest turns instead of stopping")
+    c.set_defaults(run=_chat)
     s = sub.add_parser("size", help="KV cache and weight sizes, and how much of the cache fits on the GPU",
                        description=sizing_cli.DESCRIPTION)
     sizing_cli.add_arguments(s)
     s.set_defaults(run=sizing_cli.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"tileinfer: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..kv import Sequence
@@ -39,11 +40,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
 
 
 def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True) -> GenerationResult:
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+             on_token: Callable[[int], None] | None = None) -> GenerationResult:
     """Continue `prompt` (text, or token ids) by up to `max_new_tokens` tokens, stopping at EOS.
 
     The KV cache is sized for the prompt plus the budget. temperature 0 is greedy; otherwise
     sampling is seeded (a fresh random seed when `seed` is None) and reproducible for a seed.
+    `on_token(token_id)` is called with each new token as soon as it is sampled (streaming).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompt, str):
@@ -75,10 +78,14 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
         token = int(next_ids[0])
         prefill_done = time.perf_counter()
         out.append(token)
+        if on_token is not None:
+            on_token(token)
         while len(out) < max_new_tokens and not (stop_at_eos and token in model.eos_token_ids):
             cache.manager.reserve(seq, 1)
             token = int(model.step([(seq, [token])], [row])[0])
             out.append(token)
+            if on_token is not None:
+                on_token(token)
         end = time.perf_counter()
         if stop_at_eos and out[-1] in model.eos_token_ids:
             finish = "stop"

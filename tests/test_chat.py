@@ -1,0 +1,215 @@
+"""ChatSession on the CPU: prefix reuse, reasoning dropped by the template, edits, overflow.
+
+The fake model plays scripted replies and records every step it is asked to run, so the tests
+see exactly which positions each turn computes. The template is TileInfer's Qwen3 ChatML
+(earlier turns' <think>...</think> dropped), the tokenizer the real Qwen3 one.
+"""
+from __future__ import annotations
+
+import pytest
+import tokenizers
+
+from tileinfer.engine.chat import ChatSession, ContextFullError, common_prefix, render_chat
+from tileinfer.kv import BlockManager
+from tileinfer.model import tokenizer as tok
+
+IM_END = 151645
+
+
+class FakeCache:
+    def __init__(self, positions: int, page_size: int = 16):
+        self.manager = BlockManager(-(-positions // page_size), page_size)
+        self.capacity = self.manager.num_pages * page_size
+
+
+class FakeModel:
+    """Replies with the next scripted text (then <|im_end|>); records (start, count) of every step."""
+
+    max_batch_tokens = 64
+
+    def __init__(self, replies: list[str]):
+        self.tokenizer = tokenizers.Tokenizer.from_str(tok.qwen3_tokenizer_json())
+        self.replies = [self.tokenizer.encode(r, add_special_tokens=False).ids + [IM_END] for r in replies]
+        self.eos_token_ids = [IM_END, 151643]
+        self.config = type("Config", (), {"max_position_embeddings": 40960})()
+        self.checkpoint = type("Checkpoint", (), {"chat_template": tok.CHAT_TEMPLATE})()
+        self.cache = None
+        self.steps: list[tuple[int, int]] = []
+        self.turn = -1
+        self.decoded = 0
+
+    def ensure_cache(self, max_tokens: int, page_size: int = 16):
+        if self.cache is None or self.cache.capacity < max_tokens:
+            self.cache = FakeCache(max_tokens, page_size)
+        return self.cache
+
+    def step(self, batch, sampling=None, *, sample=True):
+        (seq, ids, start), = batch
+        assert seq.num_positions == start + len(ids), "positions must be reserved exactly up to this step"
+        self.steps.append((start, len(ids)))
+        if not sample:
+            return None
+        if len(ids) > 1:  # a turn's last prefill chunk (every test turn adds more than one token)
+            self.turn += 1
+            self.decoded = 0
+        token = self.replies[self.turn][self.decoded]
+        self.decoded += 1
+        return [token]
+
+    def computed_in_last_turn(self, since: int) -> int:
+        return sum(n for _, n in self.steps[since:])
+
+
+def make(replies, **kw) -> tuple[ChatSession, FakeModel]:
+    model = FakeModel(replies)
+    return ChatSession(model, max_context=kw.pop("max_context", 4096), **kw), model
+
+
+def test_render_matches_the_qwen3_format():
+    text = render_chat(tok.CHAT_TEMPLATE, [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    off = render_chat(tok.CHAT_TEMPLATE, [{"role": "user", "content": "Hi"}], enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match="failed to render"):
+        render_chat("{{ raise_exception('no tools here') }}", [])
+
+
+def test_second_turn_computes_only_its_message_and_the_framing():
+    chat, model = make(["Hello there, how can I help?", "Fine, thanks."])
+    first = chat.send("Hi!")
+    assert first == "Hello there, how can I help?"
+    ids1 = chat.render(chat.messages[:1])  # turn 1's prompt
+    reply1 = model.replies[0][:-1]
+    mark = len(model.steps)
+    chat.send("How are you?")
+    t = chat.last_turn
+    assert t.reused_tokens == len(ids1) + len(reply1)        # everything up to the new message
+    framing = chat.render(chat.messages[:3])[t.reused_tokens:]
+    assert model.tokenizer.decode(framing, skip_special_tokens=False) == \
+        "<|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n"
+    assert t.computed_tokens == len(framing)
+    # The model saw exactly: the framing (prefill), then one step per fed reply token.
+    assert model.steps[mark][0] == t.reused_tokens
+    assert model.computed_in_last_turn(mark) == len(framing) + t.new_tokens - 1
+    assert chat._seq.num_positions == len(chat._cached)
+
+
+def test_after_a_reasoning_reply_the_prefix_ends_where_the_reply_started():
+    chat, model = make(["<think>\nThe user greets me.\n</think>\n\nHello!", "Sure."])
+    chat.send("Hi")
+    assert chat.messages[-1]["content"].startswith("<think>")
+    ids1 = chat.render(chat.messages[:1])
+    chat.send("Again?")
+    assert chat.last_turn.reused_tokens == len(ids1)       # the reply is prefilled again without its reasoning
+    rendered = model.tokenizer.decode(chat.render(chat.messages[:3]), skip_special_tokens=False)
+    assert "<think>" not in rendered and "<|im_start|>assistant\nHello!<|im_end|>" in rendered
+
+
+def test_editing_history_reprefills_from_the_first_changed_token():
+    chat, model = make(["One.", "Two.", "Three."], system="Be brief.")
+    chat.send("First question")
+    chat.send("Second question")
+    old = list(chat._cached)
+    chat.messages[1]["content"] = "First question, edited"
+    new = chat.render(chat.messages)
+    first_change = common_prefix(old, new)
+    mark = len(model.steps)
+    chat.send("Third question")
+    assert chat.last_turn.reused_tokens == first_change
+    assert model.steps[mark][0] == first_change
+    assert first_change < len(chat.render(chat.messages[:2]))  # inside the edited message
+
+
+def test_context_overflow_raises_or_drops_the_oldest_turns():
+    replies = ["A fairly long answer number %d, with some words in it." % i for i in range(6)]
+    chat, _ = make(replies, max_context=100, system="S")
+    chat.send("question one", max_tokens=20)
+    chat.send("question two", max_tokens=20)
+    with pytest.raises(ContextFullError, match="on_overflow='drop_oldest'"):
+        chat.send("question three " * 12, max_tokens=20)
+    assert len(chat.messages) == 5  # unchanged: system + two turns
+    dropping, _ = make(replies, max_context=100, system="S", on_overflow="drop_oldest")
+    dropping.send("question one", max_tokens=20)
+    dropping.send("question two", max_tokens=20)
+    dropping.send("question three " * 12, max_tokens=20)
+    assert dropping.last_turn.dropped_turns >= 1
+    assert dropping.messages[0] == {"role": "system", "content": "S"}
+    assert dropping.messages[1]["content"] != "question one"  # the oldest turn went first
+    assert dropping.last_turn.prompt_tokens + 20 <= 100
+
+
+def test_abandoned_stream_leaves_history_and_cache_consistent():
+    chat, model = make(["Hello there, my friend, how are you today?", "Ok."])
+    gen = chat.stream("Hi")
+    next(gen)
+    gen.close()
+    assert chat.messages == []
+    assert chat._seq.num_positions == len(chat._cached)
+    model.turn, model.decoded = 0, 0   # replay the second script line
+    assert chat.send("Hi again") == "Ok."
+
+
+def test_bad_arguments():
+    chat, _ = make(["x"])
+    with pytest.raises(ValueError, match="non-empty"):
+        chat.send("")
+    with pytest.raises(ValueError, match="temperature"):
+        chat.send("hi", temperature=-1)
+    with pytest.raises(ValueError, match="on_overflow"):
+        make(["x"], on_overflow="truncate")
+    with pytest.raises(ValueError, match="INT8"):
+        make(["x"], kv_quantize="int8")
+
+
+# ---------------------------------------------------------------------------- the CLI's chat loop
+
+
+def scripted(lines):
+    """An input() stand-in: returns the lines, then raises what is left (EOFError by default)."""
+    items = list(lines)
+
+    def read(prompt=""):
+        if not items:
+            raise EOFError
+        item = items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+    return read
+
+
+def test_chat_loop_answers_resets_and_exits(capsys):
+    import io
+
+    from tileinfer.cli import chat_loop
+    chat, model = make(["Hello!", "Again.", "Fresh start."])
+    out, err = io.StringIO(), io.StringIO()
+    rc = chat_loop(chat, dict(max_tokens=32), read=scripted(["hi", "", "more", "/reset", "new", "/exit", "never"]),
+                   out=out, err=err)
+    assert rc == 0
+    assert out.getvalue() == "Hello!\nAgain.\nFresh start.\n"
+    assert "(conversation cleared)" in err.getvalue() and "tok/s" in err.getvalue()
+    assert [m["content"] for m in chat.messages] == ["new", "Fresh start."]
+
+
+def test_chat_loop_ends_cleanly_on_eof_and_ctrl_c():
+    import io
+
+    from tileinfer.cli import chat_loop
+    chat, _ = make(["Hello!"])
+    assert chat_loop(chat, {}, read=scripted([]), out=io.StringIO(), err=io.StringIO()) == 0
+    assert chat_loop(chat, {}, read=scripted([KeyboardInterrupt()]), out=io.StringIO(), err=io.StringIO()) == 130
+
+
+def test_cli_help_and_errors(capsys):
+    from tileinfer import cli
+    parser = cli.build_parser()
+    for command in ("generate", "chat", "size"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([command, "--help"])
+        assert e.value.code == 0
+    assert "--max-context" in capsys.readouterr().out
+    rc = cli.main(["generate", "--model", "/nonexistent/dir", "--prompt", "x"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tileinfer: error: ") and "/nonexistent/dir" in err
