@@ -98,6 +98,9 @@ class ChatSession:
         if hasattr(model, "scheduler"):  # an LLM: use its model and cache while it is idle
             if model.has_unfinished_requests():
                 raise RuntimeError("the LLM has requests in flight; finish them before starting a chat on it")
+            if max_context > model.max_context:
+                raise ValueError(f"max_context {max_context} exceeds the LLM's max_context ({model.max_context}), "
+                                 f"which sizes its block tables; create the LLM with a larger max_context")
             model = model.model
         self.model = model
         limit = model.config.max_position_embeddings
