@@ -53,12 +53,15 @@ class FakeModel:
     def collect(self, slot, n):
         return None if slot is None else self.pending.pop(slot)[:n]
 
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
 
 def fake_llm(*, num_pages=64, page_size=4, max_num_seqs=4, budget=16, async_scheduling=True, prefix=True):
     llm = LLM.__new__(LLM)
     llm.max_num_seqs, llm.max_context, llm.page_size = max_num_seqs, 256, page_size
     llm.stats = EngineStats()
-    llm._next_id, llm._requests, llm._closed = 0, {}, False
+    llm._next_id, llm._requests, llm._closed, llm._broken = 0, {}, False, None
     llm.async_scheduling, llm._inflight, llm._last_rows = async_scheduling, None, {}
     llm.model = FakeModel()
     llm.tokenizer = tokenizers.Tokenizer.from_str(tok.qwen3_tokenizer_json())
@@ -134,3 +137,66 @@ def test_stream_closed_early_leaves_nothing_behind():
     outs = llm.generate(prompts[:2], params[:2])  # the engine goes on; the dropped step's results are ignored
     assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts[:2], params[:2])]
     assert llm.scheduler.manager.num_free_pages == 64
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving():
+    prompts, params = workload(300)
+    llm = fake_llm()
+    with pytest.raises(ValueError, match="prompt 1 is not valid UTF-8"):
+        llm.generate(["fine", b"\xff\xfe broken"], SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2], [VOCAB + 5]], SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match="max_context"):
+        llm.generate([[1] * 250], SamplingParams(max_tokens=10, temperature=0))
+    assert not llm.scheduler.has_unfinished  # nothing of a refused batch was queued
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
+    assert llm.generate([b"bytes are text"], SamplingParams(max_tokens=2, temperature=0))[0].prompt == "bytes are text"
+
+
+def test_a_gpu_error_stops_the_engine_with_a_clear_message():
+    from tileinfer.cuda import CudaError
+
+    llm = fake_llm()
+    real_collect = llm.model.collect
+
+    def failing_collect(slot, n):
+        raise CudaError("cuEventSynchronize", "CUDA_ERROR_ILLEGAL_ADDRESS", "in kernel gemm_small_m32_c4")
+
+    llm.model.collect = failing_collect
+    with pytest.raises(CudaError):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))
+    llm.model.collect = real_collect
+    with pytest.raises(RuntimeError, match="stopped after a GPU error .*ILLEGAL_ADDRESS.* create a new one"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))
+
+
+def test_soak_many_requests_through_a_small_pool():
+    """10,000 requests of random lengths through a pool that forces preemption: every request
+    finishes with its expected tokens, every page comes back, the engine's host memory does not
+    grow from batch to batch, and a re-run gives the same outputs."""
+    import tracemalloc
+
+    rng = np.random.default_rng(7)
+    n, batch = 10_000, 1000
+    prompts = [rng.integers(0, VOCAB - 1, int(k)).tolist() for k in rng.integers(1, 60, n)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True,
+                             stop_token_ids=[int(rng.integers(0, VOCAB))]) for m in rng.integers(1, 40, n)]
+    want = [expected(p, sp) for p, sp in zip(prompts, params)]
+    tracemalloc.start()
+    try:
+        llm = fake_llm(num_pages=40, max_num_seqs=16, budget=64)
+        held = []
+        for i, start in enumerate(range(0, n, batch)):  # batches arrive while the engine keeps its state
+            outs = llm.generate(prompts[start:start + batch], params[start:start + batch])
+            assert [o.token_ids for o in outs] == want[start:start + batch]
+            del outs
+            held.append(tracemalloc.get_traced_memory()[0])
+        assert llm.scheduler.manager.num_free_pages == 40
+        assert llm.scheduler.num_preemptions > 0
+        growth = held[-1] - held[1]
+        assert growth < 1_000_000, f"host memory grew by {growth} bytes over {n - 2 * batch} requests"
+    finally:
+        tracemalloc.stop()
+    again = fake_llm(num_pages=40, max_num_seqs=16, budget=64).generate(prompts[:batch], params[:batch])
+    assert [o.token_ids for o in again] == want[:batch]

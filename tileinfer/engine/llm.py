@@ -153,6 +153,7 @@ class LLM:
         self.stats = EngineStats()
         self._next_id = 0
         self._requests: dict[int, Request] = {}  # queued with add_request
+        self._broken: str | None = None          # the CUDA error that stopped the engine
         self.async_scheduling = async_scheduling
         self._inflight: _InFlight | None = None
         self._last_rows: dict[int, int] = {}  # request id -> its row in the step in flight (if it samples)
@@ -296,8 +297,8 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
     def _make_requests(self, prompts, sampling_params) -> list[tuple[Request, str | None]]:
-        if isinstance(prompts, (str, bytes)) or (isinstance(prompts, list) and prompts and
-                                                 isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, list) and prompts and
+                                                            isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -322,6 +323,11 @@ class LLM:
         return made
 
     def _prompt_ids(self, prompt, index: int) -> tuple[list[int], str | None]:
+        if isinstance(prompt, (bytes, bytearray)):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"prompt {index} is not valid UTF-8 ({e}); pass text (str) or token ids") from None
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty: give some text or token ids")
@@ -366,7 +372,20 @@ class LLM:
 
     def _step(self) -> list[tuple[Request, int, str]]:
         """Launch the next step (if any) and finish the previous one; returns (request, new token,
-        new text) for every token read back."""
+        new text) for every token read back.
+
+        A CUDA error (often reported at the next synchronisation, not at the launch that caused it)
+        leaves the device state unknown: the engine refuses all further work and says why."""
+        try:
+            return self._step_once()
+        except CudaError as e:
+            self._broken = str(e)
+            if "OUT_OF_MEMORY" in str(e):
+                raise MemoryError(f"the GPU ran out of memory during a step ({e}); another process probably took "
+                                  f"memory after start-up. Start with a lower gpu_memory_utilization.") from None
+            raise
+
+    def _step_once(self) -> list[tuple[Request, int, str]]:
         start = time.perf_counter()
         events = []
         sync = not self.async_scheduling or self._sync_needed()
@@ -407,14 +426,8 @@ class LLM:
         if any(r.request.penalties is not None for r in rows):
             penalties = [r.request.penalties.arrays() if r.request.penalties is not None else None for r in rows]
         any_sample = any(r.samples for r in rows)
-        try:
-            slot = self.model.launch(batch, sampling, sample=any_sample, penalties=penalties,
-                                     token_src=token_src if max(token_src) >= 0 else None)
-        except CudaError as e:
-            if "OUT_OF_MEMORY" in str(e):
-                raise MemoryError(f"the GPU ran out of memory during a step ({e}); another process probably took "
-                                  f"memory after start-up. Start with a lower gpu_memory_utilization.") from None
-            raise
+        slot = self.model.launch(batch, sampling, sample=any_sample, penalties=penalties,
+                                 token_src=token_src if max(token_src) >= 0 else None)
         self.scheduler.update(rows)
         samplers = []
         self._last_rows = {}
@@ -579,6 +592,9 @@ class LLM:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this LLM was closed; create a new one")
+        if self._broken:
+            raise RuntimeError(f"this LLM stopped after a GPU error ({self._broken}); its results can no longer be "
+                               f"trusted: close it and create a new one")
 
     def close(self) -> None:
         """Free every device allocation (weights, workspace, pool, graphs)."""
