@@ -45,7 +45,7 @@ class DecodeGraphs:
             if b in self.graphs:
                 continue
             start = time.perf_counter()
-            self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s))
+            self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s), label=f"the decode graph for batch {b}")
             seconds = time.perf_counter() - start
             self.capture_seconds += seconds
             log.info("captured decode graph for batch %d: %d nodes in %.3f s", b, self.graphs[b].num_nodes, seconds)

@@ -13,12 +13,32 @@ from cuda.bindings import driver, nvrtc
 
 
 class CudaError(RuntimeError):
-    """A CUDA driver or NVRTC call failed. `call` names it, `code` is the error enum."""
+    """A CUDA driver or NVRTC call failed. `call` names it, `code` is the error enum.
+
+    Errors a kernel causes (an illegal address, say) are reported by whatever call synchronises
+    next, not by the launch; for those the message also names the last work enqueued (a kernel
+    and its grid, or a graph), which is where to look first."""
 
     def __init__(self, call_name: str, code, detail: str = ""):
         self.call_name, self.code = call_name, code
         message = f"{call_name} failed: {_error_string(code)}"
-        super().__init__(f"{message} ({detail})" if detail else message)
+        if detail:
+            message += f" ({detail})"
+        if _is_async_kernel_error(code) and last_work[0] is not None:
+            message += f"; the last work enqueued before it: {last_work[0]}"
+        super().__init__(message)
+
+
+# What was enqueued last (set by Kernel.launch and Graph.launch, read only when an error is raised).
+last_work: list = [None]
+
+_ASYNC_KERNEL_ERRORS = {"CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_MISALIGNED_ADDRESS",
+                        "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT",
+                        "CUDA_ERROR_INVALID_PC", "CUDA_ERROR_LAUNCH_TIMEOUT"}
+
+
+def _is_async_kernel_error(code) -> bool:
+    return getattr(code, "name", None) in _ASYNC_KERNEL_ERRORS
 
 
 class NoDeviceError(CudaError):
@@ -26,16 +46,19 @@ class NoDeviceError(CudaError):
 
 
 def _error_string(code) -> str:
-    if isinstance(code, driver.CUresult):
-        err, name = driver.cuGetErrorName(code)
-        err2, text = driver.cuGetErrorString(code)
-        if err == driver.CUresult.CUDA_SUCCESS and err2 == driver.CUresult.CUDA_SUCCESS:
-            return f"{name.decode()}: {text.decode()}"
-    if isinstance(code, nvrtc.nvrtcResult):
-        err, text = nvrtc.nvrtcGetErrorString(code)
-        if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return text.decode()
-    return str(code)
+    try:
+        if isinstance(code, driver.CUresult):
+            err, name = driver.cuGetErrorName(code)
+            err2, text = driver.cuGetErrorString(code)
+            if err == driver.CUresult.CUDA_SUCCESS and err2 == driver.CUresult.CUDA_SUCCESS:
+                return f"{name.decode()}: {text.decode()}"
+        if isinstance(code, nvrtc.nvrtcResult):
+            err, text = nvrtc.nvrtcGetErrorString(code)
+            if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                return text.decode()
+    except Exception:  # no driver library to ask (the enum's name still says what happened)
+        pass
+    return getattr(code, "name", None) or str(code)
 
 
 _SUCCESS = (driver.CUresult.CUDA_SUCCESS, nvrtc.nvrtcResult.NVRTC_SUCCESS)

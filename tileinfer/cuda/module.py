@@ -13,7 +13,7 @@ from functools import cache
 from cuda.bindings import driver
 
 from .compiler import compile_file
-from .driver import call, get_device
+from .driver import call, get_device, last_work
 from .memory import DeviceArray
 
 I32, U32, I64, U64, F32 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
@@ -54,8 +54,10 @@ class Kernel:
         pointers = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
         if smem > 48 * 1024:
             self.set_max_dynamic_smem(smem)
+        what = f"kernel {self.name} grid={grid} block={block} smem={smem}"
+        last_work[0] = what
         call(driver.cuLaunchKernel, self.function, *grid, *block, smem, stream.handle,
-             ctypes.addressof(pointers), 0, detail=f"kernel {self.name} grid={grid} block={block} smem={smem}")
+             ctypes.addressof(pointers), 0, detail=what)
 
 
 class Module:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from cuda.bindings import driver
 
-from .driver import call
+from .driver import call, last_work
 
 
 class Stream:
@@ -55,7 +55,7 @@ class Graph:
     replays must be read by the kernels from device buffers.
     """
 
-    def __init__(self, stream: Stream, fn):
+    def __init__(self, stream: Stream, fn, label: str = "a CUDA graph"):
         mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         call(driver.cuStreamBeginCapture, stream.handle, mode)
         try:
@@ -69,9 +69,11 @@ class Graph:
         self.graph = call(driver.cuStreamEndCapture, stream.handle)
         self.exec = call(driver.cuGraphInstantiate, self.graph, 0)
         self.num_nodes = call(driver.cuGraphGetNodes, self.graph, 0)[1]
+        self.label = f"{label} ({self.num_nodes} nodes)"
 
     def launch(self, stream: Stream) -> None:
-        call(driver.cuGraphLaunch, self.exec, stream.handle)
+        last_work[0] = self.label
+        call(driver.cuGraphLaunch, self.exec, stream.handle, detail=self.label)
 
     def destroy(self) -> None:
         if self.exec is not None:
