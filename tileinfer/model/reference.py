@@ -89,10 +89,17 @@ class ReferenceCache:
 
     keys[layer], values[layer]: [num_positions, kv_heads, head_dim]; positions: [num_positions].
     Buffers grow by doubling, so appending one token at a time stays cheap.
+
+    int8=True models the INT8 cache (tileinfer/kv/int8.py): every written vector is quantized
+    and stored dequantized; with `smoothing` (per layer, the factors c), keys are stored as k / c
+    quantized, and the model multiplies its queries by c.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, int8: bool = False,
+                 smoothing: list[np.ndarray] | None = None):
         self._shape = (num_layers, num_kv_heads, head_dim)
+        self.int8 = int8
+        self.smoothing = smoothing
         self._k = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
         self._v = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
         self._positions = np.zeros(0, np.int64)
@@ -131,6 +138,11 @@ class ReferenceCache:
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store one layer's new keys and values at entries start..start+len(k)-1."""
+        if self.int8:
+            from tileinfer.kv.int8 import dequantize, quantize
+            if self.smoothing is not None:
+                k = k / self.smoothing[layer]
+            k, v = dequantize(*quantize(k)), dequantize(*quantize(v))
         self._k[layer][start:start + len(k)] = k
         self._v[layer][start:start + len(v)] = v
 
@@ -213,9 +225,12 @@ class ReferenceModel:
                    for name, shape in weight_shapes(config).items()}
         return cls(config, weights)
 
-    def new_cache(self) -> ReferenceCache:
+    def new_cache(self, *, int8: bool = False, smoothing: bool = False) -> ReferenceCache:
+        """An empty cache; int8 models the INT8 cache, smoothing its key smoothing (kv/int8.py)."""
+        from tileinfer.kv.int8 import smoothing_factors
         c = self.config
-        return ReferenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        factors = [smoothing_factors(layer.k_norm) for layer in self.layers] if int8 and smoothing else None
+        return ReferenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, int8=int8, smoothing=factors)
 
     # ------------------------------------------------------------------------------------- forward
 
@@ -257,6 +272,8 @@ class ReferenceModel:
         q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), positions, self.inv_freq)
         k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), positions, self.inv_freq)
         cache.write(index, start, k, v)
+        if cache.smoothing is not None:
+            q = q * cache.smoothing[index]  # the cache holds k / c
         out = attention(q, cache.keys[index], cache.values[index], positions, cache.positions)
         return out.reshape(n, c.q_size) @ layer.o_proj.T  # [n, hidden]
 
