@@ -64,3 +64,81 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
     reinterpret_cast<u32 *>(v_pool + at)[2 * lane] = reinterpret_cast<const u32 *>(vsrc)[2 * lane];
     reinterpret_cast<u32 *>(v_pool + at)[2 * lane + 1] = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
 }
+
+// The same for an INT8 cache (tileinfer/kv/int8.py): each key and value vector is stored as 128
+// int8 values plus one float32 scale, symmetric, scale = max|x| / 127, q = round-half-even(x / scale).
+// With key smoothing, keys are stored as k / c and queries written as q * c (c per channel, the
+// same on both channels of a rotary pair), so scores are unchanged; `smooth` may be null (off).
+// Pools: k_pool / v_pool int8 [page, kv_head, offset, HD]; k_scale / v_scale f32 [page, kv_head, offset].
+extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const int *__restrict__ positions,
+                                           const int *__restrict__ slots, const bf16 *__restrict__ q_norm_w,
+                                           const bf16 *__restrict__ k_norm_w, const float *__restrict__ inv_freq,
+                                           const float *__restrict__ smooth, bf16 *__restrict__ q_out,
+                                           signed char *__restrict__ k_pool, signed char *__restrict__ v_pool,
+                                           float *__restrict__ k_scale, float *__restrict__ v_scale,
+                                           int num_heads, int num_kv_heads, int page_size, float eps) {
+    const int t = blockIdx.x;
+    const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (head >= num_heads + num_kv_heads) return;
+    const bool is_q = head < num_heads;
+    const int slot = slots[t];
+    if (!is_q && slot < 0) return;
+
+    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
+    const bf16 *src = qkv + (size_t)t * row_elems + (size_t)head * HD;
+    const u32 lo = reinterpret_cast<const u32 *>(src)[lane];
+    const u32 hi = reinterpret_cast<const u32 *>(src + HD / 2)[lane];
+    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
+
+    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
+    const u32 *wn = reinterpret_cast<const u32 *>(is_q ? q_norm_w : k_norm_w);
+    const u32 wlo = wn[lane], whi = wn[HD / 4 + lane];
+    x0 *= r * bf16lo(wlo); x1 *= r * bf16hi(wlo);
+    y0 *= r * bf16lo(whi); y1 *= r * bf16hi(whi);
+
+    const float pos = (float)positions[t];
+    float s0, c0, s1, c1;
+    sincosf(pos * inv_freq[2 * lane], &s0, &c0);
+    sincosf(pos * inv_freq[2 * lane + 1], &s1, &c1);
+    float a0 = x0 * c0 - y0 * s0, b0 = y0 * c0 + x0 * s0;
+    float a1 = x1 * c1 - y1 * s1, b1 = y1 * c1 + x1 * s1;
+    // Channels 2l, 2l+1 (a) and 64+2l, 64+2l+1 (b) share the factors c[2l], c[2l+1].
+    const float f0 = smooth ? smooth[2 * lane] : 1.f, f1 = smooth ? smooth[2 * lane + 1] : 1.f;
+
+    if (is_q) {
+        bf16 *dst = q_out + ((size_t)t * num_heads + head) * HD;
+        reinterpret_cast<u32 *>(dst)[lane] = pack_bf16x2(a0 * f0, a1 * f1);
+        reinterpret_cast<u32 *>(dst + HD / 2)[lane] = pack_bf16x2(b0 * f0, b1 * f1);
+        return;
+    }
+    a0 = __fdiv_rn(a0, f0); b0 = __fdiv_rn(b0, f0);
+    a1 = __fdiv_rn(a1, f1); b1 = __fdiv_rn(b1, f1);
+    const int kvh = head - num_heads;
+    const size_t page = slot / page_size, off = slot % page_size;
+    const size_t vec = (page * num_kv_heads + kvh) * page_size + off;  // index of the (position, head) vector
+    const size_t at = vec * HD;
+
+    const float kmax = warp_max(fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(b0), fabsf(b1))));
+    const float ks = __fdiv_rn(kmax, 127.f);
+    const float kd = ks > 0.f ? ks : 1.f;
+    const int qa0 = __float2int_rn(__fdiv_rn(a0, kd)), qa1 = __float2int_rn(__fdiv_rn(a1, kd));
+    const int qb0 = __float2int_rn(__fdiv_rn(b0, kd)), qb1 = __float2int_rn(__fdiv_rn(b1, kd));
+    reinterpret_cast<unsigned short *>(k_pool + at)[lane] = (unsigned short)((qa0 & 0xff) | ((qa1 & 0xff) << 8));
+    reinterpret_cast<unsigned short *>(k_pool + at + HD / 2)[lane] =
+        (unsigned short)((qb0 & 0xff) | ((qb1 & 0xff) << 8));
+    if (lane == 0) k_scale[vec] = ks;
+
+    // The value head, unchanged but quantized: lane l owns channels 4l .. 4l+3.
+    const bf16 *vsrc = src + (size_t)num_kv_heads * HD;
+    const u32 v01 = reinterpret_cast<const u32 *>(vsrc)[2 * lane], v23 = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
+    const float v0 = bf16lo(v01), v1 = bf16hi(v01), v2 = bf16lo(v23), v3 = bf16hi(v23);
+    const float vmax = warp_max(fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3))));
+    const float vs = __fdiv_rn(vmax, 127.f);
+    const float vd = vs > 0.f ? vs : 1.f;
+    const int q0 = __float2int_rn(__fdiv_rn(v0, vd)), q1 = __float2int_rn(__fdiv_rn(v1, vd));
+    const int q2 = __float2int_rn(__fdiv_rn(v2, vd)), q3 = __float2int_rn(__fdiv_rn(v3, vd));
+    reinterpret_cast<u32 *>(v_pool + at)[lane] =
+        (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
+    if (lane == 0) v_scale[vec] = vs;
+}

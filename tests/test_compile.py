@@ -21,7 +21,7 @@ ELF_MAGIC = b"\x7fELF"
 ENTRY_POINTS = {
     "embedding.cu": ["embedding", "resolve_tokens"],
     "rmsnorm.cu": ["rmsnorm"],
-    "attn_input.cu": ["attn_input"],
+    "attn_input.cu": ["attn_input", "attn_input_int8"],
     "gemm.cu": [f"gemm_e{e}" for e in range(4)],
     "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)],
     "attention.cu": ["attention", "attention_combine"],

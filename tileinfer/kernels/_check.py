@@ -10,6 +10,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT32 = np.dtype(np.float32)
 INT32 = np.dtype(np.int32)
 UINT64 = np.dtype(np.uint64)
+INT8 = np.dtype(np.int8)
 
 
 def expect(name: str, array: DeviceArray | None, shape: tuple, dtype) -> None:
