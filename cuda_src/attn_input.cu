@@ -8,6 +8,28 @@
 
 #define HD 128  // head_dim: every Qwen3 model uses 128
 
+// One warp's share of a query or key head: load it (lane l holds channels 2l, 2l+1 and their
+// rotary partners 64+2l, 64+2l+1), RMSNorm it over the head's 128 channels with `norm_w`, and
+// rotate it with RoPE at position `pos` (rotate-half pairing (i, i + 64):
+// (x, y) -> (x cos - y sin, y cos + x sin)). Returns a0, a1 (channels 2l, 2l+1), b0, b1 (64+2l, 64+2l+1).
+__device__ __forceinline__ void norm_rope(const bf16 *__restrict__ src, const bf16 *__restrict__ norm_w,
+                                          const float *__restrict__ inv_freq, float pos, float eps, int lane,
+                                          float &a0, float &a1, float &b0, float &b1) {
+    const u32 lo = reinterpret_cast<const u32 *>(src)[lane];            // channels 2l, 2l+1
+    const u32 hi = reinterpret_cast<const u32 *>(src + HD / 2)[lane];   // channels 64+2l, 64+2l+1
+    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
+    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
+    const u32 *wn = reinterpret_cast<const u32 *>(norm_w);
+    const u32 wlo = wn[lane], whi = wn[HD / 4 + lane];
+    x0 *= r * bf16lo(wlo); x1 *= r * bf16hi(wlo);
+    y0 *= r * bf16lo(whi); y1 *= r * bf16hi(whi);
+    float s0, c0, s1, c1;
+    sincosf(pos * inv_freq[2 * lane], &s0, &c0);
+    sincosf(pos * inv_freq[2 * lane + 1], &s1, &c1);
+    a0 = x0 * c0 - y0 * s0; b0 = y0 * c0 + x0 * s0;
+    a1 = x1 * c1 - y1 * s1; b1 = y1 * c1 + x1 * s1;
+}
+
 // ============================================================================= kernels
 // grid (n_tokens, ceil((H + KV) / 4)), block (128): one warp per head; heads [0, H) are query
 // heads, [H, H + KV) key heads (whose value head is stored alongside).
@@ -29,24 +51,8 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
 
     const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
     const bf16 *src = qkv + (size_t)t * row_elems + (size_t)head * HD;
-    const u32 lo = reinterpret_cast<const u32 *>(src)[lane];            // channels 2l, 2l+1
-    const u32 hi = reinterpret_cast<const u32 *>(src + HD / 2)[lane];   // channels 64+2l, 64+2l+1
-    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
-
-    // RMSNorm over the head's 128 channels.
-    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
-    const u32 *wn = reinterpret_cast<const u32 *>(is_q ? q_norm_w : k_norm_w);
-    const u32 wlo = wn[lane], whi = wn[HD / 4 + lane];
-    x0 *= r * bf16lo(wlo); x1 *= r * bf16hi(wlo);
-    y0 *= r * bf16lo(whi); y1 *= r * bf16hi(whi);
-
-    // RoPE, rotate-half pairing (i, i + 64): (x, y) -> (x cos - y sin, y cos + x sin).
-    const float pos = (float)positions[t];
-    float s0, c0, s1, c1;
-    sincosf(pos * inv_freq[2 * lane], &s0, &c0);
-    sincosf(pos * inv_freq[2 * lane + 1], &s1, &c1);
-    const float a0 = x0 * c0 - y0 * s0, b0 = y0 * c0 + x0 * s0;
-    const float a1 = x1 * c1 - y1 * s1, b1 = y1 * c1 + x1 * s1;
+    float a0, a1, b0, b1;
+    norm_rope(src, is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[t], eps, lane, a0, a1, b0, b1);
 
     if (is_q) {
         bf16 *dst = q_out + ((size_t)t * num_heads + head) * HD;
@@ -87,22 +93,8 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
 
     const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
     const bf16 *src = qkv + (size_t)t * row_elems + (size_t)head * HD;
-    const u32 lo = reinterpret_cast<const u32 *>(src)[lane];
-    const u32 hi = reinterpret_cast<const u32 *>(src + HD / 2)[lane];
-    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
-
-    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
-    const u32 *wn = reinterpret_cast<const u32 *>(is_q ? q_norm_w : k_norm_w);
-    const u32 wlo = wn[lane], whi = wn[HD / 4 + lane];
-    x0 *= r * bf16lo(wlo); x1 *= r * bf16hi(wlo);
-    y0 *= r * bf16lo(whi); y1 *= r * bf16hi(whi);
-
-    const float pos = (float)positions[t];
-    float s0, c0, s1, c1;
-    sincosf(pos * inv_freq[2 * lane], &s0, &c0);
-    sincosf(pos * inv_freq[2 * lane + 1], &s1, &c1);
-    float a0 = x0 * c0 - y0 * s0, b0 = y0 * c0 + x0 * s0;
-    float a1 = x1 * c1 - y1 * s1, b1 = y1 * c1 + x1 * s1;
+    float a0, a1, b0, b1;
+    norm_rope(src, is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[t], eps, lane, a0, a1, b0, b1);
     // Channels 2l, 2l+1 (a) and 64+2l, 64+2l+1 (b) share the factors c[2l], c[2l+1].
     const float f0 = smooth ? smooth[2 * lane] : 1.f, f1 = smooth ? smooth[2 * lane + 1] : 1.f;
 

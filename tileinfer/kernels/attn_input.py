@@ -5,10 +5,8 @@ from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 HEAD_DIM = 128
 
 
-def attn_input(qkv: DeviceArray, positions: DeviceArray, slots: DeviceArray, q_norm: DeviceArray,
-               k_norm: DeviceArray, inv_freq: DeviceArray, q_out: DeviceArray, k_pool: DeviceArray,
-               v_pool: DeviceArray, num_heads: int, num_kv_heads: int, eps: float, stream) -> None:
-    """qkv [n, (H + 2 KV) * 128] -> q_out [n, H, 128]; keys/values into pools [pages, KV, page_size, 128]."""
+def _check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads) -> int:
+    """The checks both variants share; returns the number of tokens."""
     n = qkv.shape[0]
     hd = HEAD_DIM
     expect("qkv", qkv, (n, (num_heads + 2 * num_kv_heads) * hd), BF16)
@@ -18,6 +16,15 @@ def attn_input(qkv: DeviceArray, positions: DeviceArray, slots: DeviceArray, q_n
     expect("k_norm", k_norm, (hd,), BF16)
     expect("inv_freq", inv_freq, (hd // 2,), FLOAT32)
     expect("q_out", q_out, (n, num_heads, hd), BF16)
+    return n
+
+
+def attn_input(qkv: DeviceArray, positions: DeviceArray, slots: DeviceArray, q_norm: DeviceArray,
+               k_norm: DeviceArray, inv_freq: DeviceArray, q_out: DeviceArray, k_pool: DeviceArray,
+               v_pool: DeviceArray, num_heads: int, num_kv_heads: int, eps: float, stream) -> None:
+    """qkv [n, (H + 2 KV) * 128] -> q_out [n, H, 128]; keys/values into pools [pages, KV, page_size, 128]."""
+    n = _check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads)
+    hd = HEAD_DIM
     pages, kv, page_size, _ = k_pool.shape
     expect("k_pool", k_pool, (pages, num_kv_heads, page_size, hd), BF16)
     expect("v_pool", v_pool, (pages, num_kv_heads, page_size, hd), BF16)
@@ -34,17 +41,10 @@ def attn_input_int8(qkv: DeviceArray, positions: DeviceArray, slots: DeviceArray
     """As attn_input, into an INT8 cache: pools int8 [pages, KV, page_size, 128] and scales float32
     [pages, KV, page_size] (tileinfer/kv/int8.py). smoothing: float32 [128] factors c (keys stored
     as k / c, queries written as q * c), or None for no smoothing."""
-    n = qkv.shape[0]
+    n = _check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads)
     hd = HEAD_DIM
-    expect("qkv", qkv, (n, (num_heads + 2 * num_kv_heads) * hd), BF16)
-    expect("positions", positions, (n,), INT32)
-    expect("slots", slots, (n,), INT32)
-    expect("q_norm", q_norm, (hd,), BF16)
-    expect("k_norm", k_norm, (hd,), BF16)
-    expect("inv_freq", inv_freq, (hd // 2,), FLOAT32)
     if smoothing is not None:
         expect("smoothing", smoothing, (hd,), FLOAT32)
-    expect("q_out", q_out, (n, num_heads, hd), BF16)
     pages, kv, page_size, _ = k_pool.shape
     expect("k_pool", k_pool, (pages, num_kv_heads, page_size, hd), INT8)
     expect("v_pool", v_pool, (pages, num_kv_heads, page_size, hd), INT8)
