@@ -193,6 +193,7 @@ class LLM:
         # Warm-up on a temporary cache: the largest chunk, one decode step per bucket, all graphs.
         used_warm0 = nvml()[2] if nvml else 0
         chunk = model.max_batch_tokens
+        # One page per decode sequence; the chunk's pages, plus a partial page per piece of it.
         warm_pages = self.max_num_seqs + -(-chunk // self.page_size) + self.max_num_seqs
         warm = PagedKVCache(self.config, num_pages=warm_pages, page_size=self.page_size, max_seq_len=self.max_context)
         model.attach_cache(warm, max_context=self.max_context, penalty_capacity=self._penalty_capacity())
@@ -284,14 +285,13 @@ class LLM:
             manager.reserve(s, 1)
         greedy = SamplingRow()
         sampled = SamplingRow(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01, repetition=1.1)
-        for b in model.buckets:
-            rows = [sampled if i % 2 else greedy for i in range(b)]
-            use = model.use_graphs
-            model.use_graphs = False
-            try:
-                model.step([(s, [0]) for s in seqs[:b]], rows)
-            finally:
-                model.use_graphs = use
+        use = model.use_graphs
+        model.use_graphs = False  # eager: capturing comes after the warm-up
+        try:
+            for b in model.buckets:
+                model.step([(s, [0]) for s in seqs[:b]], [sampled if i % 2 else greedy for i in range(b)])
+        finally:
+            model.use_graphs = use
         for s in seqs:
             manager.release(s)
 

@@ -51,7 +51,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0        # prompt tokens served by the prefix cache at first admission
-    num_computed_tokens_total: int = 0  # tokens prefilled or decoded for this request, recomputes included
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -66,7 +65,6 @@ class Request:
     sync: bool = False        # needs each step's results before the next is planned (penalties, logprobs)
     unresolved: int = 0       # sampled tokens launched but not yet read back (placeholders in token_ids)
     closed: bool = False      # finished by a stop or an abort: results still in flight are dropped
-    _admitted_once: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -193,10 +191,9 @@ class Scheduler:
                 cached = self.manager.allocate_prompt(req.seq, req.token_ids)
                 self.waiting.popleft()
                 req.num_computed = cached
-                if not req._admitted_once:
+                if req.first_scheduled_time is None:  # first admission (not a readmission after preemption)
                     req.num_cached_tokens = cached
                     req.first_scheduled_time = time.perf_counter()
-                    req._admitted_once = True
                 req.status = RUNNING
                 self.running.append(req)
                 count = min(req.num_tokens - cached, budget)
@@ -218,9 +215,7 @@ class Scheduler:
         """Record that a step was launched for these rows (before their samples are appended), and
         name the pages it fills whose tokens are all known (see `register`)."""
         for row in rows:
-            req = row.request
-            req.num_computed = row.start + row.count
-            req.num_computed_tokens_total += row.count
+            row.request.num_computed = row.start + row.count
         self.register(rows)
 
     def register(self, rows: list[ScheduledRow]) -> None:
