@@ -1,18 +1,28 @@
 // Paged causal attention over the KV cache, on tensor cores (flash-attention 2 style), for
-// prefill chunks and decode steps alike, with an optional split over the key range
-// (flash-decoding) whose partial results `attention_combine` merges.
+// prefill chunks and decode steps alike, over a BF16 or an INT8 cache, with an optional split
+// over the key range (flash-decoding) whose partial results `attention_combine` merges.
 //
-// Cache layout (tileinfer/kv/paged_cache.py): pool[page, kv_head, offset, head_dim] bf16.
-// Position p of sequence b lives in page block_tables[b * bt_stride + p / page_size] at
-// offset p % page_size.
+// Cache layout (tileinfer/kv/paged_cache.py): pool[page, kv_head, offset, head_dim], bf16 or
+// int8; an INT8 cache adds one float32 scale per vector, scale[page, kv_head, offset]. Position p
+// of sequence b lives in page block_tables[b * bt_stride + p / page_size] at offset p % page_size.
 //
-// Work decomposition. Grouped-query attention lets all G = H / KV query heads of a KV head
-// share each key and value tile, so a block's 64 "rows" are (token, head-in-group) pairs:
-// row R is token R / G, query head kv_head * G + R % G. A block owns 64 such rows of one
-// sequence and one KV head, and walks key tiles of 64 positions (gathered page by page);
-// each of its 4 warps owns 16 rows. S = Q K^T and O += P V run on mma.m16n8k16 with an
-// online softmax in base 2. Shared-memory rows are 256 bytes; chunk c of row r is stored at
-// chunk c ^ (r % 8) so ldmatrix reads are free of bank conflicts.
+// Work decomposition. Grouped-query attention lets all G = H / KV query heads of a KV head share
+// each key and value tile, so a block's "rows" are (token, head-in-group) pairs: row R is token
+// R / G, query head kv_head * G + R % G. A block owns the rows of one row tile of one sequence and
+// one KV head, and walks key tiles of 64 positions (gathered page by page). Two shapes:
+//   - rows mode (prefill): 64 rows per block, each of the 4 warps owns 16 rows and every key;
+//   - keys mode (decode, at most 16 rows): 16 rows per block, each warp owns 16 keys of every
+//     tile, with its own softmax state; the 4 warps' states are merged at the end. A decode
+//     step has G <= 16 rows per KV head, so rows mode would leave 3 of 4 warps with no work.
+// S = Q K^T and O += P V run on mma.m16n8k16 with an online softmax in base 2. Shared-memory rows
+// of bf16 are 256 bytes; chunk c of row r is stored at chunk c ^ (r % 8) so ldmatrix reads are
+// free of bank conflicts.
+//
+// INT8 cache: tiles arrive as int8 (half the bytes of BF16) into a staging buffer and are widened
+// to bf16 in shared memory (exact: the codes are integers in [-127, 127]); the scales are never
+// applied to the cached values. A key's scale multiplies its column of scores, a value's scale
+// multiplies its probability before the P V product; the softmax sum uses the probabilities
+// themselves. (Key smoothing needs nothing here: the queries arrive already multiplied by c.)
 //
 // Queries: q[token, head, HD] for the step's tokens; cu_q[b]..cu_q[b+1] are sequence b's.
 // kv_lens[b] counts sequence b's positions including this step's, so the step's first token
@@ -20,46 +30,127 @@
 #include "common.cuh"
 
 #define HD 128
-#define ROWS 64
 #define KT 64
 #define THREADS 128
-#define SMEM_BYTES ((ROWS + 4 * KT) * HD * 2)  // Q, then K and V double-buffered: 80 KB
 
 __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)) << 3); }
 
-__device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, const bf16 *__restrict__ k_pool,
-                                             const bf16 *__restrict__ v_pool, const int *__restrict__ table,
-                                             int kv_head, int num_kv_heads, int page_size, int kv_len, int key0) {
+// Pipeline depth (tiles in flight + the one being computed) and shared memory, in bytes: the Q
+// tile, then the bf16 K and V tiles (one per stage for BF16, one for INT8), then for INT8 one
+// staging buffer per stage (int8 K and V codes and their scales). Decode is bound by how many bytes
+// are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (102 KB).
+template <bool Q8, bool KEYS>
+struct Smem {
+    static constexpr int ROWS = KEYS ? 16 : 64;
+    static constexpr int STAGES = KEYS ? (Q8 ? 4 : 3) : 2;
+    static constexpr int Q_BYTES = ROWS * HD * 2;
+    static constexpr int KV_BUFS = Q8 ? 1 : STAGES;
+    static constexpr int TILE_BYTES = KT * HD * 2;                         // one bf16 K or V tile
+    static constexpr int STAGE = 2 * KT * HD + 2 * KT * 4;                 // INT8: K, V codes + scales
+    static constexpr int TOTAL = Q_BYTES + 2 * KV_BUFS * TILE_BYTES + (Q8 ? STAGES * STAGE : 0);
+};
+
+// The rows of a key tile one thread copies (BF16: 8 rows of 16-byte chunks; INT8: 4 rows of codes
+// and one row's scale), and their cache vectors' indices ((page * KV + kv_head) * page_size + offset,
+// or -1 past kv_len). Looked up one iteration before the copy is issued, so the block-table read
+// never stalls the copy.
+template <bool Q8>
+struct TileRows {
+    static constexpr int N = Q8 ? 5 : 8;
+    int vec[N];
+};
+
+template <bool Q8>
+__device__ __forceinline__ int tile_row(int i) {
+    if constexpr (Q8) return i < 4 ? (threadIdx.x >> 3) + 16 * i : (threadIdx.x & (KT - 1));
+    return (threadIdx.x >> 4) + 8 * i;
+}
+
+template <bool Q8>
+__device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ table, int kv_head, int num_kv_heads,
+                                                    int page_size, int kv_len, int key0) {
+    TileRows<Q8> rows;
 #pragma unroll
-    for (int i = 0; i < KT * (HD / 8) / THREADS; ++i) {
-        const int idx = threadIdx.x + i * THREADS, r = idx >> 4, c = idx & 15;
-        const int p = key0 + r;
-        const bool ok = p < kv_len;
-        size_t at = 0;
-        if (ok) {
-            const int page = table[p / page_size];
-            at = ((size_t)(page * num_kv_heads + kv_head) * page_size + p % page_size) * HD + c * 8;
-        }
+    for (int i = 0; i < TileRows<Q8>::N; ++i) {
+        const int p = key0 + tile_row<Q8>(i);
+        rows.vec[i] = p < kv_len ? (__ldg(table + p / page_size) * num_kv_heads + kv_head) * page_size + p % page_size
+                                 : -1;
+    }
+    return rows;
+}
+
+// BF16: copy a K and V tile into sK / sV (zero past kv_len).
+__device__ __forceinline__ void load_tile_bf16(bf16 *sK, bf16 *sV, const bf16 *__restrict__ k_pool,
+                                               const bf16 *__restrict__ v_pool, const TileRows<false> &rows) {
+#pragma unroll
+    for (int i = 0; i < TileRows<false>::N; ++i) {
+        const int r = tile_row<false>(i), c = threadIdx.x & 15;
+        const bool ok = rows.vec[i] >= 0;
+        const size_t at = ok ? (size_t)rows.vec[i] * HD + c * 8 : 0;
         cp_async16(smem_addr(sK + swz(r, c)), k_pool + at, ok);
         cp_async16(smem_addr(sV + swz(r, c)), v_pool + at, ok);
     }
 }
 
-// ============================================================================= kernels
-// grid (row_tiles, num_kv_heads, num_seqs * num_splits), block (128), dynamic smem SMEM_BYTES.
+// INT8: copy the codes of a K and V tile into stage ([K codes KT x HD][V codes KT x HD][K scales KT]
+// [V scales KT], rows unswizzled), zero past kv_len. Threads 0..63 copy keys' scales, 64..127 values'.
+__device__ __forceinline__ void load_tile_int8(unsigned char *stage, const signed char *__restrict__ k_pool,
+                                               const signed char *__restrict__ v_pool,
+                                               const float *__restrict__ k_scale, const float *__restrict__ v_scale,
+                                               const TileRows<true> &rows) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = tile_row<true>(i), c = threadIdx.x & 7;
+        const bool ok = rows.vec[i] >= 0;
+        const size_t at = ok ? (size_t)rows.vec[i] * HD + c * 16 : 0;
+        cp_async16(smem_addr(stage + r * HD + c * 16), k_pool + at, ok);
+        cp_async16(smem_addr(stage + KT * HD + r * HD + c * 16), v_pool + at, ok);
+    }
+    const int r = tile_row<true>(4), which = threadIdx.x / KT;
+    const bool ok = rows.vec[4] >= 0;
+    cp_async4(smem_addr(stage + 2 * KT * HD + (which * KT + r) * 4), (which ? v_scale : k_scale) + (ok ? rows.vec[4] : 0),
+              ok);
+}
+
+// INT8: widen a staged K and V tile to bf16 (swizzled) in sK / sV.
+__device__ __forceinline__ void widen_tile(const unsigned char *stage, bf16 *sK, bf16 *sV) {
+#pragma unroll
+    for (int i = 0; i < 2 * KT * (HD / 16) / THREADS; ++i) {
+        const int idx = threadIdx.x + i * THREADS;
+        const int which = idx / (KT * HD / 16), r = (idx >> 3) & (KT - 1), c = idx & 7;
+        const vec16 in = ld16(stage + which * KT * HD + r * HD + c * 16);
+        vec16 lo, hi;
+        i8x4_to_bf16x4(in.w[0], lo.w[0], lo.w[1]);
+        i8x4_to_bf16x4(in.w[1], lo.w[2], lo.w[3]);
+        i8x4_to_bf16x4(in.w[2], hi.w[0], hi.w[1]);
+        i8x4_to_bf16x4(in.w[3], hi.w[2], hi.w[3]);
+        bf16 *dst = which ? sV : sK;
+        st16(dst + swz(r, 2 * c), lo);
+        st16(dst + swz(r, 2 * c + 1), hi);
+    }
+}
+
+// ============================================================================= the kernel body
+// grid (row_tiles, num_kv_heads, num_seqs * num_splits), block (128), dynamic smem Smem::TOTAL.
 // num_splits == 1: writes normalized bf16 `out`. Otherwise writes, per split, the unnormalized
 // f32 output to part_o [splits, total_q, H, HD] and (max, sum) in base 2 to part_ml
 // [splits, total_q, H, 2], merged by attention_combine.
-extern "C" __global__ void __launch_bounds__(THREADS) attention(
-        const bf16 *__restrict__ q, const bf16 *__restrict__ k_pool, const bf16 *__restrict__ v_pool,
+template <bool Q8, bool KEYS>
+__device__ __forceinline__ void attention_body(
+        const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,
+        const float *__restrict__ k_scale, const float *__restrict__ v_scale,
         bf16 *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_ml,
         const int *__restrict__ cu_q, const int *__restrict__ kv_lens, const int *__restrict__ block_tables,
         int bt_stride, int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q,
         float scale_log2) {
+    using S = Smem<Q8, KEYS>;
+    constexpr int ROWS = S::ROWS, STAGES = S::STAGES;
+    constexpr int NB = KEYS ? 2 : 8;  // 8-key column blocks of S per warp
     extern __shared__ __align__(128) unsigned char smem[];
     bf16 *sQ = reinterpret_cast<bf16 *>(smem);
-    bf16 *sK = sQ + ROWS * HD;  // [2][KT][HD]
-    bf16 *sV = sK + 2 * KT * HD;
+    bf16 *sK = reinterpret_cast<bf16 *>(smem + S::Q_BYTES);  // [KV_BUFS][KT][HD]
+    bf16 *sV = sK + S::KV_BUFS * KT * HD;
+    unsigned char *stage = smem + S::Q_BYTES + 2 * S::KV_BUFS * S::TILE_BYTES;  // INT8 only: [STAGES][STAGE]
 
     const int kv_head = blockIdx.y;
     const int b = blockIdx.z / num_splits, split = blockIdx.z % num_splits;
@@ -76,8 +167,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
     const int *table = block_tables + (size_t)b * bt_stride;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wrow = KEYS ? 0 : warp * 16;  // the warp's first row in the tile
+    const int wkey = KEYS ? warp * 16 : 0;  // the warp's first key in each key tile
 
-    // Q tile: 64 rows x 16 chunks; rows past the sequence's are zero.
+    auto lookup = [&](int kt) { return lookup_rows<Q8>(table, kv_head, num_kv_heads, page_size, kv_len, kt * KT); };
+    auto load_tile = [&](const TileRows<Q8> &tile_rows, int buf) {
+        if constexpr (Q8) {
+            load_tile_int8(stage + buf * S::STAGE, static_cast<const signed char *>(k_pool),
+                           static_cast<const signed char *>(v_pool), k_scale, v_scale, tile_rows);
+        } else {
+            load_tile_bf16(sK + buf * KT * HD, sV + buf * KT * HD, static_cast<const bf16 *>(k_pool),
+                           static_cast<const bf16 *>(v_pool), tile_rows);
+        }
+    };
+
+    // Q tile: ROWS rows x 16 chunks; rows past the sequence's are zero.
 #pragma unroll
     for (int i = 0; i < ROWS * (HD / 8) / THREADS; ++i) {
         const int idx = threadIdx.x + i * THREADS, r = idx >> 4, c = idx & 15;
@@ -86,15 +190,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
         const size_t at = ok ? ((size_t)(q0 + R / G) * num_heads + kv_head * G + R % G) * HD + c * 8 : 0;
         cp_async16(smem_addr(sQ + swz(r, c)), q + at, ok);
     }
-    if (kt_begin < kt_end)
-        load_kv_tile(sK, sV, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, kv_len, kt_begin * KT);
-    cp_async_commit();
+    // Prologue: the first STAGES - 1 tiles in flight (one commit group each, empty past the end),
+    // and the rows of the next one looked up.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (kt_begin + s < kt_end) load_tile(lookup(kt_begin + s), s);
+        cp_async_commit();
+    }
+    TileRows<Q8> next_rows;
+    if (kt_begin + STAGES - 1 < kt_end) next_rows = lookup(kt_begin + STAGES - 1);
 
-    // The two rows this thread accumulates: warp*16 + g and +8.
+    // The two rows this thread accumulates: wrow + g and + 8.
     int qpos[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int R = row0 + warp * 16 + g + 8 * h;
+        const int R = row0 + wrow + g + 8 * h;
         qpos[h] = R < rows ? first_pos + R / G : max_qpos;
     }
 
@@ -105,44 +215,63 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
     u32 qf[8][4];
 
     for (int kt = kt_begin; kt < kt_end; ++kt) {
-        const int cur = (kt - kt_begin) & 1;
-        if (kt + 1 < kt_end)
-            load_kv_tile(sK + (cur ^ 1) * KT * HD, sV + (cur ^ 1) * KT * HD, k_pool, v_pool, table, kv_head,
-                         num_kv_heads, page_size, kv_len, (kt + 1) * KT);
+        const int i = kt - kt_begin, cur = i % STAGES;
+        cp_async_wait<STAGES - 2>();  // tile kt has landed (this thread's copies) ...
+        __syncthreads();              // ... everyone's, and everyone is done with tile kt - 1's buffers
+        // Refill the buffer tile kt - 1 used with tile kt + STAGES - 1; look up the rows of the one after.
+        if (kt + STAGES - 1 < kt_end) {
+            load_tile(next_rows, (i + STAGES - 1) % STAGES);
+            if (kt + STAGES < kt_end) next_rows = lookup(kt + STAGES);
+        }
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
         if (kt == kt_begin) {
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks)
-                ldmatrix_x4(qf[ks], smem_addr(sQ + swz(warp * 16 + (lane & 15), ks * 2 + (lane >> 4))));
+                ldmatrix_x4(qf[ks], smem_addr(sQ + swz(wrow + (lane & 15), ks * 2 + (lane >> 4))));
         }
-        const bf16 *tK = sK + cur * KT * HD, *tV = sV + cur * KT * HD;
+        const bf16 *tK, *tV;
+        const float *ksc = nullptr, *vsc = nullptr;
+        if constexpr (Q8) {
+            const unsigned char *st = stage + cur * S::STAGE;
+            widen_tile(st, sK, sV);
+            ksc = reinterpret_cast<const float *>(st + 2 * KT * HD);
+            vsc = ksc + KT;
+            __syncthreads();
+            tK = sK;
+            tV = sV;
+        } else {
+            tK = sK + cur * KT * HD;
+            tV = sV + cur * KT * HD;
+        }
 
-        // S = Q K^T: 16 rows x 64 keys per warp.
-        float s[8][4];
+        // S = Q K^T: 16 rows x (NB * 8) keys per warp.
+        float s[NB][4];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
-            for (int np = 0; np < 4; ++np) {
+            for (int np = 0; np < NB / 2; ++np) {
                 u32 kb[4];
-                ldmatrix_x4(kb, smem_addr(tK + swz(np * 16 + (lane & 7) + ((lane >> 4) << 3), ks * 2 + ((lane >> 3) & 1))));
+                ldmatrix_x4(kb, smem_addr(tK + swz(wkey + np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                   ks * 2 + ((lane >> 3) & 1))));
                 const u32 b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
                 mma_bf16_16816(s[2 * np], qf[ks], b0);
                 mma_bf16_16816(s[2 * np + 1], qf[ks], b1);
             }
         }
 
-        // Scale into base 2, mask (causal and past the end), online softmax.
+        // Scale into base 2 (times the key's scale for INT8), mask (causal and past the end),
+        // online softmax.
         float mx[2] = {-TI_INF, -TI_INF};
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb)
+        for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = kt * KT + nb * 8 + 2 * t + (e & 1), h = e >> 1;
-                const float x = (key > qpos[h] || key >= kv_len) ? -TI_INF : s[nb][e] * scale_log2;
+                const int kl = wkey + nb * 8 + 2 * t + (e & 1), key = kt * KT + kl, h = e >> 1;
+                float x = s[nb][e] * scale_log2;
+                if constexpr (Q8) x *= ksc[kl];
+                x = (key > qpos[h] || key >= kv_len) ? -TI_INF : x;
                 s[nb][e] = x;
                 mx[h] = fmaxf(mx[h], x);
             }
@@ -158,12 +287,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
         }
         float rowsum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb)
+        for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float p = exp2f(s[nb][e] - m_use[e >> 1]);
-                s[nb][e] = p;
                 rowsum[e >> 1] += p;
+                if constexpr (Q8) {
+                    s[nb][e] = p * vsc[wkey + nb * 8 + 2 * t + (e & 1)];
+                } else {
+                    s[nb][e] = p;
+                }
             }
 #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
@@ -175,20 +308,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
 
         // O += P V: P (bf16) is the A operand straight from the S accumulators.
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+        for (int kk = 0; kk < NB / 2; ++kk) {
             const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                               pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int dp = 0; dp < 8; ++dp) {
                 u32 vb[4];
-                ldmatrix_x4_trans(vb, smem_addr(tV + swz(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4))));
+                ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                         dp * 2 + (lane >> 4))));
                 const u32 b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
                 mma_bf16_16816(o[2 * dp], a, b0);
                 mma_bf16_16816(o[2 * dp + 1], a, b1);
             }
         }
-        __syncthreads();  // everyone is done with buffer `cur` before it is refilled
     }
     cp_async_wait<0>();
 
@@ -197,9 +330,63 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
+
+    if constexpr (KEYS) {
+        // Merge the 4 warps' states (each saw a quarter of every key tile) through shared memory,
+        // reusing the K/V tiles: sO [4 warps][16 rows][HD] f32, then sM, sL [4][16].
+        __syncthreads();
+        float *sO = reinterpret_cast<float *>(sK);
+        float *sM = sO + 4 * 16 * HD, *sL = sM + 4 * 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = g + 8 * h;
+            float2 *dst = reinterpret_cast<float2 *>(sO + (warp * 16 + r) * HD);
+#pragma unroll
+            for (int nb = 0; nb < 16; ++nb) dst[nb * 4 + t] = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
+            if (t == 0) { sM[warp * 16 + r] = m[h]; sL[warp * 16 + r] = l[h]; }
+        }
+        __syncthreads();
+        // Thread -> (row r = tid / 8, 16 columns from (tid % 8) * 16).
+        const int r = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
+        const int R = row0 + r;
+        if (R >= rows) return;
+        float M = -TI_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, sM[w * 16 + r]);
+        float wt[4], L = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            wt[w] = M == -TI_INF ? 0.f : exp2f(sM[w * 16 + r] - M);  // a warp with no visible key: 0
+            L += wt[w] * sL[w * 16 + r];
+        }
+        float acc[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            float a = 0.f;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) a += wt[w] * sO[(w * 16 + r) * HD + c0 + j];
+            acc[j] = a;
+        }
+        const size_t row = (size_t)(q0 + R / G) * num_heads + kv_head * G + R % G;
+        if (num_splits == 1) {
+            const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) acc[j] *= inv;
+            st16(out + row * HD + c0, pack8(acc));
+            st16(out + row * HD + c0 + 8, pack8(acc + 8));
+        } else {
+            const size_t prow = (size_t)split * total_q * num_heads + row;
+            float4 *dst = reinterpret_cast<float4 *>(part_o + prow * HD + c0);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) dst[j] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+            if ((threadIdx.x & 7) == 0) reinterpret_cast<float2 *>(part_ml)[prow] = make_float2(M, L);
+        }
+        return;
+    }
+
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int R = row0 + warp * 16 + g + 8 * h;
+        const int R = row0 + wrow + g + 8 * h;
         if (R >= rows) continue;
         const size_t row = (size_t)(q0 + R / G) * num_heads + kv_head * G + R % G;
         if (num_splits == 1) {
@@ -217,23 +404,70 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention(
     }
 }
 
-// grid (total_q, num_heads), block (128 = HD). Merges the splits' partial outputs.
-extern "C" __global__ void attention_combine(const float *__restrict__ part_o, const float *__restrict__ part_ml,
-                                             bf16 *__restrict__ out, int num_splits, int total_q, int num_heads) {
+// ============================================================================= kernels
+// The four entry points: {BF16, INT8 cache} x {rows mode, keys mode}. k_scale / v_scale are null
+// for BF16.
+#define ATTENTION_KERNEL(NAME, Q8, KEYS)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+            const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,   \
+            const float *__restrict__ k_scale, const float *__restrict__ v_scale, bf16 *__restrict__ out,    \
+            float *__restrict__ part_o, float *__restrict__ part_ml, const int *__restrict__ cu_q,           \
+            const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int bt_stride,            \
+            int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2) {  \
+        attention_body<Q8, KEYS>(q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,  \
+                                 block_tables, bt_stride, num_heads, num_kv_heads, page_size, num_splits,   \
+                                 total_q, scale_log2);                                                      \
+    }
+
+ATTENTION_KERNEL(attention, false, false)
+ATTENTION_KERNEL(attention_decode, false, true)
+ATTENTION_KERNEL(attention_int8, true, false)
+ATTENTION_KERNEL(attention_int8_decode, true, true)
+
+// grid (total_q, num_heads), block (128), num_splits <= 128. Merges the splits' partial outputs
+// of one (token, head): the weights 2^(m_s - M) of the splits in parallel (one thread each), then
+// the weighted sum of their outputs, warp w taking splits w, w + 4, ... and lane l columns
+// 4l..4l+3, so each thread's loads are independent and in flight together.
+extern "C" __global__ void __launch_bounds__(128) attention_combine(
+        const float *__restrict__ part_o, const float *__restrict__ part_ml, bf16 *__restrict__ out,
+        int num_splits, int total_q, int num_heads) {
+    __shared__ float scratch[32], weight[128];
+    __shared__ float4 partial[4][32];
     const size_t row = (size_t)blockIdx.x * num_heads + blockIdx.y;
     const size_t stride = (size_t)total_q * num_heads;
-    const float2 *ml = reinterpret_cast<const float2 *>(part_ml);
-    float M = -TI_INF;
-    for (int s = 0; s < num_splits; ++s) M = fmaxf(M, ml[s * stride + row].x);
-    float L = 0.f, acc = 0.f;
-    if (M != -TI_INF) {
-        for (int s = 0; s < num_splits; ++s) {
-            const float2 v = ml[s * stride + row];
-            if (v.y == 0.f) continue;  // an empty split (no keys in its range)
-            const float w = exp2f(v.x - M);
-            L += w * v.y;
-            acc += w * part_o[(s * stride + row) * HD + threadIdx.x];
-        }
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    float m = -TI_INF, l = 0.f;
+    if (tid < num_splits) {
+        const float2 v = reinterpret_cast<const float2 *>(part_ml)[tid * stride + row];
+        if (v.y > 0.f) { m = v.x; l = v.y; }  // an empty split (no keys in its range) weighs nothing
     }
-    out[row * HD + threadIdx.x] = f32_to_bf16(L > 0.f ? acc / L : 0.f);
+    const float M = block_max(m, scratch);
+    const float w = (l > 0.f) ? exp2f(m - M) : 0.f;
+    const float L = block_sum(w * l, scratch);
+    weight[tid] = w;
+    __syncthreads();
+
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = warp; s < num_splits; s += 4) {
+        const float ws = weight[s];
+        if (ws == 0.f) continue;
+        const float4 p = reinterpret_cast<const float4 *>(part_o + (s * stride + row) * HD)[lane];
+        acc.x += ws * p.x; acc.y += ws * p.y; acc.z += ws * p.z; acc.w += ws * p.w;
+    }
+    partial[warp][lane] = acc;
+    __syncthreads();
+    if (warp) return;
+    float4 sum = partial[0][lane];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) {
+        const float4 p = partial[i][lane];
+        sum.x += p.x; sum.y += p.y; sum.z += p.z; sum.w += p.w;
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    uint2 packed;
+    packed.x = pack_bf16x2(sum.x * inv, sum.y * inv);
+    packed.y = pack_bf16x2(sum.z * inv, sum.w * inv);
+    reinterpret_cast<uint2 *>(out + row * HD)[lane] = packed;
 }

@@ -32,6 +32,19 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ float bf16lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 
+// Four int8 (one u32, lowest byte first) -> four bf16, exactly (|x| <= 128 fits bf16's 8-bit
+// significand): bias each byte to unsigned, place it in the float 2^23 + byte, subtract 2^23 + 128,
+// and keep the upper halves (the low 16 bits of those floats are zero). lo = values 0, 1; hi = 2, 3.
+__device__ __forceinline__ void i8x4_to_bf16x4(u32 w, u32 &lo, u32 &hi) {
+    const u32 u = w ^ 0x80808080u;
+    const float f0 = __uint_as_float(0x4B000000u | (u & 0xffu)) - 8388736.f;
+    const float f1 = __uint_as_float(0x4B000000u | ((u >> 8) & 0xffu)) - 8388736.f;
+    const float f2 = __uint_as_float(0x4B000000u | ((u >> 16) & 0xffu)) - 8388736.f;
+    const float f3 = __uint_as_float(0x4B000000u | (u >> 24)) - 8388736.f;
+    lo = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
+    hi = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
+}
+
 // Unpack 8 bf16 from a 16-byte vector.
 __device__ __forceinline__ void unpack8(const vec16 &v, float f[8]) {
 #pragma unroll
@@ -98,6 +111,10 @@ __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_gen
 // 16-byte global -> shared copy, zero-filled when `valid` is false (no bytes read then).
 __device__ __forceinline__ void cp_async16(u32 dst, const void *src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+// 4-byte global -> shared copy (through L1), zero-filled when `valid` is false.
+__device__ __forceinline__ void cp_async4(u32 dst, const void *src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }

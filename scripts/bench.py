@@ -37,21 +37,25 @@ def weight_bytes(cfg) -> int:
     return 2 * cfg.num_parameters()
 
 
-def kv_bytes(cfg, positions: int) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * positions
+def kv_bytes(cfg, positions: int, kv: str = "bf16") -> int:
+    """Cache bytes a decode step reads: keys and values (INT8: codes + one float32 scale per vector)."""
+    per_vector = cfg.head_dim + 4 if kv == "int8" else 2 * cfg.head_dim
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_vector * positions
 
 
-def bench_decode(model, context: int, new: int, repeats: int) -> dict:
+def bench_decode(model, context: int, new: int, repeats: int, kv: str = "bf16") -> dict:
     prompt = np.random.default_rng(0).integers(0, 151643, context).tolist()
-    tileinfer.generate(model, prompt, max_new_tokens=16, stop_at_eos=False)  # warm-up: kernels, graph
+    kv_quantize = "int8" if kv == "int8" else None
+    # Warm-up: kernels, the cache, the graph.
+    tileinfer.generate(model, prompt, max_new_tokens=16, stop_at_eos=False, kv_quantize=kv_quantize)
     rates = []
     for _ in range(repeats):
-        r = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False)
+        r = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False, kv_quantize=kv_quantize)
         rates.append(r.decode_tokens_per_second)
     tok_s = float(np.median(rates))
     graph_ms = graph_step_ms(model)
     cfg = model.config
-    step_bytes = weight_bytes(cfg) + kv_bytes(cfg, context + new // 2)
+    step_bytes = weight_bytes(cfg) + kv_bytes(cfg, context + new // 2, kv)
     return dict(decode_tok_s=tok_s, decode_runs=rates, graph_step_ms=graph_ms, wall_step_ms=1e3 / tok_s,
                 step_bytes=step_bytes, GB_s=tok_s * step_bytes / 1e9, graph_GB_s=step_bytes / graph_ms / 1e6,
                 roofline_tok_s=ROOFLINE_BYTES_PER_S / step_bytes,
@@ -186,6 +190,7 @@ def main() -> None:
     ap.add_argument("--peer-batches", default=None, help="batch sizes the peer runs at (default: every --batches)")
     ap.add_argument("--offline", action="store_true", help="engine offline throughput (256 requests)")
     ap.add_argument("--shared-prefix", action="store_true", help="engine shared-prefix prefill, cache on and off")
+    ap.add_argument("--kv", default="bf16", help="KV cache kinds for the batch-1 decode: bf16, int8 or both (bf16,int8)")
     args = ap.parse_args()
 
     dev = get_device()
@@ -197,11 +202,14 @@ def main() -> None:
         path = cached_checkpoint(name)
         print(f"{name}: checkpoint ready in {time.perf_counter() - t:.1f} s", flush=True)
         row = dict(model=name, context=args.context, new=args.new)
+        extra = []  # one more row per further cache kind, with the same peer run beside it
         if args.single:
-            row.update(single(args, name, cfg, path))
+            kinds = args.kv.split(",")
+            row.update(single(args, name, cfg, path, kinds[0]))
+            extra = [dict(single(args, name, cfg, path, kv, peer=False), peer=row.get("peer")) for kv in kinds[1:]]
         if args.batches or args.offline or args.shared_prefix:
             row["engine"] = engine(args, name, path)
-        results.append(row)
+        results += [row, *extra]
         save(args.out, results, dev.info.name)  # after every model, so a cut-short run keeps what it measured
     print(render(results, dev.info.name))
 
@@ -260,16 +268,17 @@ def engine(args, name: str, path: Path) -> dict:
     return out
 
 
-def single(args, name: str, cfg, path: Path) -> dict:
-    """Batch-1 decode and prefill on the single-sequence path (tileinfer.generate), and the peer at batch 1."""
+def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True) -> dict:
+    """Batch-1 decode and prefill on the single-sequence path (tileinfer.generate) with a `kv` cache,
+    and the peer at batch 1."""
     t = time.perf_counter()
     if True:
         with tileinfer.load_model(path, progress=False, max_batch_tokens=max(4096, args.context)) as model:
             load_s = time.perf_counter() - t
-            row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", load_s=load_s,
+            row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", kv=kv, load_s=load_s,
                        weight_GB=weight_bytes(cfg) / 1e9, load_GB_s=model.weights.nbytes / 1e9 / model.weights.load_seconds)
-            row.update(bench_decode(model, args.context, args.new, args.repeats))
-            print(f"{name}: decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
+            row.update(bench_decode(model, args.context, args.new, args.repeats, kv))
+            print(f"{name}: {kv} cache, decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
                   f"{100 * row['roofline_fraction']:.1f}% of roofline); GPU time per step {row['graph_step_ms']:.3f} ms "
                   f"({row['graph_GB_s']:.0f} GB/s), wall {row['wall_step_ms']:.3f} ms", flush=True)
             if args.profile:
@@ -279,7 +288,7 @@ def single(args, name: str, cfg, path: Path) -> dict:
             for p in row["prefill"]:
                 print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
                       f"({p['TFLOP_s']:.0f} TFLOP/s)", flush=True)
-        if args.peer:
+        if args.peer and peer:
             peer = run_peer(args.peer, name, args.context, args.new, args.peer_timeout)
             row["peer"] = peer
             if peer:
@@ -294,16 +303,16 @@ def save(out: Path, results: list[dict], gpu: str) -> None:
 
 
 def render(results: list[dict], gpu: str) -> str:
-    lines = [f"GPU: {gpu}; bf16 weights and KV cache; synthetic checkpoints", ""]
+    lines = [f"GPU: {gpu}; bf16 weights; synthetic checkpoints", ""]
     single = [r for r in results if "decode_tok_s" in r]
     if single:
         lines += ["Batch 1, single-sequence path:", "",
-                  "| model | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio | GPU ms/step | wall ms/step |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | KV cache | context | decode tok/s | GB/s | % roofline | roofline tok/s | peer tok/s | ratio | GPU ms/step | wall ms/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in single:
             peer = r.get("peer")
             p = peer["decode_tok_s_per_seq"] if peer else None
-            lines.append(f"| {r['model']} | {r['context']} | {r['decode_tok_s']:.1f} | {r['GB_s']:.0f} | "
+            lines.append(f"| {r['model']} | {r.get('kv', 'bf16').upper()} | {r['context']} | {r['decode_tok_s']:.1f} | {r['GB_s']:.0f} | "
                          f"{100 * r['roofline_fraction']:.1f} | {r['roofline_tok_s']:.0f} | "
                          f"{'%.1f' % p if p else '-'} | {'%.2fx' % (r['decode_tok_s'] / p) if p else '-'} | "
                          f"{r['graph_step_ms']:.3f} | {r['wall_step_ms']:.3f} |")

@@ -8,11 +8,13 @@ next-token distributions at every position, INT8 with and without key smoothing;
 agreement: of --generate tokens generated with the exact cache, how many the INT8 cache also
 picks (teacher-forced, position by position).
 
-Backend: the float32 numpy reference (tileinfer.model.reference), on the CPU: the exact cache is
-float32, the INT8 cache quantizes every written vector as tileinfer/kv/int8.py specifies. (The
-GPU engine's INT8 cache, compared with its BF16 cache, comes with the INT8 attention kernels.)
---model: a preset (its synthetic checkpoint) or a checkpoint directory. Prints a table and one
-JSON line.
+Backends: --backend engine (the default; needs a GPU) runs the model's own kernels, comparing its
+INT8 cache with its BF16 cache (prompt and continuation prefilled in chunks through the paged
+cache, as a prefill does). --backend reference runs the float32 numpy reference
+(tileinfer.model.reference) on the CPU, comparing an INT8 cache quantized as tileinfer/kv/int8.py
+specifies with an exact float32 cache. --model: a preset (its synthetic checkpoint, whose
+key-norm weights have a few channels ~100x the rest) or a checkpoint directory. Prints a table and
+one JSON line.
 """
 from __future__ import annotations
 
@@ -34,31 +36,71 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+class ReferenceBackend:
+    name = "float32 reference (CPU) vs its float32 cache"
+
+    def __init__(self, path: Path):
+        self.ref = ReferenceModel.from_checkpoint(Checkpoint.open(path))
+
+    def greedy(self, prompt, n: int) -> list[int]:
+        return [int(t) for t in self.ref.greedy(prompt, n)]
+
+    def log_probs(self, tokens, int8: bool = False, smoothing: bool = False) -> np.ndarray:
+        return log_softmax(self.ref.forward(tokens, self.ref.new_cache(int8=int8, smoothing=smoothing)))
+
+    def close(self) -> None:
+        pass
+
+
+class EngineBackend:
+    name = "GPU engine: INT8 cache vs BF16 cache"
+
+    def __init__(self, path: Path):
+        import tileinfer
+        self.tileinfer = tileinfer
+        self.model = tileinfer.load_model(path)
+
+    def greedy(self, prompt, n: int) -> list[int]:
+        return self.tileinfer.generate(self.model, [int(t) for t in prompt], max_new_tokens=n,
+                                       stop_at_eos=False).token_ids
+
+    def log_probs(self, tokens, int8: bool = False, smoothing: bool = False) -> np.ndarray:
+        logits = self.model.logits([int(t) for t in tokens], kv_quantize="int8" if int8 else None, smoothing=smoothing)
+        return log_softmax(logits)
+
+    def close(self) -> None:
+        self.model.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--backend", choices=("engine", "reference"), default="engine")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--generate", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     path = Path(args.model) if Path(args.model).is_dir() else cached_checkpoint(args.model)
     t0 = time.perf_counter()
-    ref = ReferenceModel.from_checkpoint(Checkpoint.open(path))
-    prompt = np.random.default_rng(args.seed).integers(0, 151643, args.prompt_tokens)
-    # Exact cache: the prompt, then greedy continuation; its tokens are teacher-forced below.
-    generated = ref.greedy(prompt, args.generate)
-    tokens = np.concatenate([prompt, np.asarray(generated, np.int64)])
-    exact = log_softmax(ref.forward(tokens, ref.new_cache()))
-    n = args.prompt_tokens
-    report = dict(model=args.model, prompt_tokens=n, generated=args.generate, backend="float32 reference (CPU)")
-    for smoothing in (False, True):
-        lp = log_softmax(ref.forward(tokens, ref.new_cache(int8=True, smoothing=smoothing)))
-        kl = (np.exp(exact[:n]) * (exact[:n] - lp[:n])).sum(axis=-1)
-        # Greedy agreement: does the INT8 cache pick the exact cache's next token at each generated step?
-        picks = lp[n - 1:n - 1 + args.generate].argmax(axis=-1)
-        agree = float(np.mean(picks == np.asarray(generated)))
-        key = "smoothing" if smoothing else "plain"
-        report[key] = dict(mean_kl=float(kl.mean()), max_kl=float(kl.max()), greedy_agreement=agree)
+    backend = (EngineBackend if args.backend == "engine" else ReferenceBackend)(path)
+    try:
+        prompt = np.random.default_rng(args.seed).integers(0, 151643, args.prompt_tokens)
+        # Exact cache: the prompt, then greedy continuation; its tokens are teacher-forced below.
+        generated = backend.greedy(prompt, args.generate)
+        tokens = np.concatenate([prompt, np.asarray(generated, np.int64)])
+        exact = backend.log_probs(tokens)
+        n = args.prompt_tokens
+        report = dict(model=args.model, prompt_tokens=n, generated=args.generate, backend=backend.name)
+        for smoothing in (False, True):
+            lp = backend.log_probs(tokens, int8=True, smoothing=smoothing)
+            kl = (np.exp(exact[:n]) * (exact[:n] - lp[:n])).sum(axis=-1)
+            # Greedy agreement: does the INT8 cache pick the exact cache's next token at each generated step?
+            picks = lp[n - 1:n - 1 + args.generate].argmax(axis=-1)
+            agree = float(np.mean(picks == np.asarray(generated)))
+            key = "smoothing" if smoothing else "plain"
+            report[key] = dict(mean_kl=float(kl.mean()), max_kl=float(kl.max()), greedy_agreement=agree)
+    finally:
+        backend.close()
     report["kl_reduction"] = report["plain"]["mean_kl"] / max(report["smoothing"]["mean_kl"], 1e-30)
     report["seconds"] = time.perf_counter() - t0
     print(f"{args.model}: {n}-token prompt, {args.generate} greedy tokens ({report['backend']})")

@@ -38,7 +38,8 @@ class FakeModel:
         self.turn = -1
         self.decoded = 0
 
-    def ensure_cache(self, max_tokens: int, page_size: int = 16):
+    def ensure_cache(self, max_tokens: int, page_size: int = 16, *, kv_quantize=None, smoothing=True):
+        self.kv_quantize = kv_quantize
         if self.cache is None or self.cache.capacity < max_tokens:
             self.cache = FakeCache(max_tokens, page_size)
         return self.cache
@@ -157,8 +158,8 @@ def test_bad_arguments():
         chat.send("hi", temperature=-1)
     with pytest.raises(ValueError, match="on_overflow"):
         make(["x"], on_overflow="truncate")
-    with pytest.raises(ValueError, match="INT8"):
-        make(["x"], kv_quantize="int8")
+    with pytest.raises(ValueError, match="kv_quantize"):
+        make(["x"], kv_quantize="fp8")
 
 
 # ---------------------------------------------------------------------------- the CLI's chat loop

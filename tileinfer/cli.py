@@ -50,9 +50,13 @@ def _generate(args) -> int:
                 sys.stdout.write(detok.add(token))
                 sys.stdout.flush()
 
+        prompt_tokens = len(model.encode(args.prompt))
+        if prompt_tokens + args.max_new_tokens > args.max_context:
+            raise ValueError(f"the prompt ({prompt_tokens} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed "
+                             f"--max-context ({args.max_context}); shorten the prompt or raise --max-context")
         result = tileinfer.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                    on_token=show)
+                                    on_token=show, kv_quantize="int8" if args.kv_int8 else None)
     sys.stdout.write("\n")
     print(f"[{len(result.token_ids)} tokens, {result.decode_tokens_per_second:.1f} tok/s decode, "
           f"finish: {result.finish_reason}]", file=sys.stderr)
@@ -98,7 +102,8 @@ def _chat(args) -> int:
 
     with _load(args) as model:
         session = ChatSession(model, max_context=args.max_context, system=args.system,
-                              on_overflow="drop_oldest" if args.drop_oldest else "error")
+                              on_overflow="drop_oldest" if args.drop_oldest else "error",
+                              kv_quantize="int8" if args.kv_int8 else None)
         sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, enable_thinking=False if args.no_think else None)
         return chat_loop(session, sampling)
@@ -112,6 +117,11 @@ def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> 
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: random)")
+    p.add_argument("--kv-int8", action="store_true",
+                   help="an INT8 KV cache (int8 values + one float32 scale per vector, keys smoothed): about half "
+                        "the bytes of BF16")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="positions the prompt and the reply (chat: the conversation) may use (4096)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(run=_generate)
     c = sub.add_parser("chat", help="an interactive chat with the checkpoint's chat template")
     _add_model_and_sampling(c, 512)
-    c.add_argument("--max-context", type=int, default=4096, help="positions the conversation may use (4096)")
     c.add_argument("--system", default=None, help="a system message")
     c.add_argument("--no-think", action="store_true", help="ask the model not to reason (enable_thinking=False)")
     c.add_argument("--drop-oldest", action="store_true",

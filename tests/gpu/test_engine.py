@@ -54,12 +54,13 @@ def tokens(outs):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("which", ["tiny", "qwen3-0.6b"])
-def test_batch_gives_each_prompt_its_tokens_alone(which, tiny_checkpoint, small_ckpt):
+@pytest.mark.parametrize("which, kv", [("tiny", None), ("qwen3-0.6b", None), ("tiny", "int8")])
+def test_batch_gives_each_prompt_its_tokens_alone(which, kv, tiny_checkpoint, small_ckpt):
     path = tiny_checkpoint if which == "tiny" else small_ckpt
     prompts = prompts_of(LENGTHS, seed=1)
     params = [greedy(m) for m in (24, 9, 30, 17, 33, 12, 28, 20)]
-    with engine(path, batch_invariant=True) as llm:
+    with engine(path, batch_invariant=True, kv_quantize=kv) as llm:
+        assert llm.cache.int8 == (kv == "int8")
         together = llm.generate(prompts, params)
         alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
         assert llm.stats.graph_steps > 0
@@ -94,16 +95,16 @@ def test_graphs_on_equals_off(small_ckpt):
     assert tokens(a) == tokens(b)
 
 
-@pytest.mark.parametrize("which", ["tiny", "qwen3-0.6b"])
-def test_pool_too_small_for_the_batch_preempts_and_completes(which, tiny_checkpoint, small_ckpt):
+@pytest.mark.parametrize("which, kv", [("tiny", None), ("qwen3-0.6b", None), ("tiny", "int8")])
+def test_pool_too_small_for_the_batch_preempts_and_completes(which, kv, tiny_checkpoint, small_ckpt):
     path = tiny_checkpoint if which == "tiny" else small_ckpt
     prompts = prompts_of([100, 150, 200, 250, 120, 90], seed=4)
     params = greedy(100)
-    with engine(path, batch_invariant=True) as roomy:
+    with engine(path, batch_invariant=True, kv_quantize=kv) as roomy:
         want = roomy.generate(prompts, params)
     # The requests end at 3 to 6 pages of 64 each (26 together); 10 pages hold two or three at once,
     # and those outgrow them: the newest is preempted and recomputed later.
-    with engine(path, num_pages=10, max_context=512, batch_invariant=True) as tight:
+    with engine(path, num_pages=10, max_context=512, batch_invariant=True, kv_quantize=kv) as tight:
         got = tight.generate(prompts, params)
         assert tight.stats.preemptions > 0
         assert tight.cache.manager.num_free_pages == 10
@@ -215,3 +216,17 @@ def test_text_prompts_and_close_frees_everything(tiny_checkpoint):
     assert allocated_bytes() == before
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(["x"])
+
+
+def test_int8_pool_and_memory_report(tiny_checkpoint):
+    # Sized from free memory: an INT8 pool holds (2 x 128 bf16) / (128 + 4) = 1.94x the positions per byte.
+    from tileinfer.kv import sizing
+    with LLM(tiny_checkpoint, max_num_seqs=4, max_context=512, kv_quantize="int8", progress=False) as llm:
+        report = llm.memory_report
+        assert report.kv_dtype == "int8" and llm.cache.int8 and llm.cache.smoothing is not None
+        per_page = sizing.bytes_per_page(llm.config, llm.page_size, "int8")
+        assert report.kv_pool == llm.cache.layout.num_pages * per_page == llm.cache.layout.nbytes
+        outs = llm.generate(prompts_of([5, 70], seed=9), greedy(12))
+        assert [len(o.token_ids) for o in outs] == [12, 12]
+    with pytest.raises(ValueError, match="kv_quantize"):
+        LLM(tiny_checkpoint, kv_quantize="fp8", progress=False)

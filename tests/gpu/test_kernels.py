@@ -20,6 +20,7 @@ import pytest
 from tileinfer.engine import sampler
 from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, rmsnorm, sample
 from tileinfer.kv import BlockManager, Sequence
+from tileinfer.kv.int8 import attention_int8, dequantize, quantize
 from tileinfer.model import reference
 
 from gpu_helpers import Buffers, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
@@ -85,6 +86,11 @@ def assert_exact(got, ref, label: str) -> None:
         raise AssertionError(f"{label}: {int(diff.sum())} of {diff.size} elements differ; shape {got.shape}; "
                              f"first at {first}: got {got[first]!r}, expected {ref[first]!r}; "
                              f"last at {tuple(int(i) for i in where[-1])}")
+
+
+def kv_lens_positive(v) -> bool:
+    """Whether a sequence's cached keys or values (an array, or INT8 (codes, scales)) hold any position."""
+    return (v[0] if isinstance(v, tuple) else v).size > 0
 
 
 def shuffled_manager(num_pages: int, page_size: int, rng: np.random.Generator) -> BlockManager:
@@ -325,8 +331,11 @@ class PagedBatch:
     in shuffled pages of a pool that is poisoned everywhere else (other pages, page tails, a dummy's
     pages), their queries, cu_q / kv_lens / block tables, and the numpy reference."""
 
-    def __init__(self, rng: np.random.Generator, spec: list[tuple[int, int]], H: int, KV: int, page_size: int):
-        self.spec, self.H, self.KV, self.page_size = spec, H, KV, page_size
+    def __init__(self, rng: np.random.Generator, spec: list[tuple[int, int]], H: int, KV: int, page_size: int,
+                 int8: bool = False):
+        """int8: an INT8 cache (codes + float32 scales, quantized as tileinfer/kv/int8.py does; the
+        scales of unowned slots are NaN, so reading one shows)."""
+        self.spec, self.H, self.KV, self.page_size, self.int8 = spec, H, KV, page_size, int8
         num_pages = sum(cdiv(kv_len, page_size) for _, kv_len in spec) + 3 + 2  # + dummy's 3 + 2 spare
         bm = shuffled_manager(num_pages, page_size, rng)
         dummy = Sequence()
@@ -337,14 +346,27 @@ class PagedBatch:
         self.block_tables = bm.block_table_array(seqs, cdiv(num_pages, 16) * 16)
 
         shape = (num_pages, KV, page_size, HD)
-        self.k_pool = np.full(shape, BF16_POISON, np.uint16).view(BF16)
-        self.v_pool = np.full(shape, BF16_POISON, np.uint16).view(BF16)
-        self.keys, self.values = [], []  # per sequence [kv_len, KV, HD] bf16
+        if int8:
+            self.k_pool = np.full(shape, -1, np.int8)
+            self.v_pool = np.full(shape, -1, np.int8)
+            self.k_scale = np.full(shape[:3], np.nan, np.float32)
+            self.v_scale = np.full(shape[:3], np.nan, np.float32)
+        else:
+            self.k_pool = np.full(shape, BF16_POISON, np.uint16).view(BF16)
+            self.v_pool = np.full(shape, BF16_POISON, np.uint16).view(BF16)
+        # Per sequence [kv_len, KV, HD]: bf16 values, or (codes, scales) for INT8.
+        self.keys, self.values = [], []
         for s, (_, kv_len) in zip(seqs, spec):
             k, v = rand_bf16(rng, (kv_len, KV, HD)), rand_bf16(rng, (kv_len, KV, HD))
             slots = bm.slots(s, 0, kv_len)
-            self.k_pool[slots // page_size, :, slots % page_size, :] = k
-            self.v_pool[slots // page_size, :, slots % page_size, :] = v
+            page, off = slots // page_size, slots % page_size
+            if int8:
+                k, v = quantize(to_f32(k)), quantize(to_f32(v))
+                self.k_pool[page, :, off, :], self.k_scale[page, :, off] = k
+                self.v_pool[page, :, off, :], self.v_scale[page, :, off] = v
+            else:
+                self.k_pool[page, :, off, :] = k
+                self.v_pool[page, :, off, :] = v
             self.keys.append(k)
             self.values.append(v)
 
@@ -354,22 +376,26 @@ class PagedBatch:
         self.T = int(self.cu_q[-1])
         self.max_q_len = int(q_lens.max())
         self.q = rand_bf16(rng, (self.T, H, HD), scale=2.0)  # scores q.k/sqrt(128) with std ~2: peaked softmax
-        self.vmax = max(float(np.abs(to_f32(v)).max()) for v in self.values if v.size)
+        self.vmax = max(float(np.abs(dequantize(*v) if int8 else to_f32(v)).max()) for v in self.values
+                        if kv_lens_positive(v))
         self._device = None
 
     def run(self, buf: Buffers, stream, num_splits: int) -> np.ndarray:
         """Launch attention (inputs uploaded once, output and partials poisoned per run). # [T, H, HD] bf16"""
         if self._device is None:
-            self._device = [buf.upload(a) for a in (self.q, self.k_pool, self.v_pool, self.cu_q, self.kv_lens,
-                                                    self.block_tables)]
-        q, k_pool, v_pool, cu_q, kv_lens, tables = self._device
+            arrays = (self.q, self.k_pool, self.v_pool, self.cu_q, self.kv_lens, self.block_tables)
+            if self.int8:
+                arrays += (self.k_scale, self.v_scale)
+            self._device = [buf.upload(a) for a in arrays]
+        q, k_pool, v_pool, cu_q, kv_lens, tables = self._device[:6]
+        scales = tuple(self._device[6:]) or None
         out = buf.poisoned((self.T, self.H, HD), BF16)
         partials = None
         if num_splits > 1:
             partials = (buf.poisoned((num_splits, self.T, self.H, HD), F32),
                         buf.poisoned((num_splits, self.T, self.H, 2), F32))
         attention(q, k_pool, v_pool, out, cu_q, kv_lens, tables, max_q_len=self.max_q_len,
-                  num_splits=num_splits, partials=partials, stream=stream)
+                  num_splits=num_splits, partials=partials, scales=scales, stream=stream)
         return out.to_host(stream)
 
     def reference(self) -> np.ndarray:
@@ -379,14 +405,18 @@ class PagedBatch:
             if q_len == 0:
                 continue
             c0 = int(self.cu_q[b])
-            ref[c0:c0 + q_len] = reference.attention(
-                to_f32(self.q[c0:c0 + q_len]), to_f32(self.keys[b]), to_f32(self.values[b]),
-                np.arange(kv_len - q_len, kv_len), np.arange(kv_len))
+            q_pos, k_pos = np.arange(kv_len - q_len, kv_len), np.arange(kv_len)
+            if self.int8:
+                (kq, ks), (vq, vs) = self.keys[b], self.values[b]
+                ref[c0:c0 + q_len] = attention_int8(to_f32(self.q[c0:c0 + q_len]), kq, ks, vq, vs, q_pos, k_pos)
+            else:
+                ref[c0:c0 + q_len] = reference.attention(
+                    to_f32(self.q[c0:c0 + q_len]), to_f32(self.keys[b]), to_f32(self.values[b]), q_pos, k_pos)
         return ref
 
     def label(self, num_splits: int) -> str:
-        return (f"attention seqs(q_len, kv_len)={self.spec} H={self.H} KV={self.KV} page={self.page_size} "
-                f"splits={num_splits}")
+        return (f"attention{' int8' if self.int8 else ''} seqs(q_len, kv_len)={self.spec} H={self.H} KV={self.KV} "
+                f"page={self.page_size} splits={num_splits}")
 
 
 def check_attention(got: np.ndarray, ref: np.ndarray, vmax: float, label: str) -> None:
@@ -460,6 +490,52 @@ def test_attention_long_decode(buf, stream):
     got_16 = batch.run(buf, stream, 16)
     check_attention(got_16, ref, batch.vmax, batch.label(16))
     got_1 = batch.run(buf, stream, 1)
+    check_attention(got_1, ref, batch.vmax, batch.label(1))
+    check_splits_agree(got_1, got_16, batch.vmax, batch.label(16))
+
+
+SMALL_CHUNK_CASES = [  # query rows per KV head <= 16: the kernels' decode ("keys") shape, with causal masks
+    pytest.param([(4, 100), (2, 2), (1, 65)], 32, id="G4-qlen4"),
+    pytest.param([(8, 8), (3, 130), (0, 0)], 16, id="G2-qlen8"),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("spec, H", SMALL_CHUNK_CASES)
+def test_attention_small_chunks(spec, H, num_splits, buf, stream):
+    rng = np.random.default_rng(seed_of("small-chunks", spec, H, num_splits))
+    batch = PagedBatch(rng, spec, H, 8, 16)
+    check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax, batch.label(num_splits))
+
+
+# INT8 cache: the same kernels' INT8 variants against the oracle that quantizes the same way
+# (tileinfer/kv/int8.py: scores times the key's scale, probabilities times the value's scale).
+INT8_CASES = [
+    pytest.param([(1, 1)], 16, 64, 1, id="decode-kv1"),
+    pytest.param([(1, 65)], 32, 64, 1, id="decode-kv65-H32"),
+    pytest.param([(1, 4097)], 32, 16, 4, id="decode-kv4097-page16-splits4"),
+    pytest.param([(1, 300), (1, 63), (1, 1000)], 32, 64, 16, id="decode-batch-splits16"),
+    pytest.param([(4, 100), (2, 2)], 32, 16, 1, id="small-chunks-G4"),
+    pytest.param([(200, 200)], 16, 64, 1, id="prefill-kv200"),
+    pytest.param([(37, 137)], 32, 16, 1, id="chunk-after-cached-page16"),
+    pytest.param([(1, 300), (0, 0), (37, 137), (70, 70), (1, 1)], 16, 64, 4, id="mixed-splits4"),
+]
+
+
+@pytest.mark.parametrize("spec, H, page_size, num_splits", INT8_CASES)
+def test_attention_int8(spec, H, page_size, num_splits, buf, stream):
+    rng = np.random.default_rng(seed_of("int8", spec, H, page_size, num_splits))
+    batch = PagedBatch(rng, spec, H, 8, page_size, int8=True)
+    check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax, batch.label(num_splits))
+
+
+def test_attention_int8_long_decode(buf, stream):
+    # 32768 cached positions in INT8: splits=16 against the oracle and against splits=1.
+    rng = np.random.default_rng(seed_of("int8-long-decode"))
+    batch = PagedBatch(rng, [(1, 32768)], 32, 8, 64, int8=True)
+    ref = batch.reference()
+    got_16, got_1 = batch.run(buf, stream, 16), batch.run(buf, stream, 1)
+    check_attention(got_16, ref, batch.vmax, batch.label(16))
     check_attention(got_1, ref, batch.vmax, batch.label(1))
     check_splits_agree(got_1, got_16, batch.vmax, batch.label(16))
 
@@ -657,6 +733,13 @@ LAUNCHER_ERRORS = {
     "attention cu_q length": lambda B, s: attention(
         B((2, 4, HD), BF16), B((3, 2, 16, HD), BF16), B((3, 2, 16, HD), BF16), B((2, 4, HD), BF16), B((3,), I32),
         B((1,), I32), B((1, 16), I32), max_q_len=2, stream=s),
+    "attention int8 cache without scales": lambda B, s: attention(
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), np.int8), B((3, 2, 16, HD), np.int8), B((2, 4, HD), BF16),
+        B((2,), I32), B((1,), I32), B((1, 16), I32), max_q_len=2, stream=s),
+    "attention int8 scales of the wrong shape": lambda B, s: attention(
+        B((2, 4, HD), BF16), B((3, 2, 16, HD), np.int8), B((3, 2, 16, HD), np.int8), B((2, 4, HD), BF16),
+        B((2,), I32), B((1,), I32), B((1, 16), I32), max_q_len=2, scales=(B((3, 2, 16), F32), B((3, 2), F32)),
+        stream=s),
     "argmax out float32": lambda B, s: argmax(B((2, 10), F32), B((2,), F32), s),
     "sample seeds int64": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((2,), I32), B((2,), F32),
                                               B((2,), F32), B((2,), np.int64), B((2,), I32), B((2,), I32), s),

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..kv import Sequence
+from ..kv.paged_cache import check_kv_quantize
 from ..model.tokenizer import CHAT_TEMPLATE
 from .detokenize import IncrementalDetokenizer
 from .generate import check_sampling
@@ -90,9 +91,9 @@ class ChatSession:
     """
 
     def __init__(self, model, *, max_context: int = 4096, kv_quantize: str | None = None, system: str | None = None,
-                 on_overflow: str = "error", chat_template: str | None = None):
-        if kv_quantize not in (None, "bf16"):
-            raise ValueError(f"kv_quantize={kv_quantize!r}: only None (bf16) is built so far; the INT8 cache is not")
+                 on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True):
+        self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
+        self.kv_smoothing = bool(kv_smoothing)
         if on_overflow not in ("error", "drop_oldest"):
             raise ValueError(f"on_overflow must be 'error' or 'drop_oldest', got {on_overflow!r}")
         if hasattr(model, "scheduler"):  # an LLM: use its model and cache while it is idle
@@ -179,7 +180,7 @@ class ChatSession:
 
     def _turn(self, messages, ids, dropped, max_tokens, row) -> Iterator[str]:
         model = self.model
-        cache = model.ensure_cache(self.max_context)
+        cache = model.ensure_cache(self.max_context, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
         if self._cache is not cache:  # first turn, or the model's cache was replaced since
             self._seq, self._cache, self._cached = Sequence(), cache, []
         manager, seq = cache.manager, self._seq

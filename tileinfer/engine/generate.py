@@ -41,12 +41,15 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
 
 def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-             on_token: Callable[[int], None] | None = None) -> GenerationResult:
+             on_token: Callable[[int], None] | None = None, kv_quantize: str | None = None,
+             kv_smoothing: bool = True) -> GenerationResult:
     """Continue `prompt` (text, or token ids) by up to `max_new_tokens` tokens, stopping at EOS.
 
-    The KV cache is sized for the prompt plus the budget. temperature 0 is greedy; otherwise
-    sampling is seeded (a fresh random seed when `seed` is None) and reproducible for a seed.
-    `on_token(token_id)` is called with each new token as soon as it is sampled (streaming).
+    The KV cache is sized for the prompt plus the budget; kv_quantize="int8" makes it an INT8
+    cache (int8 values + one float32 scale per vector, keys smoothed unless kv_smoothing=False).
+    temperature 0 is greedy; otherwise sampling is seeded (a fresh random seed when `seed` is
+    None) and reproducible for a seed. `on_token(token_id)` is called with each new token as soon
+    as it is sampled (streaming).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompt, str):
@@ -63,7 +66,7 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little")
     row = SamplingRow(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
-    cache = model.ensure_cache(total)
+    cache = model.ensure_cache(total, kv_quantize=kv_quantize, smoothing=kv_smoothing)
     seq = Sequence()
     out: list[int] = []
     finish = "length"

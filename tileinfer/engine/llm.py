@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
-from ..kv import PagedKVCache, Sequence
+from ..kv import Sequence
+from ..kv.paged_cache import check_kv_quantize
 from ..kv import sizing
 from ..model.checkpoint import Checkpoint
 from .detokenize import IncrementalDetokenizer
@@ -130,10 +131,10 @@ class LLM:
                  gpu_memory_utilization: float = sizing.DEFAULT_UTILIZATION, num_pages: int | None = None,
                  max_tokens: int | None = None, kv_quantize: str | None = None, use_graphs: bool = True,
                  batch_invariant: bool = False, async_scheduling: bool = True, device: int = 0,
-                 progress: bool = True):
+                 progress: bool = True, kv_smoothing: bool = True):
         path = Path(model)
-        if kv_quantize not in (None, "bf16"):
-            raise ValueError(f"kv_quantize={kv_quantize!r}: only None (bf16) is built so far; the INT8 cache is not")
+        self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
+        self.kv_smoothing = bool(kv_smoothing)
         for name, value in (("max_num_seqs", max_num_seqs), ("max_context", max_context), ("page_size", page_size),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -195,7 +196,8 @@ class LLM:
         chunk = model.max_batch_tokens
         # One page per decode sequence; the chunk's pages, plus a partial page per piece of it.
         warm_pages = self.max_num_seqs + -(-chunk // self.page_size) + self.max_num_seqs
-        warm = PagedKVCache(self.config, num_pages=warm_pages, page_size=self.page_size, max_seq_len=self.max_context)
+        warm = model.new_cache(num_pages=warm_pages, page_size=self.page_size, max_seq_len=self.max_context,
+                               kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
         model.attach_cache(warm, max_context=self.max_context, penalty_capacity=self._penalty_capacity())
         steps_bytes = allocated_bytes() - alloc0 - weights_bytes - workspace_bytes - warm.layout.nbytes
         self._warm_up(chunk)
@@ -208,7 +210,8 @@ class LLM:
         kernels_bytes = (nvml()[2] - used_warm0) if nvml else 0
 
         # The pool.
-        page_bytes = sizing.bytes_per_page(self.config, self.page_size)
+        kv_dtype = self.kv_quantize or "bf16"
+        page_bytes = sizing.bytes_per_page(self.config, self.page_size, kv_dtype)
         need = -(-self.max_context // self.page_size)
         if num_pages is None and max_tokens is not None:
             num_pages = -(-max_tokens // self.page_size)
@@ -234,8 +237,9 @@ class LLM:
         else:
             utilization = None
         try:
-            cache = PagedKVCache(self.config, num_pages=num_pages, page_size=self.page_size,
-                                 max_seq_len=self.max_context, enable_prefix_caching=self.enable_prefix_caching)
+            cache = model.new_cache(num_pages=num_pages, page_size=self.page_size, max_seq_len=self.max_context,
+                                    enable_prefix_caching=self.enable_prefix_caching, kv_quantize=self.kv_quantize,
+                                    smoothing=self.kv_smoothing)
         except CudaError as e:
             raise MemoryError(f"could not allocate a KV pool of {num_pages} pages ({num_pages * page_bytes / 1e9:.2f} "
                               f"GB): {e}. Give fewer pages or a lower gpu_memory_utilization.") from None
@@ -256,7 +260,7 @@ class LLM:
                 total=total, used_before=used_before, context=used_ctx - used_before, weights=weights_bytes,
                 workspace=workspace_bytes + steps_bytes, kernels=kernels_bytes,
                 graphs=(used_end - graphs_before) if use_graphs else 0, kv_pool=cache.layout.nbytes, free=free,
-                kv_dtype="bf16", kv_pages=num_pages, kv_positions=cache.capacity, page_size=self.page_size,
+                kv_dtype=kv_dtype, kv_pages=num_pages, kv_positions=cache.capacity, page_size=self.page_size,
                 max_context=self.max_context, gpu_memory_utilization=utilization)
             log.info("%s", self.memory_report.format())
         else:

@@ -5,14 +5,15 @@ returns the next token of each sequence. Decode steps (one new token per sequenc
 `max_num_seqs` of them) replay a CUDA graph per batch bucket; steps with prefill chunks run
 eagerly (their shapes vary).
 
-Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for
-1, 2, 4 or 8 rows, the tensor-core GEMM otherwise) and decode attention splits each sequence's
-keys by batch size. Different kernels sum in different orders, so a sequence's logits can
-differ in the last bits with the batch around it, and at a near-tie a greedy token can flip.
-With batch_invariant=True every product runs on the GEMM (which sums k in the same order for
-every row, whatever M) and attention never splits, so each sequence's logits are bitwise the
-same alone, in any batch, prefilled in any chunks, or recomputed after preemption; decode is
-slower (the GEMM is not built for a handful of rows).
+Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for 1
+or 2 rows, the small-M GEMM up to 64, the tensor-core GEMM beyond), decode attention runs in its
+decode shape and splits each sequence's keys by batch size. Different kernels sum in different
+orders, so a sequence's logits can differ in the last bits with the batch around it, and at a
+near-tie a greedy token can flip. With batch_invariant=True every product runs on the GEMM
+(which sums k in the same order for every row, whatever M) and attention never splits and
+always runs in its prefill shape (a decode query is summed exactly as the same query in a
+prefill chunk), so each sequence's logits are bitwise the same alone, in any batch, prefilled in
+any chunks, or recomputed after preemption; decode is slower.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from .. import kernels as K
 from ..cuda import Stream, get_device
 from ..graphs import DecodeGraphs, bucket_for
 from ..kv import PagedKVCache, Sequence
+from ..kv.int8 import smoothing_factors
+from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import Checkpoint
 from ..model.qwen3 import Workspace, forward
 from ..model.weights import DeviceWeights
@@ -33,7 +36,7 @@ from .step import SamplingRow, StepBuffers, StepShape, prepare_step
 
 log = logging.getLogger(__name__)
 
-MAX_SPLITS = 16
+MAX_SPLITS = 32
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
 
@@ -67,7 +70,7 @@ class Model:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
         self.max_context = 0  # the longest sequence the attached cache serves (sets decode splits)
-        partial_rows = max(self._splits_for(b, MAX_SPLITS) * b for b in self.buckets)
+        partial_rows = max(self._splits_for(b, 1 << 30) * b for b in self.buckets)  # the most any context needs
         self.workspace = Workspace(self.config, max_tokens=self.max_batch_tokens,
                                    max_logit_rows=max(max_logit_rows, max_num_seqs),
                                    max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
@@ -79,6 +82,7 @@ class Model:
         self._slot = 0           # pinned slot the next sampled step downloads into
         self.batch_invariant = batch_invariant
         self._tokenizer = None
+        self._smoothing: np.ndarray | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ tokenizer
@@ -95,16 +99,35 @@ class Model:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ cache and graphs
-    def ensure_cache(self, max_tokens: int, page_size: int = 64) -> PagedKVCache:
-        """A cache holding at least `max_tokens` positions (reallocated, and graphs dropped, if smaller)."""
+    def smoothing_factors(self) -> np.ndarray:
+        """Key-smoothing factors for an INT8 cache, from each layer's key-norm weight. # [layers, head_dim] f32"""
+        if self._smoothing is None:
+            self._smoothing = np.stack([smoothing_factors(layer.k_norm.to_host(self.stream))
+                                        for layer in self.weights.layers])
+        return self._smoothing
+
+    def new_cache(self, *, kv_quantize: str | None = None, smoothing: bool = True, **kwargs) -> PagedKVCache:
+        """A PagedKVCache for this model (kwargs as PagedKVCache's); an INT8 one (kv_quantize="int8")
+        stores keys smoothed unless smoothing=False."""
+        int8 = check_kv_quantize(kv_quantize)
+        factors = self.smoothing_factors() if int8 and smoothing else None
+        return PagedKVCache(self.config, kv_quantize=kv_quantize, smoothing=factors, **kwargs)
+
+    def ensure_cache(self, max_tokens: int, page_size: int = 64, *, kv_quantize: str | None = None,
+                     smoothing: bool = True) -> PagedKVCache:
+        """A cache holding at least `max_tokens` positions, BF16 or INT8 (reallocated, and graphs
+        dropped, if smaller or of another kind)."""
         self._check_open()
-        if self.cache is not None and self.cache.capacity >= max_tokens and self.cache.page_size == page_size:
-            return self.cache
+        int8 = check_kv_quantize(kv_quantize)
+        c = self.cache
+        if (c is not None and c.capacity >= max_tokens and c.page_size == page_size and c.int8 == int8
+                and (c.smoothing is not None) == (int8 and smoothing)):
+            return c
         self._drop_cache()
-        cache = PagedKVCache(self.config, max_tokens=max_tokens, page_size=page_size)
+        cache = self.new_cache(max_tokens=max_tokens, page_size=page_size, kv_quantize=kv_quantize, smoothing=smoothing)
         self.attach_cache(cache, max_context=cache.capacity)
-        log.info("KV cache: %d pages of %d positions, %.2f GB", cache.layout.num_pages, page_size,
-                 cache.layout.nbytes / 1e9)
+        log.info("KV cache (%s): %d pages of %d positions, %.2f GB", cache.layout.dtype_name, cache.layout.num_pages,
+                 page_size, cache.layout.nbytes / 1e9)
         return cache
 
     def attach_cache(self, cache: PagedKVCache, *, max_context: int, penalty_capacity: int = 0) -> None:
@@ -120,18 +143,18 @@ class Model:
     def _splits_for(self, batch: int, max_tiles: int) -> int:
         sms = self.device.info.num_sms
         want = -(-2 * sms // (batch * self.config.num_key_value_heads))
-        return max(1, min(MAX_SPLITS, max_tiles, want))
+        return max(1, min(MAX_SPLITS, max_tiles // 2, want))
 
     def decode_splits(self, batch: int) -> int:
-        """Key-range splits per sequence for decode attention: enough blocks to cover the SMs
-        (always 1 when batch-invariant)."""
+        """Key-range splits per sequence for decode attention: enough blocks for two per SM (the
+        decode kernel fits two), at least two key tiles per split (always 1 when batch-invariant)."""
         if self.batch_invariant:
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
     def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream) -> None:
         logits = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=all_logits,
-                         num_splits=num_splits, stream=stream, linear_path="gemm" if self.batch_invariant else None)
+                         num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant)
         if sample:
             d, b = self.steps.dev, shape.num_seqs
             K.apply_penalties(logits, d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens,
@@ -203,15 +226,17 @@ class Model:
         self.wait_seconds += time.perf_counter() - t
         return out
 
-    def logits(self, token_ids: list[int], *, chunk: int | None = None) -> np.ndarray:
+    def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
+               smoothing: bool = True) -> np.ndarray:
         """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab].
 
         Runs the prompt through the paged cache in chunks (each chunk attends to the pages the
-        earlier ones wrote), exactly as a prefill does.
+        earlier ones wrote, and to its own keys as the cache stores them), exactly as a prefill
+        does; kv_quantize="int8" uses an INT8 cache (smoothed keys unless smoothing=False).
         """
         ids = self._validate_ids(token_ids)
         chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
-        cache = self.ensure_cache(max(len(ids), 1))
+        cache = self.ensure_cache(max(len(ids), 1), kv_quantize=kv_quantize, smoothing=smoothing)
         seq = Sequence()
         out = np.empty((len(ids), self.config.vocab_size), np.float32)
         try:

@@ -1,42 +1,77 @@
-"""Launchers for cuda_src/attention.cu: paged causal attention (+ split-K combine)."""
+"""Launchers for cuda_src/attention.cu: paged causal attention over a BF16 or INT8 cache
+(+ the split-K combine)."""
 import math
 
 from ..cuda import F32, I32, DeviceArray, kernel
-from ._check import BF16, FLOAT32, INT32, cdiv, expect
+from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 
 HEAD_DIM = 128
-ROWS_PER_BLOCK = 64
-SMEM = (64 + 4 * 64) * HEAD_DIM * 2  # Q tile + double-buffered K and V tiles, as in attention.cu
+KEY_TILE = 64
+MAX_SPLITS = 128  # attention_combine merges up to one split per thread
 LOG2E = 1.4426950408889634
+
+
+def rows_per_block(keys_mode: bool) -> int:
+    return 16 if keys_mode else 64
+
+
+def stages(int8: bool, keys_mode: bool) -> int:
+    return (4 if int8 else 3) if keys_mode else 2
+
+
+def smem_bytes(int8: bool, keys_mode: bool) -> int:
+    """Dynamic shared memory of one block, as Smem<Q8, KEYS> in attention.cu."""
+    tile = KEY_TILE * HEAD_DIM * 2
+    q_bytes = rows_per_block(keys_mode) * HEAD_DIM * 2
+    n = stages(int8, keys_mode)
+    kv = 2 * (1 if int8 else n) * tile
+    stage = n * (2 * KEY_TILE * HEAD_DIM + 2 * KEY_TILE * 4) if int8 else 0
+    return q_bytes + kv + stage
 
 
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
               cu_q: DeviceArray, kv_lens: DeviceArray, block_tables: DeviceArray, *,
               max_q_len: int, num_splits: int = 1, partials: tuple[DeviceArray, DeviceArray] | None = None,
-              stream) -> None:
+              scales: tuple[DeviceArray, DeviceArray] | None = None, decode_shape: bool = True, stream) -> None:
     """out [T, H, 128] = causal attention of q [T, H, 128] over each sequence's cached positions.
 
     cu_q [B+1] are the sequences' query offsets into q, kv_lens [B] their cached lengths after
     this step, block_tables [B, W] their pages. `max_q_len` bounds cu_q[b+1] - cu_q[b] (it sets
-    the grid). With num_splits > 1 each sequence's keys are split across blocks, whose results
-    go to `partials` = (part_o [S, T, H, 128] f32, part_ml [S, T, H, 2] f32) and are merged.
+    the grid, and whether the decode shape runs: at most 16 query rows per KV head, unless
+    decode_shape=False, which keeps every launch in the prefill shape for batch invariance). With
+    num_splits > 1 each sequence's keys are split across blocks, whose results go to `partials`
+    = (part_o [S, T, H, 128] f32, part_ml [S, T, H, 2] f32) and are merged.
+
+    An INT8 cache (int8 pools) needs `scales` = (k_scale, v_scale) float32 [pages, KV, page_size];
+    its queries must already carry the key-smoothing factors if the keys were stored smoothed.
     """
     T, H, hd = q.shape
     if hd != HEAD_DIM:
         raise ValueError(f"attention: head_dim must be {HEAD_DIM}, got {hd}")
     pages, KV, page_size, _ = k_pool.shape
     B = kv_lens.shape[0]
+    int8 = k_pool.dtype == INT8
+    pool_dtype = INT8 if int8 else BF16
     expect("q", q, (T, H, hd), BF16)
-    expect("k_pool", k_pool, (pages, KV, page_size, hd), BF16)
-    expect("v_pool", v_pool, (pages, KV, page_size, hd), BF16)
+    expect("k_pool", k_pool, (pages, KV, page_size, hd), pool_dtype)
+    expect("v_pool", v_pool, (pages, KV, page_size, hd), pool_dtype)
     expect("out", out, (T, H, hd), BF16)
     expect("cu_q", cu_q, (B + 1,), INT32)
     expect("kv_lens", kv_lens, (B,), INT32)
     expect("block_tables", block_tables, (B, None), INT32)
     if H % KV:
         raise ValueError(f"attention: {H} query heads are not a multiple of {KV} KV heads")
-    if num_splits < 1:
-        raise ValueError(f"attention: num_splits must be >= 1, got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    k_scale = v_scale = None
+    if int8:
+        if scales is None:
+            raise ValueError("attention: an INT8 cache needs its scales (k_scale, v_scale)")
+        k_scale, v_scale = scales
+        expect("k_scale", k_scale, (pages, KV, page_size), FLOAT32)
+        expect("v_scale", v_scale, (pages, KV, page_size), FLOAT32)
+    elif scales is not None:
+        raise ValueError("attention: scales were given for a BF16 cache")
     part_o = part_ml = None
     if num_splits > 1:
         if partials is None:
@@ -45,12 +80,14 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         expect("part_o", part_o, (num_splits, T, H, hd), FLOAT32)
         expect("part_ml", part_ml, (num_splits, T, H, 2), FLOAT32)
     group = H // KV
-    grid = (cdiv(max_q_len * group, ROWS_PER_BLOCK), KV, B * num_splits)
+    keys_mode = decode_shape and max_q_len * group <= rows_per_block(True)
+    name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
+    grid = (cdiv(max_q_len * group, rows_per_block(keys_mode)), KV, B * num_splits)
     scale_log2 = LOG2E / math.sqrt(hd)
-    kernel("attention.cu", "attention").launch(
-        grid, (128,), [q, k_pool, v_pool, out, part_o, part_ml, cu_q, kv_lens, block_tables,
+    kernel("attention.cu", name).launch(
+        grid, (128,), [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
                        I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
-                       F32(scale_log2)], stream, smem=SMEM)
+                       F32(scale_log2)], stream, smem=smem_bytes(int8, keys_mode))
     if num_splits > 1:
         kernel("attention.cu", "attention_combine").launch(
-            (T, H), (HEAD_DIM,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
+            (T, H), (128,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)

@@ -4,7 +4,8 @@ One call enqueues a whole step on a stream: no allocation, no host synchronisati
 launches whose arguments are fixed addresses. That is what lets a decode step be captured
 once into a CUDA graph and replayed as the sequence grows.
 
-    resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V) ->
+    resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V,
+    quantized for an INT8 cache) ->
     paged attention -> O GEMM (+= residual) -> rmsnorm -> gate/up GEMM with SiLU*mul ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
 
@@ -61,11 +62,13 @@ class Workspace:
 
 
 def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: StepBuffers, shape: StepShape,
-            *, all_logits: bool, num_splits: int, stream, linear_path: str | None = None) -> DeviceArray:
+            *, all_logits: bool, num_splits: int, stream, batch_invariant: bool = False) -> DeviceArray:
     """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last.
 
-    linear_path: None lets each matrix product pick its kernel by row count; "gemm" runs every one
-    on the tensor-core GEMM (batch-invariant results, see engine/model.py)."""
+    By default each matrix product picks its kernel by row count and attention its shape by
+    query rows; batch_invariant runs every product on the tensor-core GEMM and attention in its
+    prefill shape, so a token's results do not depend on the step around it (engine/model.py)."""
+    linear_path = "gemm" if batch_invariant else None
     c = weights.config
     n, b = shape.num_tokens, shape.num_seqs
     if n > ws.max_tokens:
@@ -87,10 +90,17 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     for i, lw in enumerate(weights.layers):
         K.rmsnorm(resid, lw.input_norm, x, c.rms_norm_eps, stream)
         K.linear(x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
-        K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, cache.k_pool(i), cache.v_pool(i),
-                     c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, stream)
+        scales = cache.layer_scales(i)
+        if scales is None:
+            K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, cache.k_pool(i),
+                         cache.v_pool(i), c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, stream)
+        else:
+            K.attn_input_int8(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, cache.layer_smoothing(i), q,
+                              cache.k_pool(i), cache.v_pool(i), *scales, c.num_attention_heads,
+                              c.num_key_value_heads, c.rms_norm_eps, stream)
         K.attention(q, cache.k_pool(i), cache.v_pool(i), attn, cu_q, kv_lens, tables, max_q_len=shape.max_q_len,
-                    num_splits=num_splits, partials=partials, stream=stream)
+                    num_splits=num_splits, partials=partials, scales=scales, decode_shape=not batch_invariant,
+                    stream=stream)
         K.linear(attn_flat, lw.w_o, resid, "residual", stream, force=linear_path)
         K.rmsnorm(resid, lw.post_norm, x, c.rms_norm_eps, stream)
         K.linear(x, lw.w_gu, act, "silu_mul", stream, force=linear_path)

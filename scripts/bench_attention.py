@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Decode attention alone (cuda_src/attention.cu) over a BF16 and an INT8 cache, by context and split.
+
+    python scripts/bench_attention.py [--models qwen3-4b] [--contexts 1024,32768] [--batch 1]
+                                      [--splits 1,8,16,32,64] [--dtypes bf16,int8]
+
+For each model's attention shape (query heads, KV heads), context, batch and number of key-range
+splits: microseconds per launch (attention + combine), the cache bytes one launch must read (keys
+and values of every cached position, plus the INT8 scales) and GB/s, against the 4.3 TB/s read
+ceiling (../shared/GPU.md). One launch is one layer's attention of a decode step.
+
+Timing: `calls` launches in one CUDA graph (a Python launch costs ~9 us, more than a short kernel),
+cycling through enough layers' pools to exceed the L2 cache, so every launch reads from HBM as a
+decode step does; CUDA events around graph replays, median of --replays. Writes JSON to $OUT or --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from tileinfer.cuda import DeviceArray, Event, Graph, Stream, get_device
+from tileinfer.kernels import attention
+from tileinfer.model.config import preset
+
+ROOFLINE_BYTES_PER_S = 4.3e12
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HD = 128
+PAGE = 64
+
+
+class Pools:
+    """`copies` layers' K/V pools for `batch` sequences of `context` positions (pages shuffled)."""
+
+    def __init__(self, KV: int, context: int, batch: int, int8: bool, copies: int, rng: np.random.Generator):
+        pages_per_seq = -(-context // PAGE)
+        num_pages = pages_per_seq * batch
+        shape = (num_pages, KV, PAGE, HD)
+        self.layers = []
+        for _ in range(copies):
+            if int8:
+                codes = rng.integers(-127, 128, shape, dtype=np.int8)
+                scales = (rng.random(shape[:3], dtype=np.float32) * 0.02).astype(np.float32)
+                arrays = (DeviceArray.from_host(codes), DeviceArray.from_host(codes[::-1].copy()),
+                          DeviceArray.from_host(scales), DeviceArray.from_host(scales))
+            else:
+                vals = rng.standard_normal(shape, dtype=np.float32).astype(BF16)
+                arrays = (DeviceArray.from_host(vals), DeviceArray.from_host(vals[::-1].copy()))
+            self.layers.append(arrays)
+        table = rng.permutation(num_pages).astype(np.int32).reshape(batch, pages_per_seq)
+        width = -(-pages_per_seq // 16) * 16
+        self.tables = DeviceArray.from_host(np.pad(table, ((0, 0), (0, width - pages_per_seq))))
+        self.kv_lens = DeviceArray.from_host(np.full(batch, context, np.int32))
+        self.cu_q = DeviceArray.from_host(np.arange(batch + 1, dtype=np.int32))
+        per_position = 2 * KV * (HD + 4 if int8 else 2 * HD)
+        self.bytes_per_launch = per_position * context * batch
+
+    def free(self) -> None:
+        for arrays in self.layers:
+            for a in arrays:
+                a.free()
+        for a in (self.tables, self.kv_lens, self.cu_q):
+            a.free()
+
+
+def time_launches(pools: Pools, H: int, splits: int, stream: Stream, calls: int, replays: int) -> float:
+    batch = pools.kv_lens.shape[0]
+    q = DeviceArray.from_host(np.random.default_rng(0).standard_normal((batch, H, HD), dtype=np.float32).astype(BF16))
+    out = DeviceArray.empty((batch, H, HD), BF16)
+    part_o = DeviceArray.empty((splits, batch, H, HD), np.float32)
+    part_ml = DeviceArray.empty((splits, batch, H, 2), np.float32)
+
+    def enqueue(s: Stream) -> None:
+        for i in range(calls):
+            layer = pools.layers[i % len(pools.layers)]
+            attention(q, layer[0], layer[1], out, pools.cu_q, pools.kv_lens, pools.tables, max_q_len=1,
+                      num_splits=splits, partials=(part_o, part_ml) if splits > 1 else None,
+                      scales=(layer[2], layer[3]) if len(layer) == 4 else None, stream=s)
+
+    enqueue(stream)
+    stream.synchronize()
+    graph = Graph(stream, enqueue)
+    start, end = Event(), Event()
+    try:
+        graph.launch(stream)
+        times = []
+        for _ in range(replays):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_ms(end) * 1e3 / calls)
+    finally:
+        graph.destroy()
+        start.destroy()
+        end.destroy()
+        for a in (q, out, part_o, part_ml):
+            a.free()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="qwen3-4b")
+    ap.add_argument("--contexts", default="1024,4096,32768")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--splits", default="1,8,16,32,64")
+    ap.add_argument("--dtypes", default="bf16,int8")
+    ap.add_argument("--calls", type=int, default=36, help="launches per graph (a model's layers)")
+    ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+
+    info = get_device().info
+    print(f"# decode attention on {info.name} ({info.num_sms} SMs); page {PAGE}; GB/s = cache bytes read / time; "
+          f"roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s")
+    print("| model | dtype | batch | context | splits | us/launch | GB/s | % roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    stream = Stream()
+    rng = np.random.default_rng(1)
+    rows = []
+    for name in args.models.split(","):
+        c = preset(name)
+        H, KV = c.num_attention_heads, c.num_key_value_heads
+        for ctx in (int(x) for x in args.contexts.split(",")):
+            for dtype in args.dtypes.split(","):
+                int8 = dtype == "int8"
+                per_layer = 2 * KV * (HD + 4 if int8 else 2 * HD) * ctx * args.batch
+                copies = max(1, min(args.calls, math.ceil(3 * info.l2_bytes / per_layer)))
+                pools = Pools(KV, ctx, args.batch, int8, copies, rng)
+                for splits in (int(s) for s in args.splits.split(",")):
+                    if splits > -(-ctx // 64):
+                        continue
+                    us = time_launches(pools, H, splits, stream, args.calls, args.replays)
+                    gbs = pools.bytes_per_launch / us / 1e3
+                    row = dict(model=name, dtype=dtype, batch=args.batch, context=ctx, splits=splits, us=us,
+                               bytes=pools.bytes_per_launch, gb_s=gbs, roofline_fraction=gbs * 1e9 / ROOFLINE_BYTES_PER_S)
+                    rows.append(row)
+                    print(f"| {name} | {dtype} | {args.batch} | {ctx} | {splits} | {us:.1f} | {gbs:.0f} | "
+                          f"{100 * row['roofline_fraction']:.1f} |", flush=True)
+                pools.free()
+    out = Path(args.out) / "bench_attention.json"
+    out.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
