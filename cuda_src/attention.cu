@@ -112,12 +112,18 @@ __device__ __forceinline__ void load_tile_int8(unsigned char *stage, const signe
               ok);
 }
 
-// INT8: widen a staged K and V tile to bf16 (swizzled) in sK / sV.
+// INT8: widen a staged K and V tile to bf16 (swizzled) in sK / sV. Rows mode: the block widens all
+// 64 keys together. Keys mode: each warp widens only its own 16 keys (the only ones it reads), so
+// a __syncwarp suffices afterwards.
+template <bool KEYS>
 __device__ __forceinline__ void widen_tile(const unsigned char *stage, bf16 *sK, bf16 *sV) {
+    constexpr int ROWS_W = KEYS ? 16 : KT;        // rows widened by this thread's group
+    constexpr int GROUP = KEYS ? 32 : THREADS;    // threads in the group
+    const int tid = threadIdx.x % GROUP, row0 = KEYS ? (threadIdx.x / 32) * 16 : 0;
 #pragma unroll
-    for (int i = 0; i < 2 * KT * (HD / 16) / THREADS; ++i) {
-        const int idx = threadIdx.x + i * THREADS;
-        const int which = idx / (KT * HD / 16), r = (idx >> 3) & (KT - 1), c = idx & 7;
+    for (int i = 0; i < 2 * ROWS_W * (HD / 16) / GROUP; ++i) {
+        const int idx = tid + i * GROUP;
+        const int which = idx / (ROWS_W * HD / 16), r = row0 + (idx >> 3) % ROWS_W, c = idx & 7;
         const vec16 in = ld16(stage + which * KT * HD + r * HD + c * 16);
         vec16 lo, hi;
         i8x4_to_bf16x4(in.w[0], lo.w[0], lo.w[1]);
@@ -233,10 +239,14 @@ __device__ __forceinline__ void attention_body(
         const float *ksc = nullptr, *vsc = nullptr;
         if constexpr (Q8) {
             const unsigned char *st = stage + cur * S::STAGE;
-            widen_tile(st, sK, sV);
+            widen_tile<KEYS>(st, sK, sV);
             ksc = reinterpret_cast<const float *>(st + 2 * KT * HD);
             vsc = ksc + KT;
-            __syncthreads();
+            if constexpr (KEYS) {
+                __syncwarp();
+            } else {
+                __syncthreads();
+            }
             tK = sK;
             tV = sV;
         } else {

@@ -33,14 +33,16 @@ __device__ __forceinline__ float bf16lo(u32 w) { return __uint_as_float(w << 16)
 __device__ __forceinline__ float bf16hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 
 // Four int8 (one u32, lowest byte first) -> four bf16, exactly (|x| <= 128 fits bf16's 8-bit
-// significand): bias each byte to unsigned, place it in the float 2^23 + byte, subtract 2^23 + 128,
-// and keep the upper halves (the low 16 bits of those floats are zero). lo = values 0, 1; hi = 2, 3.
+// significand): bias each byte to unsigned, place it as the low byte of the float 2^23 (one byte
+// permute), subtract 2^23 + 128, and keep the upper halves (the low 16 bits of those floats are
+// zero). lo = values 0, 1; hi = 2, 3. Eleven integer/FP32 instructions, no conversion unit.
 __device__ __forceinline__ void i8x4_to_bf16x4(u32 w, u32 &lo, u32 &hi) {
     const u32 u = w ^ 0x80808080u;
-    const float f0 = __uint_as_float(0x4B000000u | (u & 0xffu)) - 8388736.f;
-    const float f1 = __uint_as_float(0x4B000000u | ((u >> 8) & 0xffu)) - 8388736.f;
-    const float f2 = __uint_as_float(0x4B000000u | ((u >> 16) & 0xffu)) - 8388736.f;
-    const float f3 = __uint_as_float(0x4B000000u | (u >> 24)) - 8388736.f;
+    const u32 magic = 0x4B000000u;  // 2^23: bytes 4..7 of the permute are 0, 0, 0, 0x4B
+    const float f0 = __uint_as_float(__byte_perm(u, magic, 0x7540)) - 8388736.f;
+    const float f1 = __uint_as_float(__byte_perm(u, magic, 0x7541)) - 8388736.f;
+    const float f2 = __uint_as_float(__byte_perm(u, magic, 0x7542)) - 8388736.f;
+    const float f3 = __uint_as_float(__byte_perm(u, magic, 0x7543)) - 8388736.f;
     lo = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
     hi = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
 }
