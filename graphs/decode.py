@@ -39,16 +39,27 @@ class DecodeGraphs:
         self.graphs: dict[int, Graph] = {}
         self.capture_seconds = 0.0
 
-    def capture(self, stream: Stream, buckets: Sequence[int] | None = None) -> None:
-        """Capture the given buckets (default: all), largest first."""
-        for b in sorted(buckets or self.buckets, reverse=True):
-            if b in self.graphs:
-                continue
-            start = time.perf_counter()
-            self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s), label=f"the decode graph for batch {b}")
-            seconds = time.perf_counter() - start
-            self.capture_seconds += seconds
-            log.info("captured decode graph for batch %d: %d nodes in %.3f s", b, self.graphs[b].num_nodes, seconds)
+    def capture(self, stream: Stream, buckets: Sequence[int] | None = None, *, progress: bool = False) -> None:
+        """Capture the given buckets (default: all), largest first (with a progress bar if asked)."""
+        todo = [b for b in sorted(buckets or self.buckets, reverse=True) if b not in self.graphs]
+        bar = None
+        if progress and todo:
+            from tqdm import tqdm
+            bar = tqdm(total=len(todo), unit="graph", desc="capturing decode graphs", leave=False)
+        try:
+            for b in todo:
+                start = time.perf_counter()
+                self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s),
+                                       label=f"the decode graph for batch {b}")
+                seconds = time.perf_counter() - start
+                self.capture_seconds += seconds
+                log.info("captured decode graph for batch %d: %d nodes in %.3f s", b, self.graphs[b].num_nodes,
+                         seconds)
+                if bar is not None:
+                    bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
 
     def replay(self, batch: int, stream: Stream) -> int:
         """Launch the graph for `batch` sequences (capturing it on first use); returns the bucket."""

@@ -60,3 +60,17 @@ def test_full_batch_and_largest_chunk_fit_at_095(name):
         outs = llm.generate(prompts, params)
         assert [len(o.token_ids) for o in outs] == [8] * 255 + [2]
         assert llm.stats.graph_steps > 0
+
+
+def test_int8_pool_holds_19x_the_positions_of_bf16(tiny_checkpoint):
+    # The same budget (half the GPU), BF16 and then INT8: 2 x 128 bytes per vector against 128 + 4.
+    positions = {}
+    for kv in (None, "int8"):
+        with LLM(tiny_checkpoint, max_num_seqs=8, max_context=2048, gpu_memory_utilization=0.5, kv_quantize=kv,
+                 progress=False) as llm:
+            check_report(llm, 0.5)
+            assert llm.memory_report.kv_dtype == (kv or "bf16")
+            positions[kv] = llm.cache.capacity
+    ratio = positions["int8"] / positions[None]
+    print(f"pool positions at 0.5 of the GPU: BF16 {positions[None]:,}, INT8 {positions['int8']:,} ({ratio:.3f}x)")
+    assert ratio >= 1.9

@@ -85,3 +85,24 @@ def load_module(filename: str, defines: tuple = ()) -> Module:
 
 def kernel(filename: str, name: str) -> Kernel:
     return load_module(filename).kernel(name)
+
+
+def load_all(progress: bool = False) -> None:
+    """Compile (or fetch from the disk cache) and load every file of cuda_src/ now, with a progress
+    bar when asked, instead of at each kernel's first launch."""
+    from .compiler import STATS, cuda_src_dir
+    files = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(files), unit="file", desc="compiling kernels", leave=False)
+    compiled = STATS.compiled
+    try:
+        for name in files:
+            load_module(name)
+            if bar is not None:
+                bar.set_postfix_str(f"{STATS.compiled - compiled} compiled, the rest cached")
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()

@@ -248,7 +248,7 @@ class LLM:
         graphs_before = nvml()[2] if nvml else 0
         if use_graphs:
             start = time.perf_counter()
-            model.graphs.capture(model.stream)
+            model.graphs.capture(model.stream, progress=progress)
             self.capture_seconds = time.perf_counter() - start
             log.info("captured %d decode graphs (batch %s) in %.2f s", len(model.graphs.graphs),
                      ",".join(map(str, model.buckets)), self.capture_seconds)

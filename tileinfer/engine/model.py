@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import kernels as K
 from ..cuda import Stream, get_device
+from ..cuda.module import load_all
 from ..graphs import DecodeGraphs, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
@@ -66,6 +67,7 @@ class Model:
         self.device = get_device(device)
         self.stream = Stream()
         self.weights = DeviceWeights(self.checkpoint, self.stream, progress=progress)
+        load_all(progress=progress)  # every kernel compiled (or read from the disk cache) and loaded now
         self.buckets = decode_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
