@@ -18,7 +18,8 @@ from .engine.generate import GenerationResult, generate
 from .engine.llm import LLM, RequestOutput, StreamOutput
 from .engine.model import Model, load_model
 from .engine.params import SamplingParams
+from .engine.speculative import OracleDraft
 
-__all__ = ["ChatSession", "ContextFullError", "GenerationResult", "LLM", "Model", "RequestOutput", "SamplingParams",
+__all__ = ["ChatSession", "ContextFullError", "GenerationResult", "LLM", "Model", "OracleDraft", "RequestOutput", "SamplingParams",
            "StreamOutput", "generate", "load_model"]
 __version__ = "0.1.0"

@@ -54,11 +54,26 @@ def _generate(args) -> int:
         if prompt_tokens + args.max_new_tokens > args.max_context:
             raise ValueError(f"the prompt ({prompt_tokens} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed "
                              f"--max-context ({args.max_context}); shorten the prompt or raise --max-context")
-        result = tileinfer.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                    on_token=show, kv_quantize="int8" if args.kv_int8 else None)
+        draft = None
+        if args.draft_model:
+            if not Path(args.draft_model).is_dir():
+                raise FileNotFoundError(f"--draft-model {args.draft_model}: no such checkpoint directory")
+            draft = tileinfer.load_model(args.draft_model, progress=True)
+        try:
+            result = tileinfer.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
+                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                        seed=args.seed, on_token=show, kv_quantize="int8" if args.kv_int8 else None,
+                                        draft_model=draft, num_draft_tokens=args.num_draft_tokens)
+        finally:
+            if draft is not None:
+                draft.close()
     sys.stdout.write("\n")
-    print(f"[{len(result.token_ids)} tokens, {result.decode_tokens_per_second:.1f} tok/s decode, "
+    spec = ""
+    if result.speculation is not None:
+        s = result.speculation
+        spec = (f", {s.accepted}/{s.drafted} drafts accepted ({100 * s.acceptance_rate:.0f}%), "
+                f"{s.tokens_per_target_step:.2f} tokens per target step")
+    print(f"[{len(result.token_ids)} tokens, {result.decode_tokens_per_second:.1f} tok/s decode{spec}, "
           f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
@@ -130,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="continue a prompt, streaming the text")
     g.add_argument("--prompt", required=True, help="the text to continue")
     _add_model_and_sampling(g, 128)
+    g.add_argument("--draft-model", default=None,
+                   help="a smaller Qwen3 checkpoint with the same tokenizer: speculative decoding")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft proposes per step (4)")
     g.set_defaults(run=_generate)
     c = sub.add_parser("chat", help="an interactive chat with the checkpoint's chat template")
     _add_model_and_sampling(c, 512)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..kv import Sequence
 from .model import Model
+from .speculative import ModelDecoder, ModelDraft, OracleDraft, Sampling, SpecStats, speculative_decode
 from .step import SamplingRow
 
 
@@ -19,6 +20,7 @@ class GenerationResult:
     prompt_token_ids: list[int] = field(repr=False, default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    speculation: SpecStats | None = None  # with a draft model: drafted, accepted, target steps
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -42,7 +44,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
 def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
              on_token: Callable[[int], None] | None = None, kv_quantize: str | None = None,
-             kv_smoothing: bool = True) -> GenerationResult:
+             kv_smoothing: bool = True, draft_model=None, num_draft_tokens: int = 4) -> GenerationResult:
     """Continue `prompt` (text, or token ids) by up to `max_new_tokens` tokens, stopping at EOS.
 
     The KV cache is sized for the prompt plus the budget; kv_quantize="int8" makes it an INT8
@@ -50,6 +52,11 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
     temperature 0 is greedy; otherwise sampling is seeded (a fresh random seed when `seed` is
     None) and reproducible for a seed. `on_token(token_id)` is called with each new token as soon
     as it is sampled (streaming).
+
+    draft_model (a loaded Model with the same vocabulary, or an OracleDraft) turns on speculative
+    decoding (engine/speculative.py): the draft proposes num_draft_tokens a round and this model
+    checks them in one step. Greedy output is unchanged; sampled output keeps this model's
+    distribution (though not its random stream). `result.speculation` holds the statistics.
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if isinstance(prompt, str):
@@ -65,6 +72,9 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
                          f"model's context of {limit} positions; shorten the prompt or lower max_new_tokens")
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little")
+    if draft_model is not None:
+        return _speculative(model, ids, draft_model, num_draft_tokens, max_new_tokens, Sampling(
+            float(temperature), int(top_k), float(top_p)), int(seed), stop_at_eos, on_token, kv_quantize)
     row = SamplingRow(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
     cache = model.ensure_cache(total, kv_quantize=kv_quantize, smoothing=kv_smoothing)
     seq = Sequence()
@@ -96,3 +106,44 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
         cache.manager.release(seq)
     return GenerationResult(token_ids=out, text=model.decode(out), finish_reason=finish, prompt_token_ids=ids,
                             prefill_seconds=prefill_done - start, decode_seconds=end - prefill_done)
+
+
+def _speculative(model: Model, ids: list[int], draft_model, k: int, max_new_tokens: int, sampling: Sampling,
+                 seed: int, stop_at_eos: bool, on_token, kv_quantize) -> GenerationResult:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+    total = len(ids) + max_new_tokens + k + 1  # a verify step feeds up to k + 1 positions past the committed ones
+    limit = model.config.max_position_embeddings
+    if total > limit:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) + num_draft_tokens + 1 = "
+                         f"{total} exceeds the model's context of {limit} positions")
+    target = ModelDecoder(model, total, kv_quantize=kv_quantize)
+    draft_decoder = None
+    try:
+        if isinstance(draft_model, OracleDraft):
+            draft = draft_model
+        elif isinstance(draft_model, Model):
+            if draft_model is model:
+                raise ValueError("draft_model is the target model itself; load a second copy, or use an OracleDraft")
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the "
+                                 f"target's ({model.config.vocab_size}); speculation needs the same tokenizer")
+            draft_decoder = ModelDecoder(draft_model, total, kv_quantize=kv_quantize)
+            draft = ModelDraft(draft_decoder)
+        else:
+            raise TypeError(f"draft_model must be a loaded tileinfer.Model or an OracleDraft, got "
+                            f"{type(draft_model).__name__}")
+        start = time.perf_counter()
+        out, stats = speculative_decode(target, draft, ids, max_new_tokens=max_new_tokens, num_draft_tokens=k,
+                                        sampling=sampling, seed=seed,
+                                        eos_token_ids=model.eos_token_ids if stop_at_eos else (),
+                                        on_token=on_token)
+        end = time.perf_counter()
+    finally:
+        target.release()
+        if draft_decoder is not None:
+            draft_decoder.release()
+    finish = "stop" if stop_at_eos and out and out[-1] in model.eos_token_ids else "length"
+    prefill = stats.prefill_seconds
+    return GenerationResult(token_ids=out, text=model.decode(out), finish_reason=finish, prompt_token_ids=ids,
+                            prefill_seconds=prefill, decode_seconds=end - start - prefill, speculation=stats)

@@ -237,21 +237,30 @@ class Model:
         does; kv_quantize="int8" uses an INT8 cache (smoothed keys unless smoothing=False).
         """
         ids = self._validate_ids(token_ids)
-        chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
         cache = self.ensure_cache(max(len(ids), 1), kv_quantize=kv_quantize, smoothing=smoothing)
         seq = Sequence()
-        out = np.empty((len(ids), self.config.vocab_size), np.float32)
         try:
-            for start in range(0, len(ids), chunk):
-                part = ids[start: start + chunk]
-                cache.manager.reserve(seq, len(part))
-                shape = prepare_step(self.steps, cache.manager, [(seq, part)])
-                self.steps.upload(self.stream)
-                logits = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=True,
-                                 num_splits=1, stream=self.stream)
-                out[start: start + len(part)] = logits.to_host(self.stream)
+            return self.extend(seq, ids, chunk=chunk)
         finally:
             cache.manager.release(seq)
+
+    def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None) -> np.ndarray:
+        """Append tokens to `seq` in the attached cache (prefill chunks) and return the next-token
+        logits after each: float32 [len(token_ids), vocab]. The pages are reserved here; the
+        caller owns `seq` (release or truncate it through the cache's manager)."""
+        self._check_open()
+        ids = self._validate_ids(token_ids)
+        chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
+        cache = self.cache
+        out = np.empty((len(ids), self.config.vocab_size), np.float32)
+        for start in range(0, len(ids), chunk):
+            part = ids[start: start + chunk]
+            cache.manager.reserve(seq, len(part))
+            shape = prepare_step(self.steps, cache.manager, [(seq, part)])
+            self.steps.upload(self.stream)
+            logits = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=True,
+                             num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
+            out[start: start + len(part)] = logits.to_host(self.stream)
         return out
 
     def _validate_ids(self, token_ids) -> list[int]:

@@ -1,0 +1,77 @@
+"""Speculative decoding on the GPU (tileinfer/engine/speculative.py; the algorithm's CPU tests are
+tests/test_speculative.py). The target runs batch-invariant, so a position's logits are bitwise the
+same in a verify chunk and in a decode step, and greedy speculation must reproduce plain greedy
+decoding token for token."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tileinfer
+from tileinfer.engine.speculative import ModelDecoder, ModelDraft, OracleDraft, speculative_decode
+from tileinfer.model.config import preset
+from tileinfer.model.synthetic import write_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint, tmp_path_factory):
+    other = tmp_path_factory.mktemp("tiny-draft")
+    write_checkpoint(preset("tiny"), other, seed=1, progress=False)
+    target = tileinfer.load_model(tiny_checkpoint, progress=False, batch_invariant=True)
+    draft = tileinfer.load_model(other, progress=False)
+    same = tileinfer.load_model(tiny_checkpoint, progress=False)
+    yield target, draft, same
+    for m in (target, draft, same):
+        m.close()
+
+
+@pytest.mark.parametrize("which", ["other", "same"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculation_equals_plain_greedy(models, which, k):
+    target, other, same = models
+    draft_model = other if which == "other" else same
+    prompt = np.random.default_rng(k).integers(0, 151643, 70).tolist()
+    want = tileinfer.generate(target, prompt, max_new_tokens=40, stop_at_eos=False).token_ids
+    got = tileinfer.generate(target, prompt, max_new_tokens=40, stop_at_eos=False, draft_model=draft_model,
+                             num_draft_tokens=k)
+    assert got.token_ids == want
+    s = got.speculation
+    print(f"draft {which}, k={k}: {s.accepted}/{s.drafted} accepted, {s.tokens_per_target_step:.2f} tokens/step")
+    if which == "same":
+        assert s.acceptance_rate > 0.9  # the same weights (not batch-invariant: near ties may differ)
+
+
+def test_caches_hold_exactly_the_accepted_positions(models):
+    target, other, _ = models
+    prompt = np.random.default_rng(5).integers(0, 151643, 130).tolist()
+    t_dec, d_dec = ModelDecoder(target, 400), ModelDecoder(other, 400)
+    draft = ModelDraft(d_dec)
+    seen = []
+
+    def on_round(committed, accepted):
+        # num_positions and block tables: the target holds committed[:-1], the draft a prefix of committed.
+        assert t_dec.seq.num_positions == len(committed) - 1
+        assert len(t_dec.seq.block_table) == -(-(len(committed) - 1) // t_dec.cache.page_size)
+        assert d_dec.seq.num_positions == len(draft.fed) and draft.fed == committed[:len(draft.fed)]
+        assert len(d_dec.seq.block_table) == -(-len(draft.fed) // d_dec.cache.page_size)
+        seen.append(accepted)
+
+    try:
+        out, stats = speculative_decode(t_dec, draft, prompt, max_new_tokens=60, num_draft_tokens=4,
+                                        on_round=on_round)
+    finally:
+        t_dec.release()
+        d_dec.release()
+    assert len(out) == 60 and len(seen) == stats.target_steps
+    assert target.cache.manager.num_free_pages == target.cache.layout.num_pages
+
+
+def test_oracle_draft_accepts_everything(models):
+    target, _, _ = models
+    prompt = np.random.default_rng(6).integers(0, 151643, 33).tolist()
+    want = tileinfer.generate(target, prompt, max_new_tokens=25, stop_at_eos=False).token_ids
+    got = tileinfer.generate(target, prompt, max_new_tokens=25, stop_at_eos=False,
+                             draft_model=OracleDraft(len(prompt), want), num_draft_tokens=4)
+    assert got.token_ids == want and got.speculation.acceptance_rate == 1.0

@@ -1,0 +1,267 @@
+"""Speculative decoding: a draft proposes k tokens, the target checks them all in one step.
+
+Each round, with T the tokens committed so far (prompt + output) and each model's cache holding a
+prefix of T:
+
+  1. The draft feeds what of T it lacks, then proposes x_1..x_k one step at a time: greedy, the
+     argmax; sampling, a draw from its distribution q_i (after the same temperature, top-k and
+     top-p as the target).
+  2. The target feeds what of T it lacks (normally T's last token) and x_1..x_k in one step, and
+     gets k + 1 distributions: p_{i-1} for the position x_i was proposed at, p_k after x_k.
+  3. Greedy: accept x_i while it is argmax p_{i-1}. Sampling: accept x_i with probability
+     min(1, p_{i-1}(x_i) / q_i(x_i)). At the first rejection, emit one token from the residual
+     max(0, p_{i-1} - q_i) renormalised (greedy: argmax p_{i-1}) and stop; if all k pass, emit
+     one more from p_k. So a round emits 1 to k + 1 tokens, and each is distributed exactly as
+     the target alone would draw it (Leviathan et al. 2023; Chen et al. 2023). Greedy output is
+     the target's greedy output, token for token, whatever the draft proposes.
+  4. Rollback is free: both caches are truncated to the committed prefix they hold (the target to
+     T minus its last token, which the next round feeds; the draft to what it fed that T kept).
+     On the GPU that is a block-table edit on the host (BlockManager.truncate): nothing is copied
+     or cleared, later writes overwrite the rejected positions.
+
+A model takes part through the `Decoder` protocol (extend, truncate, len): `ReferenceDecoder`
+wraps the float32 numpy reference, `ModelDecoder` a GPU `Model`. A draft is any `DraftSource`:
+`ModelDraft` (a smaller model on its own cache) or `OracleDraft`, which proposes a given
+continuation (the target's own greedy output, say) at no cost: acceptance 100%, the ceiling of
+the verify machinery.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .sampler import kept_mask, scaled
+
+
+class Decoder(Protocol):
+    def extend(self, ids: list[int]) -> np.ndarray:
+        """Append `ids` to the cached sequence; the next-token logits after each. # [len(ids), vocab]"""
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached positions."""
+
+    def __len__(self) -> int:
+        """Positions cached."""
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature > 0
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a token is drawn from: softmax(logits / T) over the top-k / top-p set. # float64"""
+        z = scaled(logits, self.temperature).astype(np.float64)
+        keep = kept_mask(logits, self.temperature, self.top_k, self.top_p)
+        p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+        return p / p.sum()
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from the distribution p (inverse CDF)."""
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.size - 1))
+
+
+class DraftSource(Protocol):
+    def propose(self, committed: list[int], k: int, sampling: Sampling,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+        """Up to k proposed tokens after `committed`, and the distributions they were drawn from
+        (None: each proposal was certain, a point mass)."""
+
+    def rollback(self, committed: list[int]) -> None:
+        """The round is over and `committed` is what was kept: drop anything cached beyond it."""
+
+
+class ModelDraft:
+    """A draft model on its own cache (any Decoder)."""
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+        self.fed: list[int] = []  # the tokens whose positions the draft's cache holds
+
+    def propose(self, committed, k, sampling, rng):
+        missing = committed[len(self.fed):]
+        logits = self.decoder.extend(missing)[-1]
+        self.fed += missing
+        tokens, dists = [], []
+        for i in range(k):
+            if sampling.greedy:
+                x = int(np.argmax(logits))
+            else:
+                q = sampling.distribution(logits)
+                x = draw(q, rng)
+                dists.append(q)
+            tokens.append(x)
+            if i + 1 < k:  # the last proposal is never fed: the next round starts from T
+                logits = self.decoder.extend([x])[-1]
+                self.fed.append(x)
+        return tokens, (None if sampling.greedy else dists)
+
+    def rollback(self, committed):
+        # Keep what of T it holds, but at most all but T's last token: the next proposal needs the
+        # logits after T, which come from feeding at least one token.
+        keep = min(common_prefix(self.fed, committed), len(committed) - 1)
+        self.decoder.truncate(keep)
+        del self.fed[keep:]
+
+
+class OracleDraft:
+    """Proposes a given continuation of the prompt (e.g. the target's own greedy output), at no cost."""
+
+    def __init__(self, prompt_len: int, continuation: Seq[int]):
+        self.prompt_len, self.continuation = prompt_len, list(continuation)
+
+    def propose(self, committed, k, sampling, rng):
+        start = len(committed) - self.prompt_len
+        return self.continuation[start:start + k], None
+
+    def rollback(self, committed):
+        pass
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0        # proposals the target checked
+    accepted: int = 0       # of those, kept
+    target_steps: int = 0   # verify steps of the target (one per round)
+    emitted: int = 0        # tokens the rounds produced (before cutting at max_tokens or EOS)
+    prefill_seconds: float = 0.0  # the target's prompt prefill (all but the prompt's last token)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_step(self) -> float:
+        return self.emitted / self.target_steps if self.target_steps else 0.0
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def speculative_decode(target: Decoder, draft: DraftSource, prompt: list[int], *, max_new_tokens: int,
+                       num_draft_tokens: int, sampling: Sampling | None = None, seed: int = 0,
+                       eos_token_ids: Seq[int] = (), on_token: Callable[[int], None] | None = None,
+                       on_round: Callable[[list[int], int], None] | None = None) -> tuple[list[int], SpecStats]:
+    """Generate up to max_new_tokens after `prompt` (stopping after an EOS token) with the target's
+    distribution, the draft proposing num_draft_tokens a round. The target's cache must be empty.
+
+    on_token(token) is called with each output token as its round ends (streaming).
+    on_round(committed, accepted) is called after every round, once both caches are rolled back
+    (tests use it to check that nothing rejected stays cached)."""
+    if not prompt:
+        raise ValueError("prompt is empty: give at least one token")
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if len(target):
+        raise ValueError("the target's cache must start empty")
+    sampling = sampling or Sampling()
+    rng = np.random.default_rng(seed)
+    eos = set(eos_token_ids)
+    committed = list(prompt)
+    # The target's cache holds committed[:-1]; the next round feeds the last token with the proposals.
+    stats = SpecStats()
+    start = time.perf_counter()
+    if len(prompt) > 1:
+        target.extend(prompt[:-1])
+    stats.prefill_seconds = time.perf_counter() - start
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        k = min(num_draft_tokens, max_new_tokens - len(out) - 1)  # proposals beyond the budget are wasted
+        proposals, q = draft.propose(committed, k, sampling, rng) if k > 0 else ([], None)
+        fed = committed[len(target):] + list(proposals)
+        p_logits = target.extend(fed)[-(len(proposals) + 1):]   # p_0..p_k
+        stats.target_steps += 1
+        stats.drafted += len(proposals)
+        emitted, accepted = [], 0
+        for i, x in enumerate(proposals):
+            if sampling.greedy:
+                best = int(np.argmax(p_logits[i]))
+                if x != best:
+                    emitted.append(best)
+                    break
+            else:
+                p = sampling.distribution(p_logits[i])
+                qx = q[i][x] if q is not None else 1.0
+                if not rng.random() < min(1.0, p[x] / qx):  # rejected: draw from the residual
+                    residual = np.maximum(p - (q[i] if q is not None else np.eye(1, p.size, x)[0]), 0.0)
+                    emitted.append(draw(residual, rng) if residual.sum() > 0 else draw(p, rng))
+                    break
+            emitted.append(x)
+            accepted += 1
+        else:  # every proposal accepted: one more token from p_k
+            last = p_logits[len(proposals)]
+            emitted.append(int(np.argmax(last)) if sampling.greedy else draw(sampling.distribution(last), rng))
+        stats.accepted += accepted
+        stats.emitted += len(emitted)
+        committed += emitted
+        # Roll back: the target keeps committed[:-1] (the last token is fed next round).
+        target.truncate(len(committed) - 1)
+        draft.rollback(committed)
+        if on_round is not None:
+            on_round(committed, accepted)
+        for token in emitted:
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos or len(out) == max_new_tokens:
+                return out, stats
+    return out, stats
+
+
+class ReferenceDecoder:
+    """The float32 numpy reference model as a Decoder (tests, and CPU checks of the algorithm)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = model.new_cache()
+
+    def extend(self, ids):
+        return self.model.forward(list(ids), self.cache)
+
+    def truncate(self, n):
+        self.cache.truncate(n)
+
+    def __len__(self):
+        return len(self.cache)
+
+
+class ModelDecoder:
+    """A GPU Model's cache as a Decoder: one sequence; extend runs a prefill chunk returning every
+    row's logits; truncate edits the block table on the host."""
+
+    def __init__(self, model, max_tokens: int, kv_quantize: str | None = None):
+        from ..kv import Sequence
+        self.model = model
+        self.cache = model.ensure_cache(max_tokens, kv_quantize=kv_quantize)
+        self.seq = Sequence()
+
+    def extend(self, ids):
+        return self.model.extend(self.seq, list(ids))
+
+    def truncate(self, n):
+        self.cache.manager.truncate(self.seq, n)
+
+    def __len__(self):
+        return self.seq.num_positions
+
+    def release(self) -> None:
+        self.cache.manager.release(self.seq)
