@@ -19,13 +19,13 @@ import argparse
 import json
 import math
 import os
-import statistics
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from tileinfer.cuda import DeviceArray, Event, Graph, Stream, get_device
+from graph_timing import microseconds_per_call
+from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import attention
 from tileinfer.model.config import preset
 
@@ -83,26 +83,11 @@ def time_launches(pools: Pools, H: int, splits: int, stream: Stream, calls: int,
                       num_splits=splits, partials=(part_o, part_ml) if splits > 1 else None,
                       scales=(layer[2], layer[3]) if len(layer) == 4 else None, stream=s)
 
-    enqueue(stream)
-    stream.synchronize()
-    graph = Graph(stream, enqueue)
-    start, end = Event(), Event()
     try:
-        graph.launch(stream)
-        times = []
-        for _ in range(replays):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_ms(end) * 1e3 / calls)
+        return microseconds_per_call(stream, enqueue, calls, replays)
     finally:
-        graph.destroy()
-        start.destroy()
-        end.destroy()
         for a in (q, out, part_o, part_ml):
             a.free()
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -20,13 +20,13 @@ import argparse
 import json
 import math
 import os
-import statistics
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from tileinfer.cuda import DeviceArray, Event, Graph, Stream, get_device
+from graph_timing import microseconds_per_call
+from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
 from tileinfer.kernels.linear import SMALL_ROWS, default_path, SMALL_SPLITS, small_gemm_config
 from tileinfer.model.config import preset
@@ -70,24 +70,7 @@ def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, **l
         for i in range(calls):
             linear(x, case.weights[i % len(case.weights)], out, case.epilogue, s, **linear_kwargs)
 
-    enqueue(stream)  # compile / load the kernels and set their attributes outside the capture
-    stream.synchronize()
-    graph = Graph(stream, enqueue)
-    start, end = Event(), Event()
-    try:
-        graph.launch(stream)  # warm-up replay
-        times = []
-        for _ in range(replays):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_ms(end) * 1e3 / calls)
-    finally:
-        graph.destroy()
-        start.destroy()
-        end.destroy()
-    return statistics.median(times)
+    return microseconds_per_call(stream, enqueue, calls, replays)
 
 
 def main() -> None:

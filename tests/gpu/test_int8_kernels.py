@@ -15,6 +15,21 @@ pytestmark = pytest.mark.gpu
 HD = 128
 
 
+def write_int8(buf, stream, qkv, positions, slots, q_norm, k_norm, inv_freq, smoothing, H, KV, num_pages, page_size,
+               eps):
+    """attn_input_int8 into freshly poisoned outputs; returns (q_out, k_pool, v_pool, k_scale, v_scale)."""
+    n = qkv.shape[0]
+    q_out = buf.poisoned((n, H, HD), BF16)
+    k_pool = buf.poisoned((num_pages, KV, page_size, HD), np.int8)
+    v_pool = buf.poisoned((num_pages, KV, page_size, HD), np.int8)
+    k_scale = buf.poisoned((num_pages, KV, page_size), np.float32)
+    v_scale = buf.poisoned((num_pages, KV, page_size), np.float32)
+    attn_input_int8(buf.upload(qkv), buf.upload(positions), buf.upload(slots), buf.upload(q_norm),
+                    buf.upload(k_norm), buf.upload(inv_freq), buf.upload(smoothing) if smoothing is not None else None,
+                    q_out, k_pool, v_pool, k_scale, v_scale, H, KV, eps, stream)
+    return q_out, k_pool, v_pool, k_scale, v_scale
+
+
 @pytest.mark.parametrize("n, H, KV, page_size, smooth", [(1, 16, 8, 64, True), (37, 32, 8, 16, True),
                                                          (37, 32, 8, 16, False), (130, 4, 2, 64, True)])
 def test_attn_input_int8(n, H, KV, page_size, smooth, buf, stream):
@@ -32,14 +47,8 @@ def test_attn_input_int8(n, H, KV, page_size, smooth, buf, stream):
         slots[n // 2] = -1  # padding: nothing stored
     c = smoothing_factors(to_f32(k_norm)) if smooth else None
 
-    q_out = buf.poisoned((n, H, HD), BF16)
-    k_pool = buf.poisoned((num_pages, KV, page_size, HD), np.int8)
-    v_pool = buf.poisoned((num_pages, KV, page_size, HD), np.int8)
-    k_scale = buf.poisoned((num_pages, KV, page_size), np.float32)
-    v_scale = buf.poisoned((num_pages, KV, page_size), np.float32)
-    attn_input_int8(buf.upload(qkv), buf.upload(positions), buf.upload(slots), buf.upload(q_norm),
-                    buf.upload(k_norm), buf.upload(inv_freq), buf.upload(c) if smooth else None, q_out,
-                    k_pool, v_pool, k_scale, v_scale, H, KV, eps, stream)
+    q_out, k_pool, v_pool, k_scale, v_scale = write_int8(buf, stream, qkv, positions, slots, q_norm, k_norm, inv_freq,
+                                                         c if smooth else None, H, KV, num_pages, page_size, eps)
 
     x = to_f32(qkv)
     q = x[:, :H * HD].reshape(n, H, HD)
@@ -99,14 +108,9 @@ def test_smoothing_changes_stored_keys_not_scores(buf, stream):
 
     codes, errors = {}, {}
     for smooth in (False, True):
-        q_out = buf.poisoned((n, H, HD), BF16)
-        k_pool = buf.poisoned((num_pages, KV, page_size, HD), np.int8)
-        v_pool = buf.poisoned((num_pages, KV, page_size, HD), np.int8)
-        k_scale = buf.poisoned((num_pages, KV, page_size), np.float32)
-        v_scale = buf.poisoned((num_pages, KV, page_size), np.float32)
-        attn_input_int8(buf.upload(qkv), buf.upload(positions), buf.upload(slots), buf.upload(q_norm),
-                        buf.upload(k_norm), buf.upload(inv_freq), buf.upload(c) if smooth else None, q_out,
-                        k_pool, v_pool, k_scale, v_scale, H, KV, eps, stream)
+        q_out, k_pool, v_pool, k_scale, v_scale = write_int8(buf, stream, qkv, positions, slots, q_norm, k_norm,
+                                                             inv_freq, c if smooth else None, H, KV, num_pages,
+                                                             page_size, eps)
         out = buf.poisoned((n, H, HD), BF16)
         attention(q_out, k_pool, v_pool, out, buf.upload(np.array([0, n], np.int32)),
                   buf.upload(np.array([n], np.int32)), buf.upload(table), max_q_len=n, scales=(k_scale, v_scale),
