@@ -214,3 +214,9 @@ def test_cli_help_and_errors(capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tileinfer: error: ") and "/nonexistent/dir" in err
+    # A bad flag or a missing value: one line naming it, exit status 2.
+    for argv in (["generate", "--prompt", "x", "--bogus"], ["generate"], ["chat", "--top-k", "many"], ["frobnicate"]):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "error: " in err, (argv, err)

@@ -139,8 +139,15 @@ def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> 
                    help="positions the prompt and the reply (chat: the conversation) may use (4096)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line gets one line (not the usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tileinfer", description="Qwen3 inference on one GPU.")
+    parser = _Parser(prog="tileinfer", description="Qwen3 inference on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt, streaming the text")
     g.add_argument("--prompt", required=True, help="the text to continue")
