@@ -6,6 +6,7 @@ see exactly which positions each turn computes. The template is TileInfer's Qwen
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tokenizers
 
@@ -220,3 +221,72 @@ def test_cli_help_and_errors(capsys):
             parser.parse_args(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and "error: " in err, (argv, err)
+
+
+# ---------------------------------------------------------------------------- speculative turns
+
+
+class TableLM(FakeModel):
+    """A model whose next token is a fixed function of the last one (into ids 1000-1099, which decode
+    to text): step() for plain turns, extend() (logits) for speculative ones. `disagree` of the draft's
+    table entries differ from the target's."""
+
+    VOCAB = 151936
+
+    def __init__(self, seed: int = 0, disagree: float = 0.0):
+        super().__init__([])
+        rng = np.random.default_rng(seed)
+        self.next = rng.integers(1000, 1100, self.VOCAB)
+        flip = np.random.default_rng(seed + 1).random(self.VOCAB) < disagree
+        self.next[flip] = np.random.default_rng(seed + 2).integers(1000, 1100, int(flip.sum()))
+        self.config.vocab_size = self.VOCAB
+        self.calls: list[tuple[int, int]] = []  # (first position, count) of every extend()
+
+    def step(self, batch, sampling=None, *, sample=True):
+        (seq, ids, start), = batch
+        assert seq.num_positions == start + len(ids)
+        return [int(self.next[ids[-1]])] if sample else None
+
+    def extend(self, seq, ids):
+        self.calls.append((seq.num_positions, len(ids)))
+        self.cache.manager.reserve(seq, len(ids))
+        logits = np.zeros((len(ids), self.VOCAB), np.float32)
+        logits[np.arange(len(ids)), self.next[np.asarray(ids)]] = 10.0
+        return logits
+
+
+def test_speculative_turns_equal_plain_turns_and_reuse_both_caches():
+    plain = ChatSession(TableLM(), system="S")
+    target, draft = TableLM(), TableLM(disagree=0.3)
+    spec = ChatSession(target, system="S", draft_model=draft, num_draft_tokens=3)
+    for i, message in enumerate(["Hello there", "And a second question", "Third"]):
+        draft_calls = len(draft.calls)
+        a = plain.send(message, max_tokens=20)
+        b = spec.send(message, max_tokens=20)
+        assert a == b, f"turn {i + 1}: speculation changed the greedy reply"
+        t, s = plain.last_turn, spec.last_turn
+        assert (s.reused_tokens, s.computed_tokens, s.token_ids) == (t.reused_tokens, t.computed_tokens, t.token_ids)
+        stats = s.speculation
+        assert 0 < stats.accepted < stats.drafted and stats.target_steps < len(s.token_ids)
+        # Both caches hold only conversation tokens: the target exactly its record, the draft a prefix.
+        conversation = spec.render(spec.messages[:-1]) + s.token_ids
+        assert spec._seq.num_positions == len(spec._cached) and spec._cached == conversation[:len(spec._cached)]
+        held = spec._draft.fed
+        assert held == conversation[:len(held)] and spec._draft.decoder.seq.num_positions == len(held)
+        if i:  # the draft reused its cached prefix: its first step this turn starts where that ends
+            # (it may lag the target's record by up to two tokens: its last proposal is never fed)
+            first = draft.calls[draft_calls][0]
+            assert s.reused_tokens - 2 <= first <= s.reused_tokens
+    with pytest.raises(ValueError, match="itself"):
+        ChatSession(target, draft_model=target)
+
+
+def test_abandoned_speculative_turn_keeps_the_cache_record_true():
+    target, draft = TableLM(), TableLM(disagree=0.3)
+    chat = ChatSession(target, draft_model=draft, num_draft_tokens=4)
+    gen = chat.stream("Tell me a long story", max_tokens=60)
+    next(gen)
+    gen.close()
+    assert chat.messages == []
+    assert chat._seq.num_positions == len(chat._cached)
+    assert chat.send("Hi", max_tokens=10) == ChatSession(TableLM()).send("Hi", max_tokens=10)

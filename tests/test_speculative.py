@@ -131,8 +131,23 @@ def test_bad_arguments():
         speculative_decode(TableDecoder(t), ModelDraft(TableDecoder(d)), [], max_new_tokens=4, num_draft_tokens=2)
     used = TableDecoder(t)
     used.extend([1])
-    with pytest.raises(ValueError, match="start empty"):
+    with pytest.raises(ValueError, match="at most the prompt's first 0"):
         speculative_decode(used, ModelDraft(TableDecoder(d)), [1], max_new_tokens=4, num_draft_tokens=2)
+
+
+def test_target_and_draft_holding_a_prefix_continue_from_it():
+    # A chat's next turn: both caches already hold the start of the prompt; only the rest is fed.
+    t, d = tables(vocab=50, noise=0.5, seed=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    want = plain_greedy(t, prompt, 20)
+    target, draft_dec = TableDecoder(t), TableDecoder(d)
+    target.extend(prompt[:4])
+    draft = ModelDraft(draft_dec)
+    draft_dec.extend(prompt[:5])
+    draft.fed = prompt[:5]
+    got, stats = speculative_decode(target, draft, prompt, max_new_tokens=20, num_draft_tokens=3)
+    assert got == want
+    assert stats.prefill_seconds >= 0
 
 
 # ---------------------------------------------------------------------------- the sampled distribution

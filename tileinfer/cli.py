@@ -54,11 +54,7 @@ def _generate(args) -> int:
         if prompt_tokens + args.max_new_tokens > args.max_context:
             raise ValueError(f"the prompt ({prompt_tokens} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed "
                              f"--max-context ({args.max_context}); shorten the prompt or raise --max-context")
-        draft = None
-        if args.draft_model:
-            if not Path(args.draft_model).is_dir():
-                raise FileNotFoundError(f"--draft-model {args.draft_model}: no such checkpoint directory")
-            draft = tileinfer.load_model(args.draft_model, progress=True)
+        draft = _load_draft(args)
         try:
             result = tileinfer.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
                                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -108,20 +104,39 @@ def chat_loop(session, sampling: dict, read=input, out=sys.stdout, err=sys.stder
             return 130
         out.write("\n")
         t = session.last_turn
+        spec = ""
+        if t.speculation is not None:
+            spec = f"; {t.speculation.accepted}/{t.speculation.drafted} drafts accepted"
         print(f"[{t.new_tokens} tokens, {t.decode_tokens_per_second:.1f} tok/s; prompt {t.prompt_tokens} tokens, "
-              f"{t.reused_tokens} reused from the cache, {t.computed_tokens} computed]", file=err)
+              f"{t.reused_tokens} reused from the cache, {t.computed_tokens} computed{spec}]", file=err)
+
+
+def _load_draft(args):
+    """The --draft-model, loaded (or None)."""
+    if not args.draft_model:
+        return None
+    import tileinfer
+    if not Path(args.draft_model).is_dir():
+        raise FileNotFoundError(f"--draft-model {args.draft_model}: no such checkpoint directory")
+    return tileinfer.load_model(args.draft_model, progress=True)
 
 
 def _chat(args) -> int:
     from tileinfer.engine.chat import ChatSession
 
     with _load(args) as model:
-        session = ChatSession(model, max_context=args.max_context, system=args.system,
-                              on_overflow="drop_oldest" if args.drop_oldest else "error",
-                              kv_quantize="int8" if args.kv_int8 else None)
-        sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, enable_thinking=False if args.no_think else None)
-        return chat_loop(session, sampling)
+        draft = _load_draft(args)
+        try:
+            session = ChatSession(model, max_context=args.max_context, system=args.system,
+                                  on_overflow="drop_oldest" if args.drop_oldest else "error",
+                                  kv_quantize="int8" if args.kv_int8 else None, draft_model=draft,
+                                  num_draft_tokens=args.num_draft_tokens)
+            sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, enable_thinking=False if args.no_think else None)
+            return chat_loop(session, sampling)
+        finally:
+            if draft is not None:
+                draft.close()
 
 
 def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -135,6 +150,9 @@ def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> 
     p.add_argument("--kv-int8", action="store_true",
                    help="an INT8 KV cache (int8 values + one float32 scale per vector, keys smoothed): about half "
                         "the bytes of BF16")
+    p.add_argument("--draft-model", default=None,
+                   help="a smaller Qwen3 checkpoint with the same tokenizer: speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft proposes per step (4)")
     p.add_argument("--max-context", type=int, default=4096,
                    help="positions the prompt and the reply (chat: the conversation) may use (4096)")
 
@@ -152,9 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="continue a prompt, streaming the text")
     g.add_argument("--prompt", required=True, help="the text to continue")
     _add_model_and_sampling(g, 128)
-    g.add_argument("--draft-model", default=None,
-                   help="a smaller Qwen3 checkpoint with the same tokenizer: speculative decoding")
-    g.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft proposes per step (4)")
     g.set_defaults(run=_generate)
     c = sub.add_parser("chat", help="an interactive chat with the checkpoint's chat template")
     _add_model_and_sampling(c, 512)

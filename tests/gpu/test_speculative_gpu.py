@@ -46,7 +46,7 @@ def test_greedy_speculation_equals_plain_greedy(models, which, k):
 def test_caches_hold_exactly_the_accepted_positions(models):
     target, other, _ = models
     prompt = np.random.default_rng(5).integers(0, 151643, 130).tolist()
-    t_dec, d_dec = ModelDecoder(target, 400), ModelDecoder(other, 400)
+    t_dec, d_dec = ModelDecoder(target, target.ensure_cache(400)), ModelDecoder(other, other.ensure_cache(400))
     draft = ModelDraft(d_dec)
     seen = []
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..kv import Sequence
 from ..kv.paged_cache import check_kv_quantize
+from .speculative import ModelDecoder, ModelDraft, Sampling, SpecStats, speculative_stream
 from ..model.tokenizer import CHAT_TEMPLATE
 from .detokenize import IncrementalDetokenizer
 from .generate import check_sampling
@@ -45,6 +46,7 @@ class TurnStats:
     decode_seconds: float
     dropped_turns: int = 0   # oldest turns dropped to fit (on_overflow="drop_oldest")
     token_ids: list[int] | None = None  # the reply's tokens (with the end-of-turn token, if one came)
+    speculation: SpecStats | None = None  # with a draft model: drafted, accepted, target steps
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -91,9 +93,13 @@ class ChatSession:
     """
 
     def __init__(self, model, *, max_context: int = 4096, kv_quantize: str | None = None, system: str | None = None,
-                 on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True):
+                 on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True,
+                 draft_model=None, num_draft_tokens: int = 4):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+        self.num_draft_tokens = num_draft_tokens
         if on_overflow not in ("error", "drop_oldest"):
             raise ValueError(f"on_overflow must be 'error' or 'drop_oldest', got {on_overflow!r}")
         if hasattr(model, "scheduler"):  # an LLM: use its model and cache while it is idle
@@ -104,6 +110,14 @@ class ChatSession:
                                  f"which sizes its block tables; create the LLM with a larger max_context")
             model = model.model
         self.model = model
+        if draft_model is not None:
+            if draft_model is model:
+                raise ValueError("draft_model is the chat's model itself; load a second copy")
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the "
+                                 f"model's ({model.config.vocab_size}); speculation needs the same tokenizer")
+        self.draft_model = draft_model
+        self._draft: ModelDraft | None = None  # the draft's own cached sequence, reused across turns
         limit = model.config.max_position_embeddings
         if not isinstance(max_context, int) or not 1 < max_context <= limit:
             raise ValueError(f"max_context must be an integer in 2..{limit} (the model's positions), got {max_context!r}")
@@ -126,6 +140,11 @@ class ChatSession:
         if self._seq is not None and self._cache is not None and self._cache is self.model.cache:
             self._cache.manager.release(self._seq)
         self._seq, self._cache, self._cached = None, None, []
+        if self._draft is not None:
+            decoder = self._draft.decoder
+            if decoder.cache is self.draft_model.cache:
+                decoder.release()
+            self._draft = None
 
     def close(self) -> None:
         self._release()
@@ -179,6 +198,9 @@ class ChatSession:
                                       seed=int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")))
 
     def _turn(self, messages, ids, dropped, max_tokens, row) -> Iterator[str]:
+        if self.draft_model is not None:
+            yield from self._speculative_turn(messages, ids, dropped, max_tokens, row)
+            return
         model = self.model
         cache = model.ensure_cache(self.max_context, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
         if self._cache is not cache:  # first turn, or the model's cache was replaced since
@@ -224,9 +246,51 @@ class ChatSession:
             if not completed:  # abandoned or failed: keep the cache consistent with what it holds
                 manager.truncate(seq, len(self._cached))
         end = time.perf_counter()
-        reply = model.tokenizer.decode([t for t in out if t not in eos], skip_special_tokens=True)
+        self._finish_turn(messages, ids, out, reused, dropped, prefill_done - start, end - prefill_done)
+
+    def _finish_turn(self, messages, ids, out, reused, dropped, prefill_seconds, decode_seconds,
+                     speculation: SpecStats | None = None) -> None:
+        eos = set(self.model.eos_token_ids)
+        reply = self.model.tokenizer.decode([t for t in out if t not in eos], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
         self.messages = messages
         self.last_turn = TurnStats(prompt_tokens=len(ids), reused_tokens=reused, computed_tokens=len(ids) - reused,
-                                   new_tokens=len(out), prefill_seconds=prefill_done - start,
-                                   decode_seconds=end - prefill_done, dropped_turns=dropped, token_ids=out)
+                                   new_tokens=len(out), prefill_seconds=prefill_seconds,
+                                   decode_seconds=decode_seconds, dropped_turns=dropped, token_ids=out,
+                                   speculation=speculation)
+
+    def _speculative_turn(self, messages, ids, dropped, max_tokens, row) -> Iterator[str]:
+        """A turn with the draft model proposing (engine/speculative.py): both models keep their
+        cached prefix of the conversation, and both caches end the turn holding only kept tokens."""
+        model, k = self.model, self.num_draft_tokens
+        room = self.max_context + k + 1  # a verify step feeds up to k + 1 positions past the committed ones
+        cache = model.ensure_cache(room, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
+        if self._cache is not cache:
+            self._seq, self._cache, self._cached = Sequence(), cache, []
+        draft_cache = self.draft_model.ensure_cache(room)
+        if self._draft is None or self._draft.decoder.cache is not draft_cache:
+            self._draft = ModelDraft(ModelDecoder(self.draft_model, draft_cache))
+        reused = min(common_prefix(self._cached, ids), len(ids) - 1)
+        cache.manager.truncate(self._seq, reused)
+        target = ModelDecoder(model, cache, self._seq, self._cached[:reused])
+        self._draft.rollback(ids)  # keep the draft's cached prefix of this prompt
+        stats = SpecStats()
+        detok = IncrementalDetokenizer(model.tokenizer)
+        eos = set(model.eos_token_ids)
+        out: list[int] = []
+        start = time.perf_counter()
+        try:
+            for token in speculative_stream(target, self._draft, ids, max_new_tokens=max_tokens, num_draft_tokens=k,
+                                            sampling=Sampling(row.temperature, row.top_k, row.top_p), seed=row.seed,
+                                            eos_token_ids=eos, stats=stats):
+                out.append(token)
+                if token not in eos:
+                    text = detok.add(token)
+                    if text:
+                        yield text
+        finally:
+            # Whatever happened, the session's record is what the target's sequence holds.
+            self._cached = target.tokens
+        end = time.perf_counter()
+        self._finish_turn(messages, ids, out, reused, dropped, stats.prefill_seconds,
+                          end - start - stats.prefill_seconds, stats)

@@ -117,7 +117,7 @@ def _speculative(model: Model, ids: list[int], draft_model, k: int, max_new_toke
     if total > limit:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) + num_draft_tokens + 1 = "
                          f"{total} exceeds the model's context of {limit} positions")
-    target = ModelDecoder(model, total, kv_quantize=kv_quantize)
+    target = ModelDecoder(model, model.ensure_cache(total, kv_quantize=kv_quantize))
     draft_decoder = None
     try:
         if isinstance(draft_model, OracleDraft):
@@ -128,8 +128,7 @@ def _speculative(model: Model, ids: list[int], draft_model, k: int, max_new_toke
             if draft_model.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the "
                                  f"target's ({model.config.vocab_size}); speculation needs the same tokenizer")
-            draft_decoder = ModelDecoder(draft_model, total, kv_quantize=kv_quantize)
-            draft = ModelDraft(draft_decoder)
+            draft = ModelDraft(draft_decoder := ModelDecoder(draft_model, draft_model.ensure_cache(total)))
         else:
             raise TypeError(f"draft_model must be a loaded tileinfer.Model or an OracleDraft, got "
                             f"{type(draft_model).__name__}")

@@ -28,7 +28,7 @@ the verify machinery.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -155,37 +155,40 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     return n
 
 
-def speculative_decode(target: Decoder, draft: DraftSource, prompt: list[int], *, max_new_tokens: int,
+def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *, max_new_tokens: int,
                        num_draft_tokens: int, sampling: Sampling | None = None, seed: int = 0,
-                       eos_token_ids: Seq[int] = (), on_token: Callable[[int], None] | None = None,
-                       on_round: Callable[[list[int], int], None] | None = None) -> tuple[list[int], SpecStats]:
-    """Generate up to max_new_tokens after `prompt` (stopping after an EOS token) with the target's
-    distribution, the draft proposing num_draft_tokens a round. The target's cache must be empty.
+                       eos_token_ids: Seq[int] = (), stats: SpecStats | None = None,
+                       on_round: Callable[[list[int], int], None] | None = None) -> Iterator[int]:
+    """Yield up to max_new_tokens after `prompt` (the last one an EOS token, if one comes), drawn as
+    the target alone would draw them, the draft proposing num_draft_tokens a round. Tokens come out
+    a round at a time; between rounds both caches hold only committed tokens.
 
-    on_token(token) is called with each output token as its round ends (streaming).
-    on_round(committed, accepted) is called after every round, once both caches are rolled back
-    (tests use it to check that nothing rejected stays cached)."""
+    The target's cache may already hold a prefix of the prompt (a chat's earlier turns), at most all
+    of it but the last token; the caller vouches that it is the prompt's prefix. `stats` (if given)
+    is filled in as the rounds go. on_round(committed, accepted) is called after every round, once
+    both caches are rolled back (tests use it to check that nothing rejected stays cached)."""
     if not prompt:
         raise ValueError("prompt is empty: give at least one token")
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if len(target):
-        raise ValueError("the target's cache must start empty")
+    if len(target) > len(prompt) - 1:
+        raise ValueError(f"the target's cache holds {len(target)} positions; it may hold at most the prompt's "
+                         f"first {len(prompt) - 1} (the last one is fed with the first proposals)")
     sampling = sampling or Sampling()
+    stats = stats if stats is not None else SpecStats()
     rng = np.random.default_rng(seed)
     eos = set(eos_token_ids)
     committed = list(prompt)
-    # The target's cache holds committed[:-1]; the next round feeds the last token with the proposals.
-    stats = SpecStats()
+    # The target's cache holds committed[:-1]; each round feeds the last token with the proposals.
     start = time.perf_counter()
-    if len(prompt) > 1:
-        target.extend(prompt[:-1])
-    stats.prefill_seconds = time.perf_counter() - start
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        k = min(num_draft_tokens, max_new_tokens - len(out) - 1)  # proposals beyond the budget are wasted
+    if len(target) < len(prompt) - 1:
+        target.extend(prompt[len(target):-1])
+    stats.prefill_seconds += time.perf_counter() - start
+    produced = 0
+    while produced < max_new_tokens:
+        k = min(num_draft_tokens, max_new_tokens - produced - 1)  # proposals beyond the budget are wasted
         proposals, q = draft.propose(committed, k, sampling, rng) if k > 0 else ([], None)
         fed = committed[len(target):] + list(proposals)
         p_logits = target.extend(fed)[-(len(proposals) + 1):]   # p_0..p_k
@@ -219,11 +222,22 @@ def speculative_decode(target: Decoder, draft: DraftSource, prompt: list[int], *
         if on_round is not None:
             on_round(committed, accepted)
         for token in emitted:
-            out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in eos or len(out) == max_new_tokens:
-                return out, stats
+            produced += 1
+            yield token
+            if token in eos or produced == max_new_tokens:
+                return
+
+
+def speculative_decode(target: Decoder, draft: DraftSource, prompt: list[int], *,
+                       on_token: Callable[[int], None] | None = None, **kwargs) -> tuple[list[int], SpecStats]:
+    """speculative_stream collected: (tokens, statistics). on_token(token) is called with each token
+    as its round ends (streaming)."""
+    stats = SpecStats()
+    out = []
+    for token in speculative_stream(target, draft, prompt, stats=stats, **kwargs):
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
     return out, stats
 
 
@@ -245,20 +259,26 @@ class ReferenceDecoder:
 
 
 class ModelDecoder:
-    """A GPU Model's cache as a Decoder: one sequence; extend runs a prefill chunk returning every
-    row's logits; truncate edits the block table on the host."""
+    """One sequence of a GPU Model's attached cache as a Decoder: extend runs prefill chunks that
+    return every row's logits (Model.extend); truncate edits the block table on the host."""
 
-    def __init__(self, model, max_tokens: int, kv_quantize: str | None = None):
+    def __init__(self, model, cache, seq=None, tokens: list[int] | None = None):
+        """seq: an existing sequence of `cache` holding `tokens` (a chat's), or None for a new one."""
         from ..kv import Sequence
-        self.model = model
-        self.cache = model.ensure_cache(max_tokens, kv_quantize=kv_quantize)
-        self.seq = Sequence()
+        self.model, self.cache = model, cache
+        self.seq = seq if seq is not None else Sequence()
+        self.tokens = list(tokens or [])  # what the sequence's positions hold
+        if self.seq.num_positions != len(self.tokens):
+            raise ValueError(f"the sequence holds {self.seq.num_positions} positions, not {len(self.tokens)}")
 
     def extend(self, ids):
-        return self.model.extend(self.seq, list(ids))
+        logits = self.model.extend(self.seq, list(ids))
+        self.tokens += ids
+        return logits
 
     def truncate(self, n):
         self.cache.manager.truncate(self.seq, n)
+        del self.tokens[n:]
 
     def __len__(self):
         return self.seq.num_positions
