@@ -75,3 +75,16 @@ def test_oracle_draft_accepts_everything(models):
     got = tileinfer.generate(target, prompt, max_new_tokens=25, stop_at_eos=False,
                              draft_model=OracleDraft(len(prompt), want), num_draft_tokens=4)
     assert got.token_ids == want and got.speculation.acceptance_rate == 1.0
+
+
+def test_chat_with_a_draft_equals_chat_without(models):
+    target, other, _ = models
+    plain = tileinfer.ChatSession(target, max_context=1024, system="S")
+    replies = [plain.send(m, max_tokens=24) for m in ("Hello", "More, please", "And again")]
+    plain_turns = plain.last_turn
+    plain.close()
+    spec = tileinfer.ChatSession(target, max_context=1024, system="S", draft_model=other, num_draft_tokens=3)
+    got = [spec.send(m, max_tokens=24) for m in ("Hello", "More, please", "And again")]
+    assert got == replies
+    assert spec.last_turn.reused_tokens == plain_turns.reused_tokens and spec.last_turn.speculation.drafted > 0
+    spec.close()
