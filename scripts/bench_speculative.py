@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Speculative decoding's costs beside plain decoding, batch 1, on synthetic checkpoints.
+
+    python scripts/bench_speculative.py [--target qwen3-8b] [--draft qwen3-0.6b] [--k 4] [--context 512]
+
+Measures, in one process:
+  * t_decode: one plain decode step of the target (tileinfer.generate's graph replay; wall time per
+    token over --new tokens);
+  * t_verify: one verify step of the target, k + 1 positions through Model.extend on a sequence of
+    --context positions, then truncated back (wall time, median of --repeats);
+  * t_draft: one decode step of the draft model (as t_decode);
+  * oracle: end-to-end tokens/s of generate() with an OracleDraft proposing the target's own greedy
+    continuation (acceptance 1, drafting free), against plain decode's tokens/s;
+and prints the speedup expected at acceptance rates 0.6 and 0.8 from those measured costs:
+
+    tokens per round  E = (1 - a^(k+1)) / (1 - a)      (a = per-token acceptance rate)
+    time per round    T = k t_draft + t_verify
+    speedup           S = E t_decode / T
+
+Writes bench_speculative.json to $OUT or --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+import tileinfer
+from tileinfer.kv import Sequence
+from tileinfer.model.synthetic import cached_checkpoint
+
+
+def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int], list[int]]:
+    """Wall seconds per plain decode token after a `context`-token prompt; (seconds, prompt, tokens)."""
+    prompt = np.random.default_rng(0).integers(0, 151643, context).tolist()
+    tileinfer.generate(model, prompt, max_new_tokens=16, stop_at_eos=False)  # warm-up: kernels, graph
+    r = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False)
+    return 1.0 / r.decode_tokens_per_second, prompt, r.token_ids
+
+
+def verify_step_seconds(model, prompt: list[int], k: int, repeats: int) -> float:
+    """Wall seconds of one verify step: k + 1 positions appended to a sequence holding the prompt."""
+    cache = model.ensure_cache(len(prompt) + k + 1)
+    seq = Sequence()
+    try:
+        model.extend(seq, prompt)
+        feed = prompt[-(k + 1):]
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            model.extend(seq, feed)
+            times.append(time.perf_counter() - start)
+            cache.manager.truncate(seq, len(prompt))
+        return statistics.median(times[1:])
+    finally:
+        cache.manager.release(seq)
+
+
+def speedup(a: float, k: int, t_decode: float, t_draft: float, t_verify: float) -> float:
+    tokens = (1 - a ** (k + 1)) / (1 - a)
+    return tokens * t_decode / (k * t_draft + t_verify)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen3-8b")
+    ap.add_argument("--draft", default="qwen3-0.6b")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args()
+    k = args.k
+    row: dict = dict(target=args.target, draft=args.draft, k=k, context=args.context)
+    with tileinfer.load_model(cached_checkpoint(args.target), progress=False) as target:
+        t_decode, prompt, continuation = decode_step_seconds(target, args.context, args.new)
+        t_verify = verify_step_seconds(target, prompt, k, args.repeats)
+        plain_tok_s = 1.0 / t_decode
+        oracle = tileinfer.generate(target, prompt, max_new_tokens=args.new, stop_at_eos=False,
+                                    draft_model=tileinfer.OracleDraft(len(prompt), continuation), num_draft_tokens=k)
+        assert oracle.token_ids == continuation, "the oracle run changed the greedy output"
+        oracle_tok_s = len(oracle.token_ids) / (oracle.prefill_seconds + oracle.decode_seconds)
+        row.update(t_decode_ms=1e3 * t_decode, t_verify_ms=1e3 * t_verify, verify_over_decode=t_verify / t_decode,
+                   plain_tok_s=plain_tok_s, oracle_tok_s=oracle_tok_s, oracle_speedup=oracle_tok_s / plain_tok_s,
+                   oracle_tokens_per_step=oracle.speculation.tokens_per_target_step)
+    with tileinfer.load_model(cached_checkpoint(args.draft), progress=False) as draft:
+        t_draft, _, _ = decode_step_seconds(draft, args.context, args.new)
+    row["t_draft_ms"] = 1e3 * t_draft
+    row["expected_speedup"] = {str(a): speedup(a, k, t_decode, t_draft, t_verify) for a in (0.6, 0.8)}
+    print(f"{args.target} target, k={k}, context {args.context}: decode step {row['t_decode_ms']:.3f} ms, "
+          f"verify step {row['t_verify_ms']:.3f} ms ({row['verify_over_decode']:.2f}x), "
+          f"{args.draft} draft step {row['t_draft_ms']:.3f} ms")
+    print(f"oracle draft: {oracle_tok_s:.1f} tok/s vs plain {plain_tok_s:.1f} ({row['oracle_speedup']:.2f}x, "
+          f"{row['oracle_tokens_per_step']:.2f} tokens per target step)")
+    for a, s in row["expected_speedup"].items():
+        print(f"acceptance {a}: E = (1 - a^(k+1)) / (1 - a) = {(1 - float(a) ** (k + 1)) / (1 - float(a)):.2f} tokens "
+              f"per round, expected speedup {s:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_speculative.json").write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()
