@@ -249,6 +249,8 @@ class Model:
         logits after each: float32 [len(token_ids), vocab]. The pages are reserved here; the
         caller owns `seq` (release or truncate it through the cache's manager)."""
         self._check_open()
+        if self.cache is None:
+            raise RuntimeError("no KV cache is attached to this model: call ensure_cache() first")
         ids = self._validate_ids(token_ids)
         chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
         cache = self.cache
