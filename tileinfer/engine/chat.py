@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from ..kv import Sequence
 from ..kv.paged_cache import check_kv_quantize
-from .speculative import ModelDecoder, ModelDraft, Sampling, SpecStats, speculative_stream
+from .speculative import (ModelDecoder, ModelDraft, Sampling, SpecStats, check_count, check_draft_model,
+                          speculative_stream)
 from ..model.tokenizer import CHAT_TEMPLATE
 from .detokenize import IncrementalDetokenizer
 from .generate import check_sampling
@@ -97,8 +98,7 @@ class ChatSession:
                  draft_model=None, num_draft_tokens: int = 4):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+        check_count("num_draft_tokens", num_draft_tokens)
         self.num_draft_tokens = num_draft_tokens
         if on_overflow not in ("error", "drop_oldest"):
             raise ValueError(f"on_overflow must be 'error' or 'drop_oldest', got {on_overflow!r}")
@@ -111,11 +111,7 @@ class ChatSession:
             model = model.model
         self.model = model
         if draft_model is not None:
-            if draft_model is model:
-                raise ValueError("draft_model is the chat's model itself; load a second copy")
-            if draft_model.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the "
-                                 f"model's ({model.config.vocab_size}); speculation needs the same tokenizer")
+            check_draft_model(model, draft_model)
         self.draft_model = draft_model
         self._draft: ModelDraft | None = None  # the draft's own cached sequence, reused across turns
         limit = model.config.max_position_embeddings
@@ -202,14 +198,8 @@ class ChatSession:
             yield from self._speculative_turn(messages, ids, dropped, max_tokens, row)
             return
         model = self.model
-        cache = model.ensure_cache(self.max_context, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
-        if self._cache is not cache:  # first turn, or the model's cache was replaced since
-            self._seq, self._cache, self._cached = Sequence(), cache, []
+        cache, reused = self._keep_common_prefix(ids, self.max_context)
         manager, seq = cache.manager, self._seq
-        # Keep the common prefix, but always compute the last prompt token (its logits start the reply).
-        reused = min(common_prefix(self._cached, ids), len(ids) - 1)
-        manager.truncate(seq, reused)
-        self._cached = self._cached[:reused]
         start = time.perf_counter()
         detok = IncrementalDetokenizer(model.tokenizer)
         out: list[int] = []
@@ -259,20 +249,28 @@ class ChatSession:
                                    decode_seconds=decode_seconds, dropped_turns=dropped, token_ids=out,
                                    speculation=speculation)
 
+    def _keep_common_prefix(self, ids: list[int], positions: int):
+        """The model's cache (for at least `positions`), with the session's sequence cut back to its
+        common prefix with `ids`, always leaving the last prompt token to compute (its logits start
+        the reply). Returns (cache, positions reused)."""
+        cache = self.model.ensure_cache(positions, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
+        if self._cache is not cache:  # first turn, or the model's cache was replaced since
+            self._seq, self._cache, self._cached = Sequence(), cache, []
+        reused = min(common_prefix(self._cached, ids), len(ids) - 1)
+        cache.manager.truncate(self._seq, reused)
+        self._cached = self._cached[:reused]
+        return cache, reused
+
     def _speculative_turn(self, messages, ids, dropped, max_tokens, row) -> Iterator[str]:
         """A turn with the draft model proposing (engine/speculative.py): both models keep their
         cached prefix of the conversation, and both caches end the turn holding only kept tokens."""
         model, k = self.model, self.num_draft_tokens
         room = self.max_context + k + 1  # a verify step feeds up to k + 1 positions past the committed ones
-        cache = model.ensure_cache(room, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
-        if self._cache is not cache:
-            self._seq, self._cache, self._cached = Sequence(), cache, []
+        cache, reused = self._keep_common_prefix(ids, room)
         draft_cache = self.draft_model.ensure_cache(room)
         if self._draft is None or self._draft.decoder.cache is not draft_cache:
             self._draft = ModelDraft(ModelDecoder(self.draft_model, draft_cache))
-        reused = min(common_prefix(self._cached, ids), len(ids) - 1)
-        cache.manager.truncate(self._seq, reused)
-        target = ModelDecoder(model, cache, self._seq, self._cached[:reused])
+        target = ModelDecoder(model, cache, self._seq, self._cached)
         self._draft.rollback(ids)  # keep the draft's cached prefix of this prompt
         stats = SpecStats()
         detok = IncrementalDetokenizer(model.tokenizer)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from ..kv import Sequence
 from .model import Model
-from .speculative import ModelDecoder, ModelDraft, OracleDraft, Sampling, SpecStats, speculative_decode
+from .speculative import (ModelDecoder, ModelDraft, OracleDraft, Sampling, SpecStats, check_count,
+                          check_draft_model, speculative_decode)
 from .step import SamplingRow
 
 
@@ -110,8 +111,7 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
 
 def _speculative(model: Model, ids: list[int], draft_model, k: int, max_new_tokens: int, sampling: Sampling,
                  seed: int, stop_at_eos: bool, on_token, kv_quantize) -> GenerationResult:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+    check_count("num_draft_tokens", k)
     total = len(ids) + max_new_tokens + k + 1  # a verify step feeds up to k + 1 positions past the committed ones
     limit = model.config.max_position_embeddings
     if total > limit:
@@ -123,11 +123,7 @@ def _speculative(model: Model, ids: list[int], draft_model, k: int, max_new_toke
         if isinstance(draft_model, OracleDraft):
             draft = draft_model
         elif isinstance(draft_model, Model):
-            if draft_model is model:
-                raise ValueError("draft_model is the target model itself; load a second copy, or use an OracleDraft")
-            if draft_model.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the "
-                                 f"target's ({model.config.vocab_size}); speculation needs the same tokenizer")
+            check_draft_model(model, draft_model)
             draft = ModelDraft(draft_decoder := ModelDecoder(draft_model, draft_model.ensure_cache(total)))
         else:
             raise TypeError(f"draft_model must be a loaded tileinfer.Model or an OracleDraft, got "

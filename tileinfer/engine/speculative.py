@@ -146,6 +146,22 @@ class SpecStats:
         return self.emitted / self.target_steps if self.target_steps else 0.0
 
 
+def check_count(name: str, value) -> None:
+    """A token count must be an integer >= 1; ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_draft_model(model, draft_model) -> None:
+    """A draft model must be a second model with the target's vocabulary."""
+    if draft_model is model:
+        raise ValueError("draft_model is the target model itself; load a second copy (generate also takes an "
+                         "OracleDraft)")
+    if draft_model.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
+                         f"({model.config.vocab_size}); speculation needs the same tokenizer")
+
+
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -169,10 +185,8 @@ def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *
     both caches are rolled back (tests use it to check that nothing rejected stays cached)."""
     if not prompt:
         raise ValueError("prompt is empty: give at least one token")
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_count("num_draft_tokens", num_draft_tokens)
+    check_count("max_new_tokens", max_new_tokens)
     if len(target) > len(prompt) - 1:
         raise ValueError(f"the target's cache holds {len(target)} positions; it may hold at most the prompt's "
                          f"first {len(prompt) - 1} (the last one is fed with the first proposals)")
