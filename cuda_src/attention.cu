@@ -42,9 +42,10 @@ __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)
 template <bool Q8, bool KEYS>
 struct Smem {
     static constexpr int ROWS = KEYS ? 16 : 64;
+    static constexpr bool DIRECT = Q8 && KEYS;  // INT8 decode: tensor-core operands straight from int8
     static constexpr int STAGES = KEYS ? (Q8 ? 4 : 3) : 2;
     static constexpr int Q_BYTES = ROWS * HD * 2;
-    static constexpr int KV_BUFS = Q8 ? 1 : STAGES;
+    static constexpr int KV_BUFS = Q8 ? (DIRECT ? 0 : 1) : STAGES;
     static constexpr int TILE_BYTES = KT * HD * 2;                         // one bf16 K or V tile
     static constexpr int STAGE = 2 * KT * HD + 2 * KT * 4;                 // INT8: K, V codes + scales
     static constexpr int TOTAL = Q_BYTES + 2 * KV_BUFS * TILE_BYTES + (Q8 ? STAGES * STAGE : 0);
@@ -93,7 +94,7 @@ __device__ __forceinline__ void load_tile_bf16(bf16 *sK, bf16 *sV, const bf16 *_
 }
 
 // INT8: copy the codes of a K and V tile into stage ([K codes KT x HD][V codes KT x HD][K scales KT]
-// [V scales KT], rows unswizzled), zero past kv_len. Threads 0..63 copy keys' scales, 64..127 values'.
+// [V scales KT]; chunk c of row r at chunk c ^ (r % 8)), zero past kv_len. Threads 0..63 copy keys' scales, 64..127 values'.
 __device__ __forceinline__ void load_tile_int8(unsigned char *stage, const signed char *__restrict__ k_pool,
                                                const signed char *__restrict__ v_pool,
                                                const float *__restrict__ k_scale, const float *__restrict__ v_scale,
@@ -103,8 +104,9 @@ __device__ __forceinline__ void load_tile_int8(unsigned char *stage, const signe
         const int r = tile_row<true>(i), c = threadIdx.x & 7;
         const bool ok = rows.vec[i] >= 0;
         const size_t at = ok ? (size_t)rows.vec[i] * HD + c * 16 : 0;
-        cp_async16(smem_addr(stage + r * HD + c * 16), k_pool + at, ok);
-        cp_async16(smem_addr(stage + KT * HD + r * HD + c * 16), v_pool + at, ok);
+        const int sc = (c ^ (r & 7)) * 16;  // 16-byte chunks swizzled, as the bf16 tiles are
+        cp_async16(smem_addr(stage + r * HD + sc), k_pool + at, ok);
+        cp_async16(smem_addr(stage + KT * HD + r * HD + sc), v_pool + at, ok);
     }
     const int r = tile_row<true>(4), which = threadIdx.x / KT;
     const bool ok = rows.vec[4] >= 0;
@@ -124,7 +126,7 @@ __device__ __forceinline__ void widen_tile(const unsigned char *stage, bf16 *sK,
     for (int i = 0; i < 2 * ROWS_W * (HD / 16) / GROUP; ++i) {
         const int idx = tid + i * GROUP;
         const int which = idx / (ROWS_W * HD / 16), r = row0 + (idx >> 3) % ROWS_W, c = idx & 7;
-        const vec16 in = ld16(stage + which * KT * HD + r * HD + c * 16);
+        const vec16 in = ld16(stage + which * KT * HD + r * HD + ((c ^ (r & 7)) << 4));
         vec16 lo, hi;
         i8x4_to_bf16x4(in.w[0], lo.w[0], lo.w[1]);
         i8x4_to_bf16x4(in.w[1], lo.w[2], lo.w[3]);
@@ -133,6 +135,53 @@ __device__ __forceinline__ void widen_tile(const unsigned char *stage, bf16 *sK,
         bf16 *dst = which ? sV : sK;
         st16(dst + swz(r, 2 * c), lo);
         st16(dst + swz(r, 2 * c + 1), hi);
+    }
+}
+
+// INT8 decode ("direct"): tensor-core operands straight from the int8 tiles, converted in registers.
+// ldmatrix reads the int8 rows as b16 pairs; what a lane receives fixes a channel or column order,
+// which the other operand follows, so nothing is shuffled:
+//  - S += Q K^T for the warp's 16 keys: a lane gets key g's channels 4t..4t+3 of a 16-channel slice
+//    (one u32); widened, they are b0 (4t, 4t+1) and b1 (4t+2, 4t+3). The queries' A fragments use
+//    the same permutation (loaded in the prologue).
+__device__ __forceinline__ void direct_qk(const unsigned char *k_codes, const u32 (&qf)[8][4], float (&s)[2][4],
+                                          int wkey, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        // Matrix m = lane / 8 of this ldmatrix: 8 keys (half m & 1) x channel slice 2j + (m >> 1).
+        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), ks = 2 * j + (m >> 1);
+        u32 r[4];
+        ldmatrix_x4(r, smem_addr(k_codes + key * HD + ((ks ^ (key & 7)) << 4)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 b[2];
+            i8x4_to_bf16x4(r[i], b[0], b[1]);
+            mma_bf16_16816(s[i & 1], qf[2 * j + (i >> 1)], b);
+        }
+    }
+}
+
+//  - O += P V over the warp's 16 keys: ldmatrix.trans gives a lane the byte pairs (columns 2g, 2g+1)
+//    of keys 2t and 2t+1; the even bytes are the B fragment of column 2g, the odd ones of 2g + 1.
+//    So for each 16-column block b, o[2b] accumulates columns 16b + 2n and o[2b + 1] columns
+//    16b + 2n + 1 (n = the mma's column): a thread holds 16b + 4t + {0, 1, 2, 3}.
+__device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u32 (&a)[4], float (&o)[16][4],
+                                          int wkey, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        // Matrix m: 8 keys (half m & 1) x the 16 columns of block 2j + (m >> 1).
+        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), blk = 2 * j + (m >> 1);
+        u32 r[4];
+        ldmatrix_x4_trans(r, smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+            u32 even0, odd0, even1, odd1;  // keys 0..7 (b0) and 8..15 (b1) of the slice
+            i8x4_to_bf16x4(__byte_perm(r[2 * d], 0, 0x3120), even0, odd0);
+            i8x4_to_bf16x4(__byte_perm(r[2 * d + 1], 0, 0x3120), even1, odd1);
+            const u32 be[2] = {even0, even1}, bo[2] = {odd0, odd1};
+            mma_bf16_16816(o[2 * (2 * j + d)], a, be);
+            mma_bf16_16816(o[2 * (2 * j + d) + 1], a, bo);
+        }
     }
 }
 
@@ -231,22 +280,33 @@ __device__ __forceinline__ void attention_body(
         }
         cp_async_commit();
         if (kt == kt_begin) {
+            if constexpr (S::DIRECT) {
+                // Channels permuted within each 16-channel slice to match the int8 key fragments
+                // (see direct_qk): a0/a1 hold channels 4t, 4t+1 of rows g / g+8, a2/a3 4t+2, 4t+3.
 #pragma unroll
-            for (int ks = 0; ks < 8; ++ks)
-                ldmatrix_x4(qf[ks], smem_addr(sQ + swz(wrow + (lane & 15), ks * 2 + (lane >> 4))));
+                for (int ks = 0; ks < 8; ++ks) {
+                    const uint2 x = *reinterpret_cast<const uint2 *>(sQ + swz(g, 2 * ks + (t >> 1)) + 4 * (t & 1));
+                    const uint2 y = *reinterpret_cast<const uint2 *>(sQ + swz(g + 8, 2 * ks + (t >> 1)) + 4 * (t & 1));
+                    qf[ks][0] = x.x; qf[ks][1] = y.x; qf[ks][2] = x.y; qf[ks][3] = y.y;
+                }
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < 8; ++ks)
+                    ldmatrix_x4(qf[ks], smem_addr(sQ + swz(wrow + (lane & 15), ks * 2 + (lane >> 4))));
+            }
         }
-        const bf16 *tK, *tV;
+        const bf16 *tK = nullptr, *tV = nullptr;
         const float *ksc = nullptr, *vsc = nullptr;
+        const unsigned char *st = stage + cur * S::STAGE;
         if constexpr (Q8) {
-            const unsigned char *st = stage + cur * S::STAGE;
-            widen_tile<KEYS>(st, sK, sV);
             ksc = reinterpret_cast<const float *>(st + 2 * KT * HD);
             vsc = ksc + KT;
-            if constexpr (KEYS) {
-                __syncwarp();
-            } else {
-                __syncthreads();
-            }
+        }
+        if constexpr (S::DIRECT) {
+            // nothing to prepare: the fragments come straight from the int8 tiles
+        } else if constexpr (Q8) {
+            widen_tile<KEYS>(st, sK, sV);
+            __syncthreads();
             tK = sK;
             tV = sV;
         } else {
@@ -258,6 +318,9 @@ __device__ __forceinline__ void attention_body(
         float s[NB][4];
 #pragma unroll
         for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        if constexpr (S::DIRECT) {
+            direct_qk(st, qf, s, wkey, lane);
+        } else {
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
@@ -269,6 +332,7 @@ __device__ __forceinline__ void attention_body(
                 mma_bf16_16816(s[2 * np], qf[ks], b0);
                 mma_bf16_16816(s[2 * np + 1], qf[ks], b1);
             }
+        }
         }
 
         // Scale into base 2 (times the key's scale for INT8), mask (causal and past the end),
@@ -322,6 +386,10 @@ __device__ __forceinline__ void attention_body(
             const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                               pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            if constexpr (S::DIRECT) {
+                direct_pv(st + KT * HD, a, o, wkey, lane);
+                continue;
+            }
 #pragma unroll
             for (int dp = 0; dp < 8; ++dp) {
                 u32 vb[4];
@@ -350,9 +418,18 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = g + 8 * h;
-            float2 *dst = reinterpret_cast<float2 *>(sO + (warp * 16 + r) * HD);
+            if constexpr (S::DIRECT) {
+                // o[2 b] holds channels 16 b + 4t and + 2, o[2 b + 1] channels 16 b + 4t + 1 and + 3 (direct_pv).
+                float4 *dst = reinterpret_cast<float4 *>(sO + (warp * 16 + r) * HD);
 #pragma unroll
-            for (int nb = 0; nb < 16; ++nb) dst[nb * 4 + t] = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
+                for (int b = 0; b < 8; ++b)
+                    dst[b * 4 + t] = make_float4(o[2 * b][2 * h], o[2 * b + 1][2 * h], o[2 * b][2 * h + 1],
+                                                 o[2 * b + 1][2 * h + 1]);
+            } else {
+                float2 *dst = reinterpret_cast<float2 *>(sO + (warp * 16 + r) * HD);
+#pragma unroll
+                for (int nb = 0; nb < 16; ++nb) dst[nb * 4 + t] = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
+            }
             if (t == 0) { sM[warp * 16 + r] = m[h]; sL[warp * 16 + r] = l[h]; }
         }
         __syncthreads();

@@ -24,7 +24,7 @@ def smem_bytes(int8: bool, keys_mode: bool) -> int:
     tile = KEY_TILE * HEAD_DIM * 2
     q_bytes = rows_per_block(keys_mode) * HEAD_DIM * 2
     n = stages(int8, keys_mode)
-    kv = 2 * (1 if int8 else n) * tile
+    kv = 2 * ((0 if keys_mode else 1) if int8 else n) * tile  # INT8 decode reads the int8 tiles directly
     stage = n * (2 * KEY_TILE * HEAD_DIM + 2 * KEY_TILE * 4) if int8 else 0
     return q_bytes + kv + stage
 
