@@ -221,7 +221,7 @@ class LLM:
             _, total, used_now = nvml()
             reserve = int(graph_bytes * GRAPH_RESERVE_MARGIN) + FIXED_RESERVE_BYTES + steps_bytes
             plan = sizing.plan(self.config, total, used_bytes=used_now, utilization=utilization,
-                               reserve_bytes=reserve, weights=0, page_size=self.page_size)
+                               reserve_bytes=reserve, weights=0, page_size=self.page_size, kv_dtype=kv_dtype)
             num_pages = plan.pages
             if num_pages < need:
                 missing = (need - num_pages) * page_bytes
