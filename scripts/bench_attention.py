@@ -131,6 +131,7 @@ def main() -> None:
                           f"{100 * row['roofline_fraction']:.1f} |", flush=True)
                 pools.free()
     out = Path(args.out) / "bench_attention.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
     print(f"wrote {out}")
 
