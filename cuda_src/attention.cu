@@ -501,6 +501,7 @@ __device__ __forceinline__ void attention_body(
             float *__restrict__ part_o, float *__restrict__ part_ml, const int *__restrict__ cu_q,           \
             const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int bt_stride,            \
             int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2) {  \
+        pdl_start();                                                                                         \
         attention_body<Q8, KEYS>(q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,  \
                                  block_tables, bt_stride, num_heads, num_kv_heads, page_size, num_splits,   \
                                  total_q, scale_log2);                                                      \
@@ -518,6 +519,7 @@ ATTENTION_KERNEL(attention_int8_decode, true, true)
 extern "C" __global__ void __launch_bounds__(128) attention_combine(
         const float *__restrict__ part_o, const float *__restrict__ part_ml, bf16 *__restrict__ out,
         int num_splits, int total_q, int num_heads) {
+    pdl_start();
     __shared__ float scratch[32], weight[128];
     __shared__ float4 partial[4][32];
     const size_t row = (size_t)blockIdx.x * num_heads + blockIdx.y;

@@ -41,6 +41,7 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
                                       const bf16 *__restrict__ k_norm_w, const float *__restrict__ inv_freq,
                                       bf16 *__restrict__ q_out, bf16 *__restrict__ k_pool, bf16 *__restrict__ v_pool,
                                       int num_heads, int num_kv_heads, int page_size, float eps) {
+    pdl_start();
     const int t = blockIdx.x;
     const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -83,6 +84,7 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
                                            signed char *__restrict__ k_pool, signed char *__restrict__ v_pool,
                                            float *__restrict__ k_scale, float *__restrict__ v_scale,
                                            int num_heads, int num_kv_heads, int page_size, float eps) {
+    pdl_start();
     const int t = blockIdx.x;
     const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;

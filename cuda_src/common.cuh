@@ -72,6 +72,20 @@ __device__ __forceinline__ vec16 ld16_stream(const void *p) {
     return v;
 }
 
+// ----------------------------------------------------------------------------- kernel chaining
+// Programmatic dependent launch (sm_90): the launcher lets each kernel start while the one before
+// it is still running (tileinfer/cuda/module.py), so every kernel calls pdl_start() before it
+// reads anything an earlier kernel wrote or writes anything at all. Before that call a kernel may
+// only read what no kernel writes (weights). pdl_start waits until the kernels before this one
+// have finished and their writes are visible, then lets the next kernel begin launching (its
+// blocks wait in their own pdl_start). Without that launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ----------------------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -5,6 +5,7 @@
 // grid (n), block (128). dim % 8 == 0. Tokens outside [0, vocab) (padding rows) give zeros.
 extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 *__restrict__ table,
                                      float *__restrict__ out, int dim, int vocab) {
+    pdl_start();
     const int row = blockIdx.x;
     const int token = tokens[row];
     const bool valid = token >= 0 && token < vocab;
@@ -25,6 +26,7 @@ extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 
 // else tokens[i] is left as uploaded. grid (ceil(n / 256)), block (256).
 extern "C" __global__ void resolve_tokens(int *__restrict__ tokens, const int *__restrict__ src,
                                           const int *__restrict__ sampled, int n) {
+    pdl_start();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n && src[i] >= 0) tokens[i] = sampled[src[i]];
 }

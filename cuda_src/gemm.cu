@@ -150,6 +150,7 @@ __device__ __forceinline__ void gemm_block(const bf16 *__restrict__ A, const bf1
 #define GEMM_KERNEL(EPI)                                                                                   \
     extern "C" __global__ void __launch_bounds__(THREADS) gemm_e##EPI(                                    \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K) { \
+        pdl_start();                                                                                      \
         gemm_block<EPI>(A, W, out, M, N, K);                                                              \
     }
 GEMM_KERNEL(0)

@@ -265,6 +265,7 @@ __device__ __forceinline__ void gemm_small_block(const bf16 *__restrict__ A, con
     extern "C" __global__ void __launch_bounds__(THREADS) CLUSTER gemm_small_m##ROWS##_c##KS(            \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi) {                                                                                    \
+        pdl_start();                                                                                      \
         gemm_small_block<MT, KS>(A, W, out, M, N, K, epi);                                               \
     }
 #define GEMM_SMALL_SPLITS(MT, ROWS)                                                                       \

@@ -37,6 +37,9 @@ __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16
 #pragma unroll
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = 0.f;
 
+    // The first weight loads are issued before waiting for the kernel before this one (weights
+    // depend on nothing), so their latency overlaps its tail; x is read only after the wait.
+    bool started = false;
     if (active) {
         const bf16 *w0 = W + (size_t)r0 * K;
         const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
@@ -48,6 +51,7 @@ __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16
                 const int k = k0 + u * step;
                 if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
             }
+            if (!started) { pdl_start(); started = true; }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int k = k0 + u * step;
@@ -66,6 +70,7 @@ __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16
             }
         }
     }
+    if (!started) pdl_start();
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc0[m] = warp_sum(acc0[m]); acc1[m] = warp_sum(acc1[m]); }
     if (ksplit > 1) {  // the ksplit warps of a row pair are consecutive: sum their partials

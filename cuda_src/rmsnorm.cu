@@ -6,6 +6,7 @@
 // so the final norm can pick each sequence's last token. dim % 4 == 0.
 extern "C" __global__ void rmsnorm(const float *__restrict__ x, const int *__restrict__ rows,
                                    const bf16 *__restrict__ w, bf16 *__restrict__ out, int dim, float eps) {
+    pdl_start();
     __shared__ float scratch[32];
     const int src_row = rows ? rows[blockIdx.x] : blockIdx.x;
     const float4 *xr = reinterpret_cast<const float4 *>(x + (size_t)src_row * dim);

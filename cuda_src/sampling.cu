@@ -108,6 +108,7 @@ __device__ u32 bisect_threshold(const float *z, int vocab, float inv_t, float zm
 // grid (rows), block (1024). out[r] = argmax of logits row r (lowest index on ties).
 extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *__restrict__ logits, int vocab,
                                                                   int *__restrict__ out) {
+    pdl_start();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float *z = logits + (size_t)blockIdx.x * vocab;
@@ -124,6 +125,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         const float *__restrict__ logits, int vocab, const float *__restrict__ temperature,
         const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
         const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out) {
+    pdl_start();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int r = blockIdx.x;
@@ -181,6 +183,7 @@ extern "C" __global__ void __launch_bounds__(256) apply_penalties(
         float *__restrict__ logits, int vocab, const int *__restrict__ offsets, const int *__restrict__ tokens,
         const int *__restrict__ counts, const float *__restrict__ repetition, const float *__restrict__ presence,
         const float *__restrict__ frequency) {
+    pdl_start();
     const int r = blockIdx.x;
     const int begin = offsets[r], end = offsets[r + 1];
     if (begin >= end) return;

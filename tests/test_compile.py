@@ -8,10 +8,12 @@ binary. NVRTC failures must surface as CompileError with the log and numbered so
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tileinfer.cuda import CompileError, compiler, gpu_available
-from tileinfer.cuda.compiler import cache_key, compile_file, compile_source, cuda_src_dir, read_headers
+from tileinfer.cuda.compiler import cache_key, compile_file, compile_source, cuda_src_dir, ptx_of, read_headers
 
 CU_FILES = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
 ARCHS = ("sm_90", "sm_90a")
@@ -64,6 +66,22 @@ def test_kernel_file_compiles(filename, arch, fresh_cache):
     # The symbol names the launchers pass to cuModuleGetFunction are in the cubin's string table.
     missing = [name for name in ENTRY_POINTS.get(filename, []) if name.encode() + b"\0" not in cubin]
     assert not missing, f"{filename} {arch}: cubin lacks entry points {missing}"
+
+
+@pytest.mark.parametrize("filename", CU_FILES)
+def test_every_kernel_waits_for_the_kernel_before_it(filename):
+    # Kernels are launched with programmatic dependent launch (tileinfer/cuda/module.py): one may
+    # start while the kernel before it runs. Each entry point must therefore reach pdl_start()'s
+    # griddepcontrol.wait before any store or atomic (loads of weights may come first).
+    entries = re.split(r"^\.(?:visible )?\.entry\s+", ptx_of(filename), flags=re.MULTILINE)[1:]
+    assert entries, f"no entry points in the PTX of {filename}"
+    for body in entries:
+        name = body.split("(", 1)[0]
+        wait = body.find("griddepcontrol.wait")
+        assert wait >= 0, f"{filename}: kernel {name} never calls pdl_start()"
+        early = re.search(r"\b(st\.global|st\.shared|atom\.|red\.)", body[:wait])
+        assert early is None, f"{filename}: kernel {name} has {early.group(1)} before pdl_start()"
+        assert "griddepcontrol.launch_dependents" in body, f"{filename}: kernel {name} never lets the next start"
 
 
 def test_disk_then_memory_cache(fresh_cache):

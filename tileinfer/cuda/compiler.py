@@ -128,7 +128,16 @@ def compile_source(name: str, source: str, arch: str, defines: dict[str, object]
     return cubin
 
 
-def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: list[str]) -> bytes:
+def ptx_of(filename: str, arch: str = "compute_90") -> str:
+    """The PTX NVRTC makes of `cuda_src/<filename>` for a virtual `arch` (not cached): to read or
+    check what the compiler produced, e.g. the order of instructions in an entry point."""
+    src_dir = cuda_src_dir()
+    source = (src_dir / filename).read_text()
+    return _nvrtc_compile(filename, source, read_headers(source, src_dir), [*BASE_OPTIONS, f"-arch={arch}"],
+                          ptx=True).decode()
+
+
+def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: list[str], ptx: bool = False) -> bytes:
     names = sorted(headers)
     prog = call(nvrtc.nvrtcCreateProgram, source.encode(), name.encode(), len(names),
                 [headers[n].encode() for n in names], [n.encode() for n in names])
@@ -137,10 +146,11 @@ def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: lis
         log_text = _program_log(prog)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, log_text, options, source)
-        size = call(nvrtc.nvrtcGetCUBINSize, prog)
-        cubin = bytearray(size)  # writable buffer: never hand NVRTC an immutable bytes object
-        call(nvrtc.nvrtcGetCUBIN, prog, cubin)
-        return bytes(cubin)
+        get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else \
+            (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+        out = bytearray(call(get_size, prog))  # writable buffer: never hand NVRTC an immutable bytes object
+        call(get, prog, out)
+        return bytes(out).rstrip(b"\0") if ptx else bytes(out)
     finally:
         call(nvrtc.nvrtcDestroyProgram, prog)
 

@@ -1,4 +1,12 @@
-"""Loaded cubins and kernel launches through `cuLaunchKernel`.
+"""Loaded cubins and kernel launches through `cuLaunchKernelEx`.
+
+Every launch on a Hopper GPU carries the programmatic-stream-serialization attribute
+(programmatic dependent launch): a kernel may begin launching while the kernel before it in the
+stream is still running, and its blocks wait in `pdl_start()` (cuda_src/common.cuh) until that
+kernel has finished. Launch latency and the ramp-up of each kernel then overlap the tail of the one
+before; a decode step is ~300 short kernels, so this is a sizeable part of its time. Every kernel
+in cuda_src/ calls `pdl_start()` before touching data another kernel writes (a CPU test checks
+this). Set TILEINFER_PDL=0 to launch without the attribute (plain stream order).
 
 Kernel arguments are passed explicitly typed: a `DeviceArray` (its pointer), `None` (a
 null pointer) or a ctypes scalar (`ctypes.c_int32(n)`, `ctypes.c_float(eps)`, ...). The
@@ -8,6 +16,7 @@ eagerly and while a stream is being captured into a graph.
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import cache
 
 from cuda.bindings import driver
@@ -17,6 +26,17 @@ from .driver import call, get_device, last_work
 from .memory import DeviceArray
 
 I32, U32, I64, U64, F32 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
+
+
+def _pdl_attributes() -> list:
+    """The launch attributes of every launch: programmatic dependent launch on sm_90 and newer,
+    unless TILEINFER_PDL=0."""
+    if os.environ.get("TILEINFER_PDL", "1") == "0" or get_device().info.compute_capability < (9, 0):
+        return []
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return [attr]
 
 
 def _as_ctype(arg):
@@ -34,6 +54,11 @@ class Kernel:
         self.module, self.name = module, name
         self.function = call(driver.cuModuleGetFunction, module.handle, name.encode(), detail=name)
         self.max_dynamic_smem = 0
+        self._config = driver.CUlaunchConfig()
+        attrs = _pdl_attributes()
+        if attrs:
+            self._config.attrs = attrs
+        self._config.numAttrs = len(attrs)
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         """Allow more than 48 KB of dynamic shared memory (needed before such a launch)."""
@@ -56,8 +81,11 @@ class Kernel:
             self.set_max_dynamic_smem(smem)
         what = f"kernel {self.name} grid={grid} block={block} smem={smem}"
         last_work[0] = what
-        call(driver.cuLaunchKernel, self.function, *grid, *block, smem, stream.handle,
-             ctypes.addressof(pointers), 0, detail=what)
+        c = self._config
+        c.gridDimX, c.gridDimY, c.gridDimZ = grid
+        c.blockDimX, c.blockDimY, c.blockDimZ = block
+        c.sharedMemBytes, c.hStream = smem, stream.handle
+        call(driver.cuLaunchKernelEx, c, self.function, ctypes.addressof(pointers), 0, detail=what)
 
 
 class Module:
