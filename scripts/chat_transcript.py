@@ -10,12 +10,15 @@ program printed a traceback, did not answer, or exited with a status other than 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import pty
 import re
 import select
 import signal
+import struct
 import sys
+import termios
 import time
 
 STATS = re.compile(rb"\[\d+ tokens, [\d.]+ tok/s")
@@ -24,7 +27,8 @@ STATS = re.compile(rb"\[\d+ tokens, [\d.]+ tok/s")
 class Terminal:
     def __init__(self, argv: list[str]):
         self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: the chat program on the terminal
+        if self.pid == 0:  # the child: the chat program on a 100 x 30 terminal (a size of 0 x 0 hides progress bars)
+            fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
             os.execvp(argv[0], argv)
         self.seen = b""
 
@@ -65,6 +69,19 @@ class Terminal:
         raise TimeoutError("the chat did not exit after Ctrl-C")
 
 
+def render(raw: str) -> str:
+    """The output as lines: a progress bar redrawn in place (carriage returns) shows as its last
+    frame, on a line of its own, so the transcript records which bars appeared."""
+    lines = []
+    for line in raw.replace("\r\n", "\n").split("\n"):
+        frames = [f for f in line.split("\r") if f.strip()]
+        last = {}  # bar description -> its last frame, in order of first appearance
+        for f in frames:
+            last[f.split(":", 1)[0] if "|" in f else f] = f
+        lines.extend(last.values() if frames else [""])
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -92,7 +109,7 @@ def main() -> int:
         term.read_until(re.compile(rb"> "), 10, mark + 1)
     os.write(term.fd, b"\x03")  # Ctrl-C
     status = term.finish(30)
-    transcript = term.seen.decode("utf-8", "replace").replace("\r\n", "\n")
+    transcript = render(term.seen.decode("utf-8", "replace"))
     print(transcript)
     print(f"[exit status {status}]")
     if "Traceback" in transcript:
