@@ -33,8 +33,10 @@ class DecodeGraphs:
     `enqueue_step` must only launch kernels over persistent buffers (no allocation, no sync).
     """
 
-    def __init__(self, enqueue_step: Callable[[int, Stream], None], buckets: Sequence[int]):
+    def __init__(self, enqueue_step: Callable[[int, Stream], None], buckets: Sequence[int], *,
+                 what: str = "decode graph for batch"):
         self.enqueue_step = enqueue_step
+        self.what = what  # names a graph in logs and errors: f"{what} {bucket}"
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs: dict[int, Graph] = {}
         self.capture_seconds = 0.0
@@ -45,16 +47,15 @@ class DecodeGraphs:
         bar = None
         if progress and todo:
             from tqdm import tqdm
-            bar = tqdm(total=len(todo), unit="graph", desc="capturing decode graphs", leave=False)
+            bar = tqdm(total=len(todo), unit="graph", desc=f"capturing {self.what.split()[0]} graphs", leave=False)
         try:
             for b in todo:
                 start = time.perf_counter()
                 self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s),
-                                       label=f"the decode graph for batch {b}")
+                                       label=f"the {self.what} {b}")
                 seconds = time.perf_counter() - start
                 self.capture_seconds += seconds
-                log.info("captured decode graph for batch %d: %d nodes in %.3f s", b, self.graphs[b].num_nodes,
-                         seconds)
+                log.info("captured %s %d: %d nodes in %.3f s", self.what, b, self.graphs[b].num_nodes, seconds)
                 if bar is not None:
                     bar.update()
         finally:

@@ -6,6 +6,8 @@
 Sends three messages (waiting for each reply's statistics line), `/reset`, one more message,
 then Ctrl-C; prints everything the terminal showed and the exit status, and fails if the
 program printed a traceback, did not answer, or exited with a status other than 0 or 130.
+Then runs `tileinfer generate` with a long budget and presses Ctrl-C while the text streams,
+with the same checks.
 """
 from __future__ import annotations
 
@@ -82,6 +84,20 @@ def render(raw: str) -> str:
     return "\n".join(lines)
 
 
+def ended_cleanly(term: Terminal, what: str) -> list[str]:
+    """Wait for the program to exit after Ctrl-C, print its transcript; the problems seen."""
+    status = term.finish(30)
+    transcript = render(term.seen.decode("utf-8", "replace"))
+    print(transcript)
+    print(f"[exit status {status}]")
+    problems = []
+    if "Traceback" in transcript:
+        problems.append(f"{what}: a traceback was printed")
+    if status not in (0, 130):
+        problems.append(f"{what}: exit status {status}")
+    return problems
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -108,14 +124,19 @@ def main() -> int:
             problems.append(f"no reply statistics after {message!r}")
         term.read_until(re.compile(rb"> "), 10, mark + 1)
     os.write(term.fd, b"\x03")  # Ctrl-C
-    status = term.finish(30)
-    transcript = render(term.seen.decode("utf-8", "replace"))
-    print(transcript)
-    print(f"[exit status {status}]")
-    if "Traceback" in transcript:
-        problems.append("a traceback was printed")
-    if status not in (0, 130):
-        problems.append(f"exit status {status}")
+    problems += ended_cleanly(term, "chat")
+
+    # Ctrl-C while `generate` streams its text.
+    argv = ["tileinfer", "generate", "--prompt", "Once upon a time", "--max-new-tokens", "4000"]
+    if args.model:
+        argv += ["--model", args.model]
+    print("\n$ " + " ".join(argv) + "   (Ctrl-C once 200 characters of text have arrived)", flush=True)
+    term = Terminal(argv)
+    # A progress bar frame is at most a line (100 columns) between carriage returns; text is longer.
+    if not term.read_until(re.compile(rb"[^\r\n]{200}"), args.start_timeout):
+        problems.append("generate streamed no text")
+    os.write(term.fd, b"\x03")
+    problems += ended_cleanly(term, "generate")
     for p in problems:
         print("PROBLEM:", p, file=sys.stderr)
     return 1 if problems else 0

@@ -200,6 +200,36 @@ def test_graph_replay_equals_eager(tiny_model):
     assert graphed == eager
 
 
+def test_extend_graphs_equal_eager_extends(tiny_model, tiny_reference):
+    # Model.extend by 1..16 tokens (a speculative verify step) replays a graph per token count: the
+    # second extend by each count replays the graph the first captured, over other positions.
+    model = tiny_model
+    prompt = random_prompt(100, seed=11)
+    counts = [5, 5, 1, 16, 3, 5, 16, 1, 7]  # crosses the page boundary at 128
+    ids = random_prompt(sum(counts), seed=12)
+
+    def run(use_graphs: bool) -> np.ndarray:
+        model.use_graphs = use_graphs
+        cache = model.ensure_cache(400)
+        seq = Sequence()
+        try:
+            rows = [model.extend(seq, prompt)]
+            at = 0
+            for n in counts:
+                rows.append(model.extend(seq, ids[at:at + n]))
+                at += n
+            return np.concatenate(rows)
+        finally:
+            model.use_graphs = True
+            cache.manager.release(seq)
+
+    eager = run(False)
+    graphed = run(True)
+    assert set(counts) <= set(model.extend_graphs.graphs)
+    np.testing.assert_array_equal(graphed, eager)
+    compare_logits(graphed, tiny_reference.forward(prompt + ids), "extend in small steps vs reference")
+
+
 def test_generation_across_page_boundaries_matches_reference(tiny_model, tiny_reference):
     prompt = random_prompt(30, seed=6)
     n = 200  # positions 30..229 cross the page boundaries at 64, 128 and 192

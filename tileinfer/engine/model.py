@@ -3,7 +3,8 @@
 `Model.step` runs one forward step for a batch of (sequence, new tokens[, start]) rows and
 returns the next token of each sequence. Decode steps (one new token per sequence, at most
 `max_num_seqs` of them) replay a CUDA graph per batch bucket; steps with prefill chunks run
-eagerly (their shapes vary).
+eagerly (their shapes vary), except `Model.extend` of one sequence by at most
+EXTEND_GRAPH_TOKENS tokens (a speculative verify step), which replays a graph per token count.
 
 Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for 1
 or 2 rows, the small-M GEMM up to 64, the tensor-core GEMM beyond), decode attention runs in its
@@ -38,6 +39,7 @@ from .step import SamplingRow, StepBuffers, StepShape, prepare_step
 log = logging.getLogger(__name__)
 
 MAX_SPLITS = 32
+EXTEND_GRAPH_TOKENS = 16  # Model.extend by 1..16 tokens of one sequence replays a graph per count
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
 
@@ -78,7 +80,7 @@ class Model:
                                    max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
-        self.graphs = None
+        self.graphs = self.extend_graphs = None
         self.use_graphs = True
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
         self._slot = 0           # pinned slot the next sampled step downloads into
@@ -141,6 +143,8 @@ class Model:
         self.steps = StepBuffers(self.max_batch_tokens, self.max_num_seqs, cache.layout.block_table_width,
                                  penalty_capacity=penalty_capacity)
         self.graphs = DecodeGraphs(self._enqueue_decode, self.buckets)
+        self.extend_graphs = DecodeGraphs(self._enqueue_extend, range(1, EXTEND_GRAPH_TOKENS + 1),
+                                          what="extend graph for tokens")
 
     def _splits_for(self, batch: int, max_tiles: int) -> int:
         sms = self.device.info.num_sms
@@ -165,6 +169,19 @@ class Model:
             K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                      d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
                      self.steps.sampled.rows(0, b), stream)
+
+    def extend_splits(self, n: int) -> int:
+        """Key-range splits of a one-sequence step of n query tokens: a decode step's, as far as the
+        workspace's partial buffers allow (1 when batch-invariant)."""
+        ws = self.workspace
+        if self.batch_invariant or n > ws.max_decode_rows:
+            return 1
+        return max(1, min(self.decode_splits(1), ws.max_partial_rows // n))
+
+    def _enqueue_extend(self, n: int, stream):
+        shape = StepShape(num_tokens=n, num_seqs=1, max_q_len=n)
+        return forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True,
+                       num_splits=self.extend_splits(n), stream=stream, batch_invariant=self.batch_invariant)
 
     def _enqueue_decode(self, bucket: int, stream) -> None:
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
@@ -260,9 +277,18 @@ class Model:
             cache.manager.reserve(seq, len(part))
             shape = prepare_step(self.steps, cache.manager, [(seq, part)])
             self.steps.upload(self.stream)
-            logits = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=True,
-                             num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
-            out[start: start + len(part)] = logits.to_host(self.stream)
+            n = len(part)
+            if n > EXTEND_GRAPH_TOKENS:
+                logits = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=True,
+                                 num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
+            elif self.use_graphs and n in self.extend_graphs.graphs:
+                self.extend_graphs.graphs[n].launch(self.stream)
+                logits = self.workspace.logits.rows(0, n)
+            else:  # eagerly the first time, then captured for the next extend by n tokens
+                logits = self._enqueue_extend(n, self.stream)
+                if self.use_graphs:
+                    self.extend_graphs.capture(self.stream, [n])
+            out[start: start + n] = logits.to_host(self.stream)
         return out
 
     def _validate_ids(self, token_ids) -> list[int]:
@@ -282,11 +308,12 @@ class Model:
     def _drop_cache(self) -> None:
         if self.graphs is not None:
             self.graphs.destroy()
+            self.extend_graphs.destroy()
         if self.steps is not None:
             self.steps.free()
         if self.cache is not None:
             self.cache.free()
-        self.cache = self.steps = self.graphs = None
+        self.cache = self.steps = self.graphs = self.extend_graphs = None
 
     def close(self) -> None:
         """Free every device allocation this model made."""
