@@ -9,8 +9,9 @@ Measures, in one process:
   * t_verify: one verify step of the target, k + 1 positions through Model.extend on a sequence of
     --context positions, then truncated back (wall time, median of --repeats);
   * t_draft: one decode step of the draft model (as t_decode);
-  * oracle: end-to-end tokens/s of generate() with an OracleDraft proposing the target's own greedy
-    continuation (acceptance 1, drafting free), against plain decode's tokens/s;
+  * oracle: decode tokens/s of generate() with an OracleDraft proposing the target's own greedy
+    continuation (acceptance 1, drafting free), against plain decode's tokens/s, and its end-to-end
+    tokens/s (prefill included);
 and prints the speedup expected at acceptance rates 0.6 and 0.8 from those measured costs:
 
     tokens per round  E = (1 - a^(k+1)) / (1 - a)      (a = per-token acceptance rate)
@@ -98,9 +99,13 @@ def main() -> None:
             raise RuntimeError("the oracle draft's proposals were still rejected after 8 attempts")
         same = next((i for i, (a, b) in enumerate(zip(oracle.token_ids, continuation)) if a != b), len(continuation))
         row.update(oracle_attempts=attempt, oracle_tokens_equal_to_plain_greedy=same)
-        oracle_tok_s = len(oracle.token_ids) / (oracle.prefill_seconds + oracle.decode_seconds)
+        # Decode tokens/s on both sides (plain decode's figure excludes its prefill too); end to end
+        # (the prompt's prefill included) beside it.
+        oracle_tok_s = len(oracle.token_ids) / oracle.decode_seconds
+        oracle_e2e = len(oracle.token_ids) / (oracle.prefill_seconds + oracle.decode_seconds)
         row.update(t_decode_ms=1e3 * t_decode, t_verify_ms=1e3 * t_verify, verify_over_decode=t_verify / t_decode,
                    plain_tok_s=plain_tok_s, oracle_tok_s=oracle_tok_s, oracle_speedup=oracle_tok_s / plain_tok_s,
+                   oracle_end_to_end_tok_s=oracle_e2e, oracle_prefill_ms=1e3 * oracle.prefill_seconds,
                    oracle_tokens_per_step=oracle.speculation.tokens_per_target_step)
     with tileinfer.load_model(cached_checkpoint(args.draft), progress=False) as draft:
         t_draft, _, _ = decode_step_seconds(draft, args.context, args.new)
@@ -109,7 +114,8 @@ def main() -> None:
     print(f"{args.target} target, k={k}, context {args.context}: decode step {row['t_decode_ms']:.3f} ms, "
           f"verify step {row['t_verify_ms']:.3f} ms ({row['verify_over_decode']:.2f}x), "
           f"{args.draft} draft step {row['t_draft_ms']:.3f} ms")
-    print(f"oracle draft: {oracle_tok_s:.1f} tok/s vs plain {plain_tok_s:.1f} ({row['oracle_speedup']:.2f}x, "
+    print(f"oracle draft: {oracle_tok_s:.1f} decode tok/s vs plain {plain_tok_s:.1f} ({row['oracle_speedup']:.2f}x; "
+          f"end to end {oracle_e2e:.1f} tok/s with a {row['oracle_prefill_ms']:.1f} ms prefill; "
           f"{row['oracle_tokens_per_step']:.2f} tokens per target step; {attempt} oracle attempt(s), the first "
           f"{same} of {len(continuation)} tokens equal to plain greedy)")
     for a, s in row["expected_speedup"].items():

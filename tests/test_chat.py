@@ -11,6 +11,7 @@ import pytest
 import tokenizers
 
 from tileinfer.engine.chat import ChatSession, ContextFullError, common_prefix, render_chat
+from tileinfer.engine.speculative import select_logits
 from tileinfer.kv import BlockManager
 from tileinfer.model import tokenizer as tok
 
@@ -247,12 +248,12 @@ class TableLM(FakeModel):
         assert seq.num_positions == start + len(ids)
         return [int(self.next[ids[-1]])] if sample else None
 
-    def extend(self, seq, ids):
+    def extend(self, seq, ids, logits="all"):
         self.calls.append((seq.num_positions, len(ids)))
         self.cache.manager.reserve(seq, len(ids))
-        logits = np.zeros((len(ids), self.VOCAB), np.float32)
-        logits[np.arange(len(ids)), self.next[np.asarray(ids)]] = 10.0
-        return logits
+        rows = np.zeros((len(ids), self.VOCAB), np.float32)
+        rows[np.arange(len(ids)), self.next[np.asarray(ids)]] = 10.0
+        return select_logits(rows, logits)
 
 
 def test_speculative_turns_equal_plain_turns_and_reuse_both_caches():

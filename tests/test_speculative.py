@@ -15,7 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from tileinfer.engine.speculative import (ModelDraft, OracleDraft, ReferenceDecoder, Sampling, speculative_decode)
+from tileinfer.engine.speculative import (ModelDraft, OracleDraft, ReferenceDecoder, Sampling, select_logits,
+                                          speculative_decode)
 from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.reference import ReferenceModel
 
@@ -32,12 +33,12 @@ class TableDecoder:
     def logits_after(self, tokens: list[int]) -> np.ndarray:
         return self.table[tokens[-1], (len(tokens) - 1) % PERIOD]
 
-    def extend(self, ids):
+    def extend(self, ids, logits="all"):
         rows = []
         for t in ids:
             self.tokens.append(int(t))
             rows.append(self.logits_after(self.tokens))
-        return np.array(rows, np.float32)
+        return select_logits(np.array(rows, np.float32), logits)
 
     def truncate(self, n):
         assert 0 <= n <= len(self.tokens)

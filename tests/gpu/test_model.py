@@ -230,6 +230,26 @@ def test_extend_graphs_equal_eager_extends(tiny_model, tiny_reference):
     compare_logits(graphed, tiny_reference.forward(prompt + ids), "extend in small steps vs reference")
 
 
+@pytest.mark.parametrize("n", [300, 7])  # chunked and eager; one graph
+def test_extend_last_and_none_match_all(tiny_model, n):
+    model = tiny_model
+    cache = model.ensure_cache(700)
+    ids = random_prompt(n, seed=13)
+    got = {}
+    for mode in ("all", "last", "none"):
+        seq = Sequence()
+        try:
+            got[mode] = model.extend(seq, ids, logits=mode)
+            assert seq.num_positions == n
+            got[mode + " then"] = model.extend(seq, [5, 6, 7])  # the cache holds the same keys either way
+        finally:
+            cache.manager.release(seq)
+    assert got["none"] is None and got["last"].shape == (1, model.config.vocab_size)
+    np.testing.assert_allclose(got["last"][0], got["all"][-1], rtol=0, atol=2e-2 * got["all"][-1].std())
+    np.testing.assert_array_equal(got["none then"], got["all then"])
+    np.testing.assert_array_equal(got["last then"], got["all then"])
+
+
 def test_generation_across_page_boundaries_matches_reference(tiny_model, tiny_reference):
     prompt = random_prompt(30, seed=6)
     n = 200  # positions 30..229 cross the page boundaries at 64, 128 and 192

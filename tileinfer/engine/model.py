@@ -261,34 +261,44 @@ class Model:
         finally:
             cache.manager.release(seq)
 
-    def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None) -> np.ndarray:
-        """Append tokens to `seq` in the attached cache (prefill chunks) and return the next-token
-        logits after each: float32 [len(token_ids), vocab]. The pages are reserved here; the
-        caller owns `seq` (release or truncate it through the cache's manager)."""
+    def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None,
+               logits: str = "all") -> np.ndarray | None:
+        """Append tokens to `seq` in the attached cache (prefill chunks) and return next-token logits:
+        logits="all" after each token, float32 [len(token_ids), vocab]; "last" after the last one only,
+        [1, vocab]; "none" none (a prefill: no LM head rows beyond one per chunk, nothing copied back).
+        The pages are reserved here; the caller owns `seq` (release or truncate it through the
+        cache's manager)."""
         self._check_open()
         if self.cache is None:
             raise RuntimeError("no KV cache is attached to this model: call ensure_cache() first")
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         ids = self._validate_ids(token_ids)
         chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
         cache = self.cache
-        out = np.empty((len(ids), self.config.vocab_size), np.float32)
+        out = np.empty((len(ids), self.config.vocab_size), np.float32) if logits == "all" else None
         for start in range(0, len(ids), chunk):
             part = ids[start: start + chunk]
             cache.manager.reserve(seq, len(part))
             shape = prepare_step(self.steps, cache.manager, [(seq, part)])
             self.steps.upload(self.stream)
             n = len(part)
-            if n > EXTEND_GRAPH_TOKENS:
-                logits = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=True,
-                                 num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
+            if n > EXTEND_GRAPH_TOKENS:  # without all rows, the LM head runs on the chunk's last row only
+                rows = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=logits == "all",
+                               num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
             elif self.use_graphs and n in self.extend_graphs.graphs:
                 self.extend_graphs.graphs[n].launch(self.stream)
-                logits = self.workspace.logits.rows(0, n)
+                rows = self.workspace.logits.rows(0, n)
             else:  # eagerly the first time, then captured for the next extend by n tokens
-                logits = self._enqueue_extend(n, self.stream)
+                rows = self._enqueue_extend(n, self.stream)
                 if self.use_graphs:
                     self.extend_graphs.capture(self.stream, [n])
-            out[start: start + n] = logits.to_host(self.stream)
+            if logits == "all":
+                out[start: start + n] = rows.to_host(self.stream)
+            elif logits == "last" and start + n == len(ids):
+                out = rows.rows(rows.shape[0] - 1, rows.shape[0]).to_host(self.stream)
+        if logits == "none":
+            self.stream.synchronize()
         return out
 
     def _validate_ids(self, token_ids) -> list[int]:

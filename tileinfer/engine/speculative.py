@@ -38,8 +38,9 @@ from .sampler import kept_mask, scaled
 
 
 class Decoder(Protocol):
-    def extend(self, ids: list[int]) -> np.ndarray:
-        """Append `ids` to the cached sequence; the next-token logits after each. # [len(ids), vocab]"""
+    def extend(self, ids: list[int], logits: str = "all") -> np.ndarray | None:
+        """Append `ids` to the cached sequence; the next-token logits after each (logits="all",
+        [len(ids), vocab]), after the last one ("last", [1, vocab]) or none ("none": None)."""
 
     def truncate(self, n: int) -> None:
         """Keep the first n cached positions."""
@@ -91,7 +92,7 @@ class ModelDraft:
 
     def propose(self, committed, k, sampling, rng):
         missing = committed[len(self.fed):]
-        logits = self.decoder.extend(missing)[-1]
+        logits = self.decoder.extend(missing, logits="last")[-1]
         self.fed += missing
         tokens, dists = [], []
         for i in range(k):
@@ -103,7 +104,7 @@ class ModelDraft:
                 dists.append(q)
             tokens.append(x)
             if i + 1 < k:  # the last proposal is never fed: the next round starts from T
-                logits = self.decoder.extend([x])[-1]
+                logits = self.decoder.extend([x], logits="last")[-1]
                 self.fed.append(x)
         return tokens, (None if sampling.greedy else dists)
 
@@ -162,6 +163,13 @@ def check_draft_model(model, draft_model) -> None:
                          f"({model.config.vocab_size}); speculation needs the same tokenizer")
 
 
+def select_logits(rows: np.ndarray, logits: str) -> np.ndarray | None:
+    """What a Decoder's extend returns for logits="all", "last" or "none", from every row's logits."""
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    return rows if logits == "all" else rows[-1:] if logits == "last" else None
+
+
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -198,7 +206,7 @@ def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *
     # The target's cache holds committed[:-1]; each round feeds the last token with the proposals.
     start = time.perf_counter()
     if len(target) < len(prompt) - 1:
-        target.extend(prompt[len(target):-1])
+        target.extend(prompt[len(target):-1], logits="none")
     stats.prefill_seconds += time.perf_counter() - start
     produced = 0
     while produced < max_new_tokens:
@@ -262,8 +270,8 @@ class ReferenceDecoder:
         self.model = model
         self.cache = model.new_cache()
 
-    def extend(self, ids):
-        return self.model.forward(list(ids), self.cache)
+    def extend(self, ids, logits="all"):
+        return select_logits(self.model.forward(list(ids), self.cache), logits)
 
     def truncate(self, n):
         self.cache.truncate(n)
@@ -285,10 +293,10 @@ class ModelDecoder:
         if self.seq.num_positions != len(self.tokens):
             raise ValueError(f"the sequence holds {self.seq.num_positions} positions, not {len(self.tokens)}")
 
-    def extend(self, ids):
-        logits = self.model.extend(self.seq, list(ids))
+    def extend(self, ids, logits="all"):
+        out = self.model.extend(self.seq, list(ids), logits=logits)
         self.tokens += ids
-        return logits
+        return out
 
     def truncate(self, n):
         self.cache.manager.truncate(self.seq, n)
