@@ -333,3 +333,13 @@ def test_failed_forward_leaves_cache_unchanged(model, tokens):
     with pytest.raises(ValueError):
         model.forward(tokens[3:5], cache, positions=[3])  # one position for two tokens
     assert len(cache) == 3
+
+
+def test_bf16_activations_round_only_the_activations(model, tokens):
+    # The ideal-bf16 forward differs from float32 by the activations' rounding alone: close (a few
+    # thousandths of the logits' spread) but not equal.
+    exact, bf16 = model.forward(tokens), model.forward_bf16_activations(tokens)
+    err = np.abs(bf16 - exact) / exact.std(axis=1, keepdims=True)
+    assert 0 < err.max() < 0.1 and err.mean() < 0.01, (err.max(), err.mean())
+    with pytest.raises(ValueError):
+        model.forward_bf16_activations([])

@@ -2,7 +2,7 @@
 
 Tolerances. The engine runs bf16 weights and activations with float32 accumulation and a
 float32 residual stream; the reference runs the same bf16 weights in float32. The error
-budget is that of an ideal bf16 engine, simulated in numpy (`ideal_bf16_logits`: the
+budget is that of an ideal bf16 engine, simulated in numpy (`ReferenceModel.forward_bf16_activations`: the
 reference with every activation the engine stores rounded to bf16). On the synthetic
 checkpoints that simulation lands at max |error| ~0.035 and mean ~0.005 of the logits' std.
 Random logits over 151,936 tokens are often nearly tied at the top (on qwen3-0.6b, ~7% of
@@ -14,7 +14,6 @@ a near tie (gap < 0.05 std); and top-1 agreement over 4 prompts x 64 teacher-for
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -22,7 +21,6 @@ import tileinfer
 from tileinfer.kv import Sequence
 from tileinfer.engine.step import SamplingRow
 from tileinfer.model.checkpoint import Checkpoint
-from tileinfer.model import reference as R
 from tileinfer.model.reference import ReferenceModel
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -70,27 +68,6 @@ def check_agreement(results: list[tuple[int, list[float]]], total: int, label: s
     assert agree >= min(0.99, baseline), f"{label}: top-1 agreement {agree:.4f} < min(0.99, {baseline:.4f})"
 
 
-def ideal_bf16_logits(ref: ReferenceModel, ids: list[int]) -> np.ndarray:
-    """The reference forward with every activation the engine keeps in bf16 rounded to bf16."""
-    def bf(x):
-        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-    c, eps = ref.config, ref.config.rms_norm_eps
-    pos = np.arange(len(ids))
-    h = ref.embed[np.asarray(ids)].astype(np.float32)
-    for layer in ref.layers:
-        x = bf(R.rms_norm(h, layer.input_norm, eps))
-        q = bf(x @ layer.q_proj.T).reshape(len(ids), c.num_attention_heads, c.head_dim)
-        k = bf(x @ layer.k_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
-        v = bf(x @ layer.v_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
-        q = bf(R.apply_rope(R.rms_norm(q, layer.q_norm, eps), pos, ref.inv_freq))
-        k = bf(R.apply_rope(R.rms_norm(k, layer.k_norm, eps), pos, ref.inv_freq))
-        h = h + bf(R.attention(q, k, v, pos, pos)).reshape(len(ids), -1) @ layer.o_proj.T
-        x = bf(R.rms_norm(h, layer.post_norm, eps))
-        h = h + bf(R.silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
-    return bf(R.rms_norm(h, ref.norm, eps)) @ ref.lm_head.T
-
-
 def compare_prompts(logits_fn, reference_fn, label: str, ref_model: ReferenceModel,
                     seeds=(11, 12, 13, 14), n: int = 64) -> None:
     results, baseline = [], 0
@@ -98,7 +75,7 @@ def compare_prompts(logits_fn, reference_fn, label: str, ref_model: ReferenceMod
         ids = random_prompt(n, seed)
         expected = reference_fn(ids)
         results.append(compare_logits(logits_fn(ids), expected, f"{label}, prompt seed {seed}"))
-        baseline += int(np.sum(ideal_bf16_logits(ref_model, ids).argmax(1) == expected.argmax(1)))
+        baseline += int(np.sum(ref_model.forward_bf16_activations(ids).argmax(1) == expected.argmax(1)))
     check_agreement(results, n * len(seeds), label, baseline / (n * len(seeds)))
 
 
@@ -112,7 +89,7 @@ def test_tiny_logits_chunked_across_pages(tiny_model, tiny_reference):
     whole = tiny_reference.forward(ids)
     for chunk in (48, 256):
         result = compare_logits(tiny_model.logits(ids, chunk=chunk), whole, f"tiny, 300 tokens in chunks of {chunk}")
-        baseline = float(np.mean(ideal_bf16_logits(tiny_reference, ids).argmax(1) == whole.argmax(1)))
+        baseline = float(np.mean(tiny_reference.forward_bf16_activations(ids).argmax(1) == whole.argmax(1)))
         check_agreement([result], len(ids), f"tiny, chunks of {chunk}", baseline)
 
 

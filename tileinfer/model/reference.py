@@ -76,6 +76,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     return out.reshape(num_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16 (nearest even) and back to float32."""
+    import ml_dtypes
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives the right limit, -0
         return x / (np.float32(1.0) + np.exp(-x))
@@ -293,6 +299,27 @@ class ReferenceModel:
             if len(out) < n:
                 logits = self.forward([out[-1]], cache)
         return out
+
+    def forward_bf16_activations(self, token_ids) -> np.ndarray:
+        """The logits of a prompt with every activation a bf16 engine keeps in bf16 rounded to bf16
+        (normed inputs, q/k/v after norm and rope, attention outputs, the MLP product; the residual
+        stream stays float32): what an ideal bf16 engine computes, to tell its rounding apart
+        from a kernel's error. No cache; positions 0..n-1."""
+        ids = self._check_ids(token_ids)
+        c, eps = self.config, self.config.rms_norm_eps
+        pos = np.arange(len(ids))
+        h = self.embed[ids].astype(np.float32)
+        for layer in self.layers:
+            x = _bf16(rms_norm(h, layer.input_norm, eps))
+            q = _bf16(x @ layer.q_proj.T).reshape(len(ids), c.num_attention_heads, c.head_dim)
+            k = _bf16(x @ layer.k_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
+            v = _bf16(x @ layer.v_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
+            q = _bf16(apply_rope(rms_norm(q, layer.q_norm, eps), pos, self.inv_freq))
+            k = _bf16(apply_rope(rms_norm(k, layer.k_norm, eps), pos, self.inv_freq))
+            h = h + _bf16(attention(q, k, v, pos, pos)).reshape(len(ids), -1) @ layer.o_proj.T
+            x = _bf16(rms_norm(h, layer.post_norm, eps))
+            h = h + _bf16(silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
+        return _bf16(rms_norm(h, self.norm, eps)) @ self.lm_head.T
 
     # ------------------------------------------------------------------------------------- checks
 
