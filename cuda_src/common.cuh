@@ -120,6 +120,35 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     return warp_max(v);
 }
 
+// ----------------------------------------------------------------------------- RMSNorm pieces
+// Shared by the rmsnorm kernel and the GEMV that normalizes its own input (gemv.cu), so both round
+// identically: with the same block size the thread-to-element mapping, hence every sum, is the same.
+
+// 1 / sqrt(mean(x^2) + eps) of one float32 row (dim % 4 == 0), by the whole block.
+__device__ __forceinline__ float row_inv_rms(const float *__restrict__ x, int dim, float eps, float *scratch) {
+    const float4 *xr = reinterpret_cast<const float4 *>(x);
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < dim / 4; c += blockDim.x) {
+        float4 v = xr[c];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    return rsqrtf(block_sum(ss, scratch) / dim + eps);
+}
+
+// out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned).
+__device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const bf16 *__restrict__ w,
+                                                 bf16 *out, int dim) {
+    const float4 *xr = reinterpret_cast<const float4 *>(x);
+    u32 *o = reinterpret_cast<u32 *>(out);
+    const u32 *w2 = reinterpret_cast<const u32 *>(w);
+    for (int c = threadIdx.x; c < dim / 4; c += blockDim.x) {
+        float4 v = xr[c];
+        u32 wa = w2[2 * c], wb = w2[2 * c + 1];
+        o[2 * c] = pack_bf16x2(v.x * r * bf16lo(wa), v.y * r * bf16hi(wa));
+        o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(wb), v.w * r * bf16hi(wb));
+    }
+}
+
 // ----------------------------------------------------------------------------- tensor cores
 // Shared-memory address for PTX (32-bit .shared window).
 __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }

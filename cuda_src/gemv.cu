@@ -19,12 +19,50 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 #define WARPS 8
 #define UNROLL 4
 
+// One batch of a warp's weight loads: UNROLL 16-byte pieces of each of its two rows, `step`
+// elements apart, from k0.
+__device__ __forceinline__ void load_weights(vec16 (&a)[UNROLL], vec16 (&b)[UNROLL], const bf16 *__restrict__ w0,
+                                             const bf16 *__restrict__ w1, int k0, int step, int K) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int k = k0 + u * step;
+        if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
+    }
+}
+
+// acc += that batch times the M rows of x.
+template <int M>
+__device__ __forceinline__ void fma_weights(const vec16 (&a)[UNROLL], const vec16 (&b)[UNROLL], const bf16 *x,
+                                            int k0, int step, int K, float (&acc0)[M], float (&acc1)[M]) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int k = k0 + u * step;
+        if (k < K) {
+            float wa[8], wb[8];
+            unpack8(a[u], wa);
+            unpack8(b[u], wb);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float xv[8];
+                unpack8(ld16(x + (size_t)m * K + k), xv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) { acc0[m] += wa[i] * xv[i]; acc1[m] += wb[i] * xv[i]; }
+            }
+        }
+    }
+}
+
 // Row pair `pair`: for SILU_MUL the gate row j and the up row j + N/2 (W is [gate; up]),
 // otherwise rows 2 pair and 2 pair + 1. This warp reads segments kpart, kpart + ksplit, ...
-template <int M, int EPI>
-__device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16 *__restrict__ W,
-                                          void *__restrict__ out, int N, int K, int pair, int kpart, int ksplit,
-                                          float (*partial)[M][2]) {
+//
+// NORM: x is not given; the block first computes x = rmsnorm(resid) * norm_w into shared memory
+// `xs` ([M, K] bf16), exactly as the rmsnorm kernel would (same helpers, same block size), while
+// its first weight loads are in flight. Every warp of the block takes part, active or not.
+template <int M, int EPI, bool NORM>
+__device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict__ resid,
+                                          const bf16 *__restrict__ norm_w, float eps, bf16 *xs, float *scratch,
+                                          const bf16 *__restrict__ W, void *__restrict__ out, int N, int K,
+                                          int pair, int kpart, int ksplit, float (*partial)[M][2]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = EPI == EPI_SILU_MUL ? N / 2 : N;
     int r0, r1;
@@ -40,34 +78,31 @@ __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16
     // The first weight loads are issued before waiting for the kernel before this one (weights
     // depend on nothing), so their latency overlaps its tail; x is read only after the wait.
     bool started = false;
+    if (NORM) {  // the first batch of loads, the norm, and that batch's products
+        const bf16 *w0 = W + (size_t)r0 * K;
+        const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
+        const int step = 256 * ksplit, k0 = kpart * 256 + lane * 8;
+        vec16 a[UNROLL], b[UNROLL];
+        if (active) load_weights(a, b, w0, w1, k0, step, K);
+        pdl_start();
+        started = true;
+        for (int m = 0; m < M; ++m) {
+            const float *row = resid + (size_t)m * K;
+            store_normed_row(row, row_inv_rms(row, K, eps, scratch), norm_w, xs + (size_t)m * K, K);
+        }
+        __syncthreads();
+        x = xs;
+        if (active) fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
+    }
     if (active) {
         const bf16 *w0 = W + (size_t)r0 * K;
         const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
         const int step = 256 * ksplit;  // elements between this warp's segments
-        for (int k0 = kpart * 256 + lane * 8; k0 < K; k0 += step * UNROLL) {
+        for (int k0 = kpart * 256 + lane * 8 + (NORM ? step * UNROLL : 0); k0 < K; k0 += step * UNROLL) {
             vec16 a[UNROLL], b[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int k = k0 + u * step;
-                if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
-            }
+            load_weights(a, b, w0, w1, k0, step, K);
             if (!started) { pdl_start(); started = true; }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int k = k0 + u * step;
-                if (k < K) {
-                    float wa[8], wb[8];
-                    unpack8(a[u], wa);
-                    unpack8(b[u], wb);
-#pragma unroll
-                    for (int m = 0; m < M; ++m) {
-                        float xv[8];
-                        unpack8(ld16(x + (size_t)m * K + k), xv);
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) { acc0[m] += wa[i] * xv[i]; acc1[m] += wb[i] * xv[i]; }
-                    }
-                }
-            }
+            fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
         }
     }
     if (!started) pdl_start();
@@ -114,10 +149,28 @@ __device__ __forceinline__ void gemv_rows(const bf16 *__restrict__ x, const bf16
                            int N, int K, int ksplit) {                                                  \
         __shared__ float partial[WARPS][M][2];                                                          \
         const int warp = threadIdx.x >> 5;                                                              \
-        gemv_rows<M, EPI>(x, W, out, N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
+        gemv_rows<M, EPI, false>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K,              \
+                                 (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial);  \
     }
 #define GEMV_ALL_EPI(M) GEMV_KERNEL(M, 0) GEMV_KERNEL(M, 1) GEMV_KERNEL(M, 2) GEMV_KERNEL(M, 3)
 GEMV_ALL_EPI(1)
 GEMV_ALL_EPI(2)
 GEMV_ALL_EPI(4)
 GEMV_ALL_EPI(8)
+
+// The same with the RMSNorm of the input fused in: y = rmsnorm(resid) * norm_w @ W^T, for the two
+// products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL). resid [M, K] float32;
+// dynamic shared memory M * K * 2 bytes; block (256) as the rmsnorm kernel's, K % 8 == 0.
+#define GEMV_NORM_KERNEL(M, EPI)                                                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
+        gemv_norm_m##M##_e##EPI(const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps, \
+                                const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, int ksplit) { \
+        __shared__ float partial[WARPS][M][2];                                                          \
+        __shared__ float scratch[32];                                                                   \
+        extern __shared__ __align__(16) unsigned char xs_bytes[];                                       \
+        const int warp = threadIdx.x >> 5;                                                              \
+        gemv_rows<M, EPI, true>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
+                                N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
+    }
+GEMV_NORM_KERNEL(1, 0) GEMV_NORM_KERNEL(1, 2)
+GEMV_NORM_KERNEL(2, 0) GEMV_NORM_KERNEL(2, 2)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tileinfer.engine import sampler
-from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, rmsnorm, sample
+from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, norm_linear, rmsnorm, sample
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize
 from tileinfer.model import reference
@@ -235,6 +235,27 @@ def test_linear_gemv(M, N, K, epilogue, buf, stream):
                                                (8, 24, 9728, "bf16"), (4, 1024, 352, "f32")])
 def test_linear_gemv_ksplit(M, N, K, epilogue, ksplit, buf, stream):
     check_linear(buf, stream, M, N, K, epilogue, "gemv", ksplit=ksplit)
+
+
+# The GEMV that normalizes its own input (gemv_norm_*) against the rmsnorm kernel then the GEMV:
+# bitwise equal (same helpers, same block size), and x is not written.
+@pytest.mark.parametrize("M, N, K, epilogue", [(1, 6144, 2560, "bf16"), (2, 4096, 1024, "bf16"), (1, 136, 4104, "bf16"),
+                                               (1, 19456, 2560, "silu_mul"), (2, 2048, 1000, "silu_mul"),
+                                               (2, 24, 4096, "silu_mul")])
+def test_norm_linear_fused_equals_rmsnorm_then_gemv(M, N, K, epilogue, buf, stream):
+    rng = np.random.default_rng(seed_of("norm_linear", M, N, K, epilogue))
+    resid = (rng.standard_normal((M, K)) * np.exp(rng.uniform(-3, 3, (M, 1)))).astype(np.float32)
+    norm_w = rand_bf16(rng, (K,), scale=0.5, mean=1.0)
+    w = linear_weight(N, K)
+    out_shape = (M, N // 2) if epilogue == "silu_mul" else (M, N)
+    d_resid, d_norm, d_w = buf.upload(resid), buf.upload(norm_w), buf.upload(w)
+    x_fused, out_fused = buf.poisoned((M, K), BF16), buf.poisoned(out_shape, BF16)
+    norm_linear(d_resid, d_norm, 1e-6, x_fused, d_w, out_fused, epilogue, stream, fused=True)
+    x_plain, out_plain = buf.poisoned((M, K), BF16), buf.poisoned(out_shape, BF16)
+    norm_linear(d_resid, d_norm, 1e-6, x_plain, d_w, out_plain, epilogue, stream, fused=False)
+    poison = buf.poisoned((M, K), BF16).to_host(stream)
+    np.testing.assert_array_equal(x_fused.to_host(stream).view(np.uint16), poison.view(np.uint16))
+    np.testing.assert_array_equal(out_fused.to_host(stream).view(np.uint16), out_plain.to_host(stream).view(np.uint16))
 
 
 @pytest.mark.parametrize("path, M", [("gemv", 1), ("gemm", 64)], ids=["gemv-M1", "gemm-M64"])

@@ -227,6 +227,20 @@ def test_extend_last_and_none_match_all(tiny_model, n):
     np.testing.assert_array_equal(got["last then"], got["all then"])
 
 
+def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):
+    # TILEINFER_FUSED_NORM=1: the batch-1 GEMVs after a norm normalize their own input; bitwise the
+    # same products, so the same greedy tokens (eager steps: each reads the setting at launch).
+    prompt = random_prompt(40, seed=21)
+    tiny_model.use_graphs = False
+    try:
+        plain = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
+        monkeypatch.setenv("TILEINFER_FUSED_NORM", "1")
+        fused = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
+    finally:
+        tiny_model.use_graphs = True
+    assert fused == plain
+
+
 def test_generation_across_page_boundaries_matches_reference(tiny_model, tiny_reference):
     prompt = random_prompt(30, seed=6)
     n = 200  # positions 30..229 cross the page boundaries at 64, 128 and 192

@@ -2,8 +2,8 @@
 from .attention import attention
 from .attn_input import attn_input, attn_input_int8
 from .embedding import embedding, resolve_tokens
-from .linear import linear
+from .linear import linear, norm_linear
 from .rmsnorm import rmsnorm
 from .sampling import apply_penalties, argmax, sample
 
-__all__ = ["attention", "attn_input", "attn_input_int8", "embedding", "resolve_tokens", "linear", "rmsnorm", "argmax", "sample", "apply_penalties"]
+__all__ = ["attention", "attn_input", "attn_input_int8", "embedding", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample", "apply_penalties"]

@@ -13,10 +13,12 @@ matrices like the LM head, where the 128x128 tiles already fill the GPU), or at 
 scripts/bench_gemm_small.py: at M = 64 the small GEMM takes 8-13 us on Qwen3-0.6B's layer
 matrices where the 128x128 GEMM takes 16-49 us; at M = 256 it wins only for N = 1024 and 2560.
 """
+import os
 from dataclasses import dataclass
 
-from ..cuda import I32, DeviceArray, get_device, kernel
+from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, cdiv, expect
+from .rmsnorm import rmsnorm
 
 EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}
 GEMV_ROWS = (1, 2, 4, 8)
@@ -148,3 +150,43 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             cfg.grid, (SMALL_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
     else:
         raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'small', got {force!r}")
+
+
+NORM_EPILOGUES = ("bf16", "silu_mul")  # the products that follow a norm: QKV and gate/up
+
+
+def fused_norm_default() -> bool:
+    """Whether norm_linear fuses the norm into the GEMV unless told: TILEINFER_FUSED_NORM=1. Off by
+    default until the fused kernels have run on the GPU (their tests are tests/gpu/test_kernels.py)."""
+    return os.environ.get("TILEINFER_FUSED_NORM", "0") == "1"
+
+
+def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,
+                out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
+                fused: bool | None = None) -> None:
+    """out <- epilogue(rmsnorm(resid) * norm_w @ w.T), resid [M, K] float32: a product that follows a
+    norm. On the GEMV path (`fused`, default fused_norm_default()) each block normalizes the rows
+    itself (cuda_src/gemv.cu, gemv_norm_*: bitwise what the rmsnorm kernel would write) and `x` is
+    left as it was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs."""
+    M, K = resid.shape
+    if fused is None:
+        fused = fused_norm_default()
+    path = force or default_path(M, w.shape[0])
+    if not (fused and path == "gemv" and M in GEMV_DEFAULT_ROWS and epilogue in NORM_EPILOGUES):
+        rmsnorm(resid, norm_w, x, eps, stream)
+        linear(x, w, out, epilogue, stream, force=force)
+        return
+    N = w.shape[0]
+    expect("resid", resid, (M, K), FLOAT32)
+    expect("norm_w", norm_w, (K,), BF16)
+    expect("w", w, (N, K), BF16)
+    shape, dtype = _out_spec(epilogue, M, N)
+    expect("out", out, shape, dtype)
+    if K % 8 or N % 8:
+        raise ValueError(f"norm_linear: K and N must be multiples of 8 (16-byte rows), got K={K}, N={N}")
+    pairs = N // 2 if epilogue == "silu_mul" else cdiv(N, 2)
+    ksplit = gemv_ksplit(pairs, K)
+    kernel("gemv.cu", f"gemv_norm_m{M}_e{EPILOGUES[epilogue]}").launch(
+        (cdiv(pairs * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,),
+        [resid, norm_w, F32(eps), w, out, I32(N), I32(K), I32(ksplit)], stream, smem=M * K * 2)
+

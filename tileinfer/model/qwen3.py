@@ -88,8 +88,7 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
     K.embedding(tokens, weights.embed, resid, stream)
     for i, lw in enumerate(weights.layers):
-        K.rmsnorm(resid, lw.input_norm, x, c.rms_norm_eps, stream)
-        K.linear(x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
+        K.norm_linear(resid, lw.input_norm, c.rms_norm_eps, x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
         scales = cache.layer_scales(i)
         if scales is None:
             K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, cache.k_pool(i),
@@ -102,8 +101,7 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
                     num_splits=num_splits, partials=partials, scales=scales, decode_shape=not batch_invariant,
                     stream=stream)
         K.linear(attn_flat, lw.w_o, resid, "residual", stream, force=linear_path)
-        K.rmsnorm(resid, lw.post_norm, x, c.rms_norm_eps, stream)
-        K.linear(x, lw.w_gu, act, "silu_mul", stream, force=linear_path)
+        K.norm_linear(resid, lw.post_norm, c.rms_norm_eps, x, lw.w_gu, act, "silu_mul", stream, force=linear_path)
         K.linear(act, lw.w_down, resid, "residual", stream, force=linear_path)
 
     rows = n if all_logits else b
