@@ -6,8 +6,9 @@
 Measures, in one process:
   * t_decode: one plain decode step of the target (tileinfer.generate's graph replay; wall time per
     token over --new tokens);
-  * t_verify: one verify step of the target, k + 1 positions through Model.extend on a sequence of
-    --context positions, then truncated back (wall time, median of --repeats);
+  * t_verify: one greedy verify step of the target, k + 1 positions through Model.extend (their
+    argmaxes read back) on a sequence of --context positions, then truncated back (wall time,
+    median of --repeats);
   * t_draft: one decode step of the draft model (as t_decode);
   * oracle: decode tokens/s of generate() with an OracleDraft proposing the target's own greedy
     continuation (acceptance 1, drafting free), against plain decode's tokens/s, and its end-to-end
@@ -45,16 +46,17 @@ def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int]
 
 
 def verify_step_seconds(model, prompt: list[int], k: int, repeats: int) -> float:
-    """Wall seconds of one verify step: k + 1 positions appended to a sequence holding the prompt."""
+    """Wall seconds of one greedy verify step: k + 1 positions appended to a sequence holding the
+    prompt, their argmaxes read back (what speculative_stream asks for under greedy)."""
     cache = model.ensure_cache(len(prompt) + k + 1)
     seq = Sequence()
     try:
-        model.extend(seq, prompt)
+        model.extend(seq, prompt, logits="none")
         feed = prompt[-(k + 1):]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            model.extend(seq, feed)
+            model.extend(seq, feed, logits="argmax")
             times.append(time.perf_counter() - start)
             cache.manager.truncate(seq, len(prompt))
         return statistics.median(times[1:])

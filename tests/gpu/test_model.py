@@ -213,7 +213,7 @@ def test_extend_last_and_none_match_all(tiny_model, n):
     cache = model.ensure_cache(700)
     ids = random_prompt(n, seed=13)
     got = {}
-    for mode in ("all", "last", "none"):
+    for mode in ("all", "last", "argmax", "none"):
         seq = Sequence()
         try:
             got[mode] = model.extend(seq, ids, logits=mode)
@@ -222,9 +222,11 @@ def test_extend_last_and_none_match_all(tiny_model, n):
         finally:
             cache.manager.release(seq)
     assert got["none"] is None and got["last"].shape == (1, model.config.vocab_size)
+    np.testing.assert_array_equal(got["argmax"], got["all"].argmax(axis=1))  # the same rows, argmax on the GPU
     np.testing.assert_allclose(got["last"][0], got["all"][-1], rtol=0, atol=2e-2 * got["all"][-1].std())
     np.testing.assert_array_equal(got["none then"], got["all then"])
     np.testing.assert_array_equal(got["last then"], got["all then"])
+    np.testing.assert_array_equal(got["argmax then"], got["all then"])
 
 
 def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 MAX_SPLITS = 32
 EXTEND_GRAPH_TOKENS = 16  # Model.extend by 1..16 tokens of one sequence replays a graph per count
+LOGITS_MODES = ("all", "last", "argmax", "none")  # what Model.extend returns
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
 
@@ -265,18 +266,23 @@ class Model:
                logits: str = "all") -> np.ndarray | None:
         """Append tokens to `seq` in the attached cache (prefill chunks) and return next-token logits:
         logits="all" after each token, float32 [len(token_ids), vocab]; "last" after the last one only,
-        [1, vocab]; "none" none (a prefill: no LM head rows beyond one per chunk, nothing copied back).
+        [1, vocab]; "argmax" each of "all"'s rows' argmax, int32 [len(token_ids)] (found on the GPU,
+        lowest index on ties; greedy verification copies 4 bytes a row instead of the vocabulary);
+        "none" none (a prefill: no LM head rows beyond one per chunk, nothing copied back).
         The pages are reserved here; the caller owns `seq` (release or truncate it through the
         cache's manager)."""
         self._check_open()
         if self.cache is None:
             raise RuntimeError("no KV cache is attached to this model: call ensure_cache() first")
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        if logits not in LOGITS_MODES:
+            raise ValueError(f"logits must be one of {', '.join(map(repr, LOGITS_MODES))}, got {logits!r}")
         ids = self._validate_ids(token_ids)
         chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
         cache = self.cache
+        every_row = logits in ("all", "argmax")
         out = np.empty((len(ids), self.config.vocab_size), np.float32) if logits == "all" else None
+        if logits == "argmax":
+            out = np.empty(len(ids), np.int32)
         for start in range(0, len(ids), chunk):
             part = ids[start: start + chunk]
             cache.manager.reserve(seq, len(part))
@@ -284,7 +290,7 @@ class Model:
             self.steps.upload(self.stream)
             n = len(part)
             if n > EXTEND_GRAPH_TOKENS:  # without all rows, the LM head runs on the chunk's last row only
-                rows = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=logits == "all",
+                rows = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=every_row,
                                num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
             elif self.use_graphs and n in self.extend_graphs.graphs:
                 self.extend_graphs.graphs[n].launch(self.stream)
@@ -295,6 +301,10 @@ class Model:
                     self.extend_graphs.capture(self.stream, [n])
             if logits == "all":
                 out[start: start + n] = rows.to_host(self.stream)
+            elif logits == "argmax":
+                best = self.workspace.logit_argmax.rows(0, n)
+                K.argmax(rows, best, self.stream)
+                out[start: start + n] = best.to_host(self.stream)
             elif logits == "last" and start + n == len(ids):
                 out = rows.rows(rows.shape[0] - 1, rows.shape[0]).to_host(self.stream)
         if logits == "none":

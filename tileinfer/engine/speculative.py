@@ -40,7 +40,8 @@ from .sampler import kept_mask, scaled
 class Decoder(Protocol):
     def extend(self, ids: list[int], logits: str = "all") -> np.ndarray | None:
         """Append `ids` to the cached sequence; the next-token logits after each (logits="all",
-        [len(ids), vocab]), after the last one ("last", [1, vocab]) or none ("none": None)."""
+        [len(ids), vocab]), after the last one ("last", [1, vocab]), the argmax of each ("argmax",
+        int32 [len(ids)], lowest index on ties) or none ("none": None)."""
 
     def truncate(self, n: int) -> None:
         """Keep the first n cached positions."""
@@ -91,20 +92,21 @@ class ModelDraft:
         self.fed: list[int] = []  # the tokens whose positions the draft's cache holds
 
     def propose(self, committed, k, sampling, rng):
+        mode = "argmax" if sampling.greedy else "last"  # greedy needs only the argmax (found on the GPU)
         missing = committed[len(self.fed):]
-        logits = self.decoder.extend(missing, logits="last")[-1]
+        row = self.decoder.extend(missing, logits=mode)[-1]
         self.fed += missing
         tokens, dists = [], []
         for i in range(k):
             if sampling.greedy:
-                x = int(np.argmax(logits))
+                x = int(row)
             else:
-                q = sampling.distribution(logits)
+                q = sampling.distribution(row)
                 x = draw(q, rng)
                 dists.append(q)
             tokens.append(x)
             if i + 1 < k:  # the last proposal is never fed: the next round starts from T
-                logits = self.decoder.extend([x], logits="last")[-1]
+                row = self.decoder.extend([x], logits=mode)[-1]
                 self.fed.append(x)
         return tokens, (None if sampling.greedy else dists)
 
@@ -164,9 +166,11 @@ def check_draft_model(model, draft_model) -> None:
 
 
 def select_logits(rows: np.ndarray, logits: str) -> np.ndarray | None:
-    """What a Decoder's extend returns for logits="all", "last" or "none", from every row's logits."""
-    if logits not in ("all", "last", "none"):
-        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    """What a Decoder's extend returns for logits="all", "last", "argmax" or "none", from every row's logits."""
+    if logits not in ("all", "last", "argmax", "none"):
+        raise ValueError(f"logits must be 'all', 'last', 'argmax' or 'none', got {logits!r}")
+    if logits == "argmax":
+        return rows.argmax(axis=1).astype(np.int32)
     return rows if logits == "all" else rows[-1:] if logits == "last" else None
 
 
@@ -213,13 +217,14 @@ def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *
         k = min(num_draft_tokens, max_new_tokens - produced - 1)  # proposals beyond the budget are wasted
         proposals, q = draft.propose(committed, k, sampling, rng) if k > 0 else ([], None)
         fed = committed[len(target):] + list(proposals)
-        p_logits = target.extend(fed)[-(len(proposals) + 1):]   # p_0..p_k
+        # p_0..p_k: the target's logits after each fed token, or under greedy only their argmaxes
+        p_logits = target.extend(fed, logits="argmax" if sampling.greedy else "all")[-(len(proposals) + 1):]
         stats.target_steps += 1
         stats.drafted += len(proposals)
         emitted, accepted = [], 0
         for i, x in enumerate(proposals):
             if sampling.greedy:
-                best = int(np.argmax(p_logits[i]))
+                best = int(p_logits[i])
                 if x != best:
                     emitted.append(best)
                     break
@@ -234,7 +239,7 @@ def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *
             accepted += 1
         else:  # every proposal accepted: one more token from p_k
             last = p_logits[len(proposals)]
-            emitted.append(int(np.argmax(last)) if sampling.greedy else draw(sampling.distribution(last), rng))
+            emitted.append(int(last) if sampling.greedy else draw(sampling.distribution(last), rng))
         stats.accepted += accepted
         stats.emitted += len(emitted)
         committed += emitted

@@ -42,6 +42,7 @@ class Workspace:
         self.act = DeviceArray((T, c.intermediate_size), BF16)
         self.final_x = DeviceArray((max_logit_rows, c.hidden_size), BF16)
         self.logits = DeviceArray((max_logit_rows, c.vocab_size), np.float32)
+        self.logit_argmax = DeviceArray((max_logit_rows,), np.int32)  # each logits row's argmax, when asked
         self.max_decode_rows = max_decode_rows
         # Split-K decode attention partials: splits x rows of them, at most max_partial_rows together.
         self.max_partial_rows = max_partial_rows or max_splits * max_decode_rows
@@ -50,7 +51,7 @@ class Workspace:
         self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
         self.inv_freq = DeviceArray.from_host(rope_inv_freq(c.head_dim, c.rope_theta).astype(np.float32))
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.logits,
-                       self.part_o, self.part_ml, self.inv_freq]
+                       self.logit_argmax, self.part_o, self.part_ml, self.inv_freq]
 
     @property
     def nbytes(self) -> int:
