@@ -13,6 +13,7 @@ per model. Prints a markdown table; writes bench.json (and the table) to $OUT or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -223,6 +224,8 @@ def engine(args, name: str, path: Path) -> dict:
         with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False) as llm:
             out["capture_s"] = llm.capture_seconds
             out["num_graphs"] = len(llm.model.graphs.graphs)
+            out["startup"] = dataclasses.asdict(llm.startup)
+            print(f"{name}: {llm.startup.format()}", flush=True)
             out["memory"] = llm.memory_report.as_dict() if llm.memory_report else None
             print(f"{name}: {out['num_graphs']} decode graphs captured in {llm.capture_seconds:.2f} s", flush=True)
             batch_decode(llm, min(8, max(batches)), 64, 8)  # warm-up

@@ -230,3 +230,15 @@ def test_int8_pool_and_memory_report(tiny_checkpoint):
         assert [len(o.token_ids) for o in outs] == [12, 12]
     with pytest.raises(ValueError, match="kv_quantize"):
         LLM(tiny_checkpoint, kv_quantize="fp8", progress=False)
+
+
+def test_startup_times(tiny_checkpoint):
+    # The parts are timed inside the total; a second engine in the process compiles no kernel.
+    for _ in range(2):
+        with LLM(tiny_checkpoint, max_num_seqs=8, max_context=512, progress=False) as llm:
+            s = llm.startup
+            print(s.format())
+            assert s.graphs == len(llm.model.graphs.graphs) > 0
+            assert min(s.weights, s.kernels, s.warm_up, s.capture) >= 0
+            assert s.weights + s.kernels + s.warm_up + s.capture <= s.total
+    assert s.kernels_compiled == 0

@@ -125,6 +125,26 @@ class _Penalties:
         return np.asarray(self.ids, np.int32), np.asarray(self.counts, np.int32)
 
 
+@dataclass(frozen=True, slots=True)
+class StartupTimes:
+    """Where an LLM's start-up went (seconds): loading the weights; compiling (0 kernels with a warm
+    disk cache) and loading every kernel; the warm-up (the largest prefill chunk, a decode step per
+    bucket and a first capture, on a temporary cache, to measure their memory); capturing every
+    decode graph over the real pool. `total` also counts sizing and allocating the pool."""
+    total: float
+    weights: float
+    kernels: float
+    kernels_compiled: int
+    warm_up: float
+    capture: float
+    graphs: int
+
+    def format(self) -> str:
+        return (f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, kernels {self.kernels:.2f} s "
+                f"({self.kernels_compiled} compiled), warm-up {self.warm_up:.2f} s, {self.graphs} decode graphs "
+                f"captured in {self.capture:.2f} s")
+
+
 class LLM:
     def __init__(self, model: str | Path, *, max_num_seqs: int = 256, max_context: int = 4096, page_size: int = 64,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 4096,
@@ -180,6 +200,7 @@ class LLM:
         get_device(device)
         used_ctx = nvml()[2] if nvml else 0
         alloc0 = allocated_bytes()
+        t_start = time.perf_counter()
         self.model = Model(path, device=device, max_batch_tokens=max_num_batched_tokens,
                            max_num_seqs=self.max_num_seqs, max_logit_rows=self.max_num_seqs,
                            batch_invariant=self.batch_invariant, progress=progress)
@@ -200,6 +221,7 @@ class LLM:
                                kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
         model.attach_cache(warm, max_context=self.max_context, penalty_capacity=self._penalty_capacity())
         steps_bytes = allocated_bytes() - alloc0 - weights_bytes - workspace_bytes - warm.layout.nbytes
+        t_warm = time.perf_counter()
         self._warm_up(chunk)
         graph_bytes = 0
         if use_graphs:
@@ -208,6 +230,7 @@ class LLM:
             graph_bytes = (nvml()[2] - before) if nvml else 0
         model._drop_cache()
         kernels_bytes = (nvml()[2] - used_warm0) if nvml else 0
+        warm_up_seconds = time.perf_counter() - t_warm
 
         # The pool.
         kv_dtype = self.kv_quantize or "bf16"
@@ -254,6 +277,11 @@ class LLM:
                      ",".join(map(str, model.buckets)), self.capture_seconds)
         else:
             self.capture_seconds = 0.0
+        self.startup = StartupTimes(
+            total=time.perf_counter() - t_start, weights=model.weights.load_seconds, kernels=model.kernel_seconds,
+            kernels_compiled=model.kernels_compiled, warm_up=warm_up_seconds, capture=self.capture_seconds,
+            graphs=len(model.graphs.graphs) if use_graphs else 0)
+        log.info("%s", self.startup.format())
         if nvml:
             free, total, used_end = nvml()
             self.memory_report = MemoryReport(

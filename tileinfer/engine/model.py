@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import kernels as K
 from ..cuda import Stream, get_device
+from ..cuda import compiler
 from ..cuda.module import load_all
 from ..graphs import DecodeGraphs, bucket_for
 from ..kv import PagedKVCache, Sequence
@@ -70,7 +71,10 @@ class Model:
         self.device = get_device(device)
         self.stream = Stream()
         self.weights = DeviceWeights(self.checkpoint, self.stream, progress=progress)
+        compiled, start = compiler.STATS.compiled, time.perf_counter()
         load_all(progress=progress)  # every kernel compiled (or read from the disk cache) and loaded now
+        self.kernel_seconds = time.perf_counter() - start  # compiling (if not cached) and loading cuda_src/
+        self.kernels_compiled = compiler.STATS.compiled - compiled  # 0 with a warm kernel cache
         self.buckets = decode_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
