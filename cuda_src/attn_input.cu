@@ -30,6 +30,34 @@ __device__ __forceinline__ void norm_rope(const bf16 *__restrict__ src, const bf
     a1 = x1 * c1 - y1 * s1; b1 = y1 * c1 + x1 * s1;
 }
 
+// This warp's head of token blockIdx.x (grid and lanes as below): false when there is nothing to
+// do (past the last head, or a key head of a padding token); else the head, its source row in qkv,
+// the token's slot, and the head normed and rotated (norm_rope's a0, a1, b0, b1).
+struct HeadInput {
+    int head, lane, slot;
+    bool is_q;
+    const bf16 *src;
+    float a0, a1, b0, b1;
+};
+
+__device__ __forceinline__ bool head_input(const bf16 *__restrict__ qkv, const int *__restrict__ positions,
+                                           const int *__restrict__ slots, const bf16 *__restrict__ q_norm_w,
+                                           const bf16 *__restrict__ k_norm_w, const float *__restrict__ inv_freq,
+                                           int num_heads, int num_kv_heads, float eps, HeadInput &h) {
+    const int t = blockIdx.x;
+    h.head = blockIdx.y * 4 + (threadIdx.x >> 5);
+    h.lane = threadIdx.x & 31;
+    if (h.head >= num_heads + num_kv_heads) return false;
+    h.is_q = h.head < num_heads;
+    h.slot = slots[t];
+    if (!h.is_q && h.slot < 0) return false;
+    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
+    h.src = qkv + (size_t)t * row_elems + (size_t)h.head * HD;
+    norm_rope(h.src, h.is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[t], eps, h.lane, h.a0, h.a1, h.b0,
+              h.b1);
+    return true;
+}
+
 // ============================================================================= kernels
 // grid (n_tokens, ceil((H + KV) / 4)), block (128): one warp per head; heads [0, H) are query
 // heads, [H, H + KV) key heads (whose value head is stored alongside).
@@ -43,31 +71,26 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
                                       int num_heads, int num_kv_heads, int page_size, float eps) {
     pdl_start();
     const int t = blockIdx.x;
-    const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (head >= num_heads + num_kv_heads) return;
-    const bool is_q = head < num_heads;
-    const int slot = slots[t];
-    if (!is_q && slot < 0) return;
+    HeadInput h;
+    if (!head_input(qkv, positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, eps, h)) return;
+    const int lane = h.lane;
+    float a0 = h.a0, a1 = h.a1, b0 = h.b0, b1 = h.b1;
 
-    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
-    const bf16 *src = qkv + (size_t)t * row_elems + (size_t)head * HD;
-    float a0, a1, b0, b1;
-    norm_rope(src, is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[t], eps, lane, a0, a1, b0, b1);
-
-    if (is_q) {
-        bf16 *dst = q_out + ((size_t)t * num_heads + head) * HD;
+    if (h.is_q) {
+        bf16 *dst = q_out + ((size_t)t * num_heads + h.head) * HD;
         reinterpret_cast<u32 *>(dst)[lane] = pack_bf16x2(a0, a1);
         reinterpret_cast<u32 *>(dst + HD / 2)[lane] = pack_bf16x2(b0, b1);
         return;
     }
-    const int kvh = head - num_heads;
-    const size_t page = slot / page_size, off = slot % page_size;
-    const size_t at = ((page * num_kv_heads + kvh) * page_size + off) * HD;
+    // The index of this (position, KV head) vector in the pools [page, kv_head, offset].
+    const int kvh = h.head - num_heads;
+    const size_t page = h.slot / page_size, off = h.slot % page_size;
+    const size_t vec = (page * num_kv_heads + kvh) * page_size + off;
+    const size_t at = vec * HD;
     reinterpret_cast<u32 *>(k_pool + at)[lane] = pack_bf16x2(a0, a1);
     reinterpret_cast<u32 *>(k_pool + at + HD / 2)[lane] = pack_bf16x2(b0, b1);
     // The value head is copied unchanged: 256 bytes, 8 per lane.
-    const bf16 *vsrc = src + (size_t)num_kv_heads * HD;
+    const bf16 *vsrc = h.src + (size_t)num_kv_heads * HD;
     reinterpret_cast<u32 *>(v_pool + at)[2 * lane] = reinterpret_cast<const u32 *>(vsrc)[2 * lane];
     reinterpret_cast<u32 *>(v_pool + at)[2 * lane + 1] = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
 }
@@ -86,31 +109,25 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
                                            int num_heads, int num_kv_heads, int page_size, float eps) {
     pdl_start();
     const int t = blockIdx.x;
-    const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (head >= num_heads + num_kv_heads) return;
-    const bool is_q = head < num_heads;
-    const int slot = slots[t];
-    if (!is_q && slot < 0) return;
-
-    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
-    const bf16 *src = qkv + (size_t)t * row_elems + (size_t)head * HD;
-    float a0, a1, b0, b1;
-    norm_rope(src, is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[t], eps, lane, a0, a1, b0, b1);
+    HeadInput h;
+    if (!head_input(qkv, positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, eps, h)) return;
+    const int lane = h.lane;
+    float a0 = h.a0, a1 = h.a1, b0 = h.b0, b1 = h.b1;
     // Channels 2l, 2l+1 (a) and 64+2l, 64+2l+1 (b) share the factors c[2l], c[2l+1].
     const float f0 = smooth ? smooth[2 * lane] : 1.f, f1 = smooth ? smooth[2 * lane + 1] : 1.f;
 
-    if (is_q) {
-        bf16 *dst = q_out + ((size_t)t * num_heads + head) * HD;
+    if (h.is_q) {
+        bf16 *dst = q_out + ((size_t)t * num_heads + h.head) * HD;
         reinterpret_cast<u32 *>(dst)[lane] = pack_bf16x2(a0 * f0, a1 * f1);
         reinterpret_cast<u32 *>(dst + HD / 2)[lane] = pack_bf16x2(b0 * f0, b1 * f1);
         return;
     }
     a0 = __fdiv_rn(a0, f0); b0 = __fdiv_rn(b0, f0);
     a1 = __fdiv_rn(a1, f1); b1 = __fdiv_rn(b1, f1);
-    const int kvh = head - num_heads;
-    const size_t page = slot / page_size, off = slot % page_size;
-    const size_t vec = (page * num_kv_heads + kvh) * page_size + off;  // index of the (position, head) vector
+    // The index of this (position, KV head) vector in the pools [page, kv_head, offset].
+    const int kvh = h.head - num_heads;
+    const size_t page = h.slot / page_size, off = h.slot % page_size;
+    const size_t vec = (page * num_kv_heads + kvh) * page_size + off;
     const size_t at = vec * HD;
 
     const float kmax = warp_max(fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(b0), fabsf(b1))));
@@ -124,7 +141,7 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
     if (lane == 0) k_scale[vec] = ks;
 
     // The value head, unchanged but quantized: lane l owns channels 4l .. 4l+3.
-    const bf16 *vsrc = src + (size_t)num_kv_heads * HD;
+    const bf16 *vsrc = h.src + (size_t)num_kv_heads * HD;
     const u32 v01 = reinterpret_cast<const u32 *>(vsrc)[2 * lane], v23 = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
     const float v0 = bf16lo(v01), v1 = bf16hi(v01), v2 = bf16lo(v23), v3 = bf16hi(v23);
     const float vmax = warp_max(fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3))));

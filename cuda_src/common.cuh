@@ -120,6 +120,20 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     return warp_max(v);
 }
 
+// ----------------------------------------------------------------------------- GEMM tiles
+// The row of W that row r of a tile of W rows starting at n0 loads (gn); false past the end. With
+// silu (W = [gate; up], N = 2 I), tile rows 2q and 2q + 1 hold gate row j and up row j, j = n0/2 + q,
+// so one thread's accumulators hold both halves of SiLU(gate) * up.
+__device__ __forceinline__ bool tile_weight_row(int r, int n0, int N, bool silu, int &gn) {
+    if (silu) {
+        const int j = n0 / 2 + (r >> 1), half = N / 2;
+        gn = (r & 1) ? half + j : j;
+        return j < half;
+    }
+    gn = n0 + r;
+    return gn < N;
+}
+
 // ----------------------------------------------------------------------------- RMSNorm pieces
 // Shared by the rmsnorm kernel and the GEMV that normalizes its own input (gemv.cu), so both round
 // identically: with the same block size the thread-to-element mapping, hence every sum, is the same.

@@ -36,15 +36,7 @@ __device__ __forceinline__ void load_stage(bf16 *sA, bf16 *sB, const bf16 *__res
     for (int i = 0; i < (BN * BK / 8) / THREADS; ++i) {
         const int idx = threadIdx.x + i * THREADS, r = idx >> 3, c = idx & 7;
         int gn;
-        bool ok;
-        if (EPI == EPI_SILU_MUL) {
-            const int j = n0 / 2 + (r >> 1), half = N / 2;
-            gn = (r & 1) ? half + j : j;
-            ok = j < half;
-        } else {
-            gn = n0 + r;
-            ok = gn < N;
-        }
+        bool ok = tile_weight_row(r, n0, N, EPI == EPI_SILU_MUL, gn);
         const int gk = k0 + c * 8;
         ok = ok && gk < K;
         cp_async16(smem_addr(sB + swz(r, c)), ok ? W + (size_t)gn * K + gk : W, ok);

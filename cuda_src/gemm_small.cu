@@ -100,15 +100,7 @@ __device__ __forceinline__ void load_chunk(bf16 *sA, bf16 *sW, const bf16 *__res
     for (int i = 0; i < BN / 4; ++i) {
         const int idx = lane + i * 32, r = idx >> 3, c = idx & 7;
         int gn;
-        bool ok;
-        if (silu) {  // tile rows 2q, 2q + 1 hold gate row j and up row j, j = n0 / 2 + q
-            const int j = n0 / 2 + (r >> 1), half = N / 2;
-            gn = (r & 1) ? half + j : j;
-            ok = j < half;
-        } else {
-            gn = n0 + r;
-            ok = gn < N;
-        }
+        bool ok = tile_weight_row(r, n0, N, silu, gn);
         const int gk = k0 + c * 8;
         ok = ok && gk < K;
         cp_async16(smem_addr(sW + swz(r, c)), ok ? W + (size_t)gn * K + gk : W, ok);

@@ -34,9 +34,10 @@ class DecodeGraphs:
     """
 
     def __init__(self, enqueue_step: Callable[[int, Stream], None], buckets: Sequence[int], *,
-                 what: str = "decode graph for batch"):
+                 kind: str = "decode", bucket_unit: str = "batch"):
         self.enqueue_step = enqueue_step
-        self.what = what  # names a graph in logs and errors: f"{what} {bucket}"
+        self.kind = kind  # a graph is named "the {kind} graph for {bucket_unit} {bucket}" in logs and errors
+        self.bucket_unit = bucket_unit
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs: dict[int, Graph] = {}
         self.capture_seconds = 0.0
@@ -47,15 +48,16 @@ class DecodeGraphs:
         bar = None
         if progress and todo:
             from tqdm import tqdm
-            bar = tqdm(total=len(todo), unit="graph", desc=f"capturing {self.what.split()[0]} graphs", leave=False)
+            bar = tqdm(total=len(todo), unit="graph", desc=f"capturing {self.kind} graphs", leave=False)
         try:
             for b in todo:
                 start = time.perf_counter()
                 self.graphs[b] = Graph(stream, lambda s, b=b: self.enqueue_step(b, s),
-                                       label=f"the {self.what} {b}")
+                                       label=f"the {self.kind} graph for {self.bucket_unit} {b}")
                 seconds = time.perf_counter() - start
                 self.capture_seconds += seconds
-                log.info("captured %s %d: %d nodes in %.3f s", self.what, b, self.graphs[b].num_nodes, seconds)
+                log.info("captured the %s graph for %s %d: %d nodes in %.3f s", self.kind, self.bucket_unit, b,
+                         self.graphs[b].num_nodes, seconds)
                 if bar is not None:
                     bar.update()
         finally:

@@ -71,6 +71,16 @@ def rms(a) -> float:
 
 
 @lru_cache(maxsize=3)
+def attn_input_tensors(rng: np.random.Generator, n: int, H: int, KV: int, hd: int = 128):
+    """Inputs of the attention-input kernels: qkv [n, (H + 2 KV) hd] and the q/k norm weights, the
+    key norm with a few huge channels, as Qwen3's k_norm has."""
+    qkv = rand_bf16(rng, (n, (H + 2 * KV) * hd), scale=2.0)
+    q_norm = rand_bf16(rng, (hd,), scale=0.1, mean=1.0)
+    k_norm = rand_bf16(rng, (hd,), scale=0.1, mean=1.0)
+    k_norm[5], k_norm[70] = BF16.type(100.0), BF16.type(-90.0)
+    return qkv, q_norm, k_norm
+
+
 def linear_weight(N: int, K: int) -> np.ndarray:
     """W [N, K] bf16 with std 1/sqrt(K) (so x @ W.T is O(1)); drawn once per shape, read-only."""
     w = rand_bf16(np.random.default_rng(seed_of("weight", N, K)), (N, K), scale=1 / math.sqrt(K))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import BF16, rand_bf16, seed_of, to_f32  # noqa: E402
+from gpu_helpers import BF16, attn_input_tensors, rand_bf16, seed_of, to_f32  # noqa: E402
 from tileinfer.kernels import attention, attn_input_int8
 from tileinfer.kv.int8 import quantize, smoothing_factors
 from tileinfer.model import reference
@@ -35,10 +35,7 @@ def write_int8(buf, stream, qkv, positions, slots, q_norm, k_norm, inv_freq, smo
 def test_attn_input_int8(n, H, KV, page_size, smooth, buf, stream):
     eps = 1e-6
     rng = np.random.default_rng(seed_of("attn_input_int8", n, H, KV, page_size, smooth))
-    qkv = rand_bf16(rng, (n, (H + 2 * KV) * HD), scale=2.0)
-    q_norm = rand_bf16(rng, (HD,), scale=0.1, mean=1.0)
-    k_norm = rand_bf16(rng, (HD,), scale=0.1, mean=1.0)
-    k_norm[5], k_norm[70] = 100.0, -90.0  # a few huge channels, as in Qwen3's first layer
+    qkv, q_norm, k_norm = attn_input_tensors(rng, n, H, KV, HD)
     positions = rng.choice(4 * n + 7, n, replace=False).astype(np.int32)
     inv_freq = reference.rope_inv_freq(HD, 1e6)
     num_pages = (n + page_size - 1) // page_size + 2

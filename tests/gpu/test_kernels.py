@@ -23,7 +23,7 @@ from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize
 from tileinfer.model import reference
 
-from gpu_helpers import Buffers, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
+from gpu_helpers import Buffers, attn_input_tensors, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -281,10 +281,7 @@ ATTN_INPUT_CASES = [
 def test_attn_input(n, H, KV, page_size, max_pos, buf, stream):
     eps = 1e-6
     rng = np.random.default_rng(seed_of("attn_input", n, H, KV, page_size, max_pos))
-    qkv = rand_bf16(rng, (n, (H + 2 * KV) * HD), scale=2.0)
-    q_norm = rand_bf16(rng, (HD,), scale=0.1, mean=1.0)
-    k_norm = rand_bf16(rng, (HD,), scale=0.1, mean=1.0)
-    k_norm[5], k_norm[70] = BF16.type(100.0), BF16.type(-90.0)  # Qwen3's k_norm has a few huge channels
+    qkv, q_norm, k_norm = attn_input_tensors(rng, n, H, KV, HD)
     positions = rng.choice(max_pos, n, replace=False).astype(np.int32)
     inv_freq = reference.rope_inv_freq(HD, 1e6)
 

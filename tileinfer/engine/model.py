@@ -149,7 +149,7 @@ class Model:
                                  penalty_capacity=penalty_capacity)
         self.graphs = DecodeGraphs(self._enqueue_decode, self.buckets)
         self.extend_graphs = DecodeGraphs(self._enqueue_extend, range(1, EXTEND_GRAPH_TOKENS + 1),
-                                          what="extend graph for tokens")
+                                          kind="extend", bucket_unit="tokens")
 
     def _splits_for(self, batch: int, max_tiles: int) -> int:
         sms = self.device.info.num_sms
