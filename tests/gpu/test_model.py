@@ -230,11 +230,12 @@ def test_extend_last_and_none_match_all(tiny_model, n):
 
 
 def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):
-    # TILEINFER_FUSED_NORM=1: the batch-1 GEMVs after a norm normalize their own input; bitwise the
-    # same products, so the same greedy tokens (eager steps: each reads the setting at launch).
+    # Fused (the default): the batch-1 GEMVs after a norm normalize their own input; bitwise the same
+    # products as TILEINFER_FUSED_NORM=0, so the same greedy tokens (eager steps read the setting at launch).
     prompt = random_prompt(40, seed=21)
     tiny_model.use_graphs = False
     try:
+        monkeypatch.setenv("TILEINFER_FUSED_NORM", "0")
         plain = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
         monkeypatch.setenv("TILEINFER_FUSED_NORM", "1")
         fused = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids

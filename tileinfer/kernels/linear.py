@@ -156,9 +156,10 @@ NORM_EPILOGUES = ("bf16", "silu_mul")  # the products that follow a norm: QKV an
 
 
 def fused_norm_default() -> bool:
-    """Whether norm_linear fuses the norm into the GEMV unless told: TILEINFER_FUSED_NORM=1. Off by
-    default until the fused kernels have run on the GPU (their tests are tests/gpu/test_kernels.py)."""
-    return os.environ.get("TILEINFER_FUSED_NORM", "0") == "1"
+    """Whether norm_linear fuses the norm into the GEMV unless told: on, TILEINFER_FUSED_NORM=0 turns it
+    off. Measured on the H200 (bench.py, one call): qwen3-0.6b batch 1 1,073 -> 1,109 tok/s, qwen3-4b
+    318.7 -> 316.8 (within run-to-run noise)."""
+    return os.environ.get("TILEINFER_FUSED_NORM", "1") != "0"
 
 
 def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,
