@@ -28,7 +28,7 @@ import numpy as np
 from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
-from tileinfer.kernels.linear import GEMV_ROWS, SMALL_ROWS, default_path, SMALL_SPLITS, small_gemm_config
+from tileinfer.kernels.linear import GEMV_ROWS, SMALL_ROWS, TC_MAX_ROWS, default_path, SMALL_SPLITS, small_gemm_config
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12  # measured read bandwidth of the H200 (../shared/GPU.md)
@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time every cluster split of the small GEMM")
     ap.add_argument("--sweep-rows", action="store_true", help="also time every (M tile, split) pair")
     ap.add_argument("--gemv", action="store_true", help="also time the GEMV (force='gemv') where M <= 8")
+    ap.add_argument("--tc", action="store_true", help="also time the tensor-core GEMV (force='tc') where M <= 16")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--graph-bytes", type=float, default=4e9, help="weight bytes one graph replay reads")
@@ -122,11 +123,15 @@ def main() -> None:
                     if args.gemv and M in GEMV_ROWS:
                         t_gemv = time_calls(case, M, stream, calls, args.replays, force="gemv")
                         print(f"  gemv {model} {matrix} M={M}: {t_gemv:.1f} us, {gbs(t_gemv):.0f} GB/s", flush=True)
+                    t_tc = None
+                    if args.tc and M <= TC_MAX_ROWS:
+                        t_tc = time_calls(case, M, stream, calls, args.replays, force="tc")
+                        print(f"  tc {model} {matrix} M={M}: {t_tc:.1f} us, {gbs(t_tc):.0f} GB/s", flush=True)
                     row = dict(model=model, matrix=matrix, N=N, K=K, epilogue=epilogue, M=M, default=default,
                                default_us=t_default, default_GB_s=gbs(t_default), small_rows=cfg.rows,
                                small_ksplit=cfg.ksplit, small_grid=cfg.grid, small_us=t_small,
                                small_GB_s=gbs(t_small), roofline_fraction=gbs(t_small) * 1e9 / ROOFLINE_BYTES_PER_S,
-                               speedup=t_default / t_small, gemv_us=t_gemv, sweep_us={str(k): v for k, v in sweep.items()},
+                               speedup=t_default / t_small, gemv_us=t_gemv, tc_us=t_tc, sweep_us={str(k): v for k, v in sweep.items()},
                                calls_per_graph=calls, weight_copies=len(case.weights))
                     rows.append(row)
                     line = (f"| {model} | {matrix} | {N} x {K} | {epilogue} | {M} | {default} | {t_default:.1f} "

@@ -1,17 +1,24 @@
-"""Launchers for cuda_src/gemm.cu (tensor cores, prefill), cuda_src/gemv.cu (decode) and
-cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 9..256).
+"""Launchers for cuda_src/gemm.cu (tensor cores, prefill), cuda_src/gemv.cu (decode),
+cuda_src/gemv_tc.cu (tensor cores, a few rows: small batches, verify steps) and
+cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 3..256).
 
 `linear` computes y = x W^T for x [M, K] bf16 and W [N, K] bf16 with a fused epilogue:
   "bf16"      out [M, N] bf16
   "residual"  out [M, N] float32, out += x W^T (the residual stream)
   "silu_mul"  W is [gate; up] ([2I, K]); out [M, I] bf16 = silu(x gate^T) * (x up^T)
   "f32"       out [M, N] float32 (logits)
-Which kernel (`default_path`): M in (1, 2) takes the bandwidth-bound GEMV. Other M take
-the small-M GEMM where the 128x128 GEMM would leave most SMs idle: M <= 64 (except very wide
-matrices like the LM head, where the 128x128 tiles already fill the GPU), or at most 40 of its
-128x128 tiles. Everything else (prefill) takes the 128x128 GEMM. Measured on the H200 with
-scripts/bench_gemm_small.py: at M = 64 the small GEMM takes 8-13 us on Qwen3-0.6B's layer
-matrices where the 128x128 GEMM takes 16-49 us; at M = 256 it wins only for N = 1024 and 2560.
+Which kernel (`default_path`), from scripts/bench_gemm_small.py on the H200:
+  - M in (1, 2): the bandwidth-bound GEMV.
+  - 3 <= M <= 8 and 4096 <= N <= 32768 (QKV, gate/up; o_proj and down_proj of qwen3-8b): the
+    tensor-core GEMV. At M = 5 it beat the small GEMM on 9 of those 10 matrices of qwen3-0.6b/4b/8b
+    (qwen3-8b: QKV 16.5 vs 17.2 us, o_proj 14.7 vs 17.2, down_proj 39.4 vs 41.4; gate/up lost, 59.6 vs
+    57.0); on narrower matrices (o_proj, down_proj of the smaller models) the small GEMM won.
+  - Otherwise the small-M GEMM where the 128x128 GEMM would leave most SMs idle: M <= 16 (the LM head
+    included: at M = 4-16 it took 180-293 us where the 128x128 GEMM took 276-443), M <= 64 for all but
+    very wide matrices, or at most 40 of the 128x128 tiles. At M = 64 the small GEMM takes 6-9 us on
+    Qwen3-0.6B's layer matrices where the 128x128 GEMM takes 16-49 us; the LM head stays on the 128x128
+    GEMM there (120 vs 137 us); at M = 256 the small GEMM wins only for N = 1024 and 2560.
+  - Everything else (prefill) takes the 128x128 GEMM.
 """
 import os
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ GEMV_ROWS = (1, 2, 4, 8)
 GEMM_TILE = 128
 GEMM_SMEM = 3 * (128 + 128) * 64 * 2  # STAGES * (BM + BN) * BK * sizeof(bf16), as in gemm.cu
 GEMV_WARPS = 8
+TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8 (M <= 8) and gemv_tc_m16 (M <= 16), 8 warps a block
+TC_KBLOCK = 128    # k per block of a warp's loads in gemv_tc.cu
 
 # gemm_small.cu: blocks of 64 W rows x ROWS rows of A, 4 warps splitting K in 64-wide chunks, and
 # clusters of `ksplit` blocks splitting K further. Shared memory per block: 4 warps * STAGES * one
@@ -40,14 +49,19 @@ SMALL_GEMM_SMEM = {r: SMALL_WARPS * SMALL_STAGES[r] * (r + SMALL_BN) * SMALL_BK 
 SMALL_BLOCK_LATENCY = 2      # cost model: a block's fixed cost (first loads, reduction) in k-chunks
 
 
-GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 go to the small GEMM (measured faster)
+GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 go to the tensor-core GEMV or the small GEMM
+TC_DEFAULT_ROWS = range(3, 9)  # M the tensor-core GEMV takes by default, for N in [TC_MIN_N, WIDE_N]
+TC_MIN_N = 4096
+WIDE_N = 32768  # wider than any layer matrix: the LM head
 
 
 def default_path(M: int, N: int) -> str:
     """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
     if M in GEMV_DEFAULT_ROWS:
         return "gemv"
-    if (M <= 64 and N <= 32768) or cdiv(N, GEMM_TILE) * cdiv(M, GEMM_TILE) <= 40:
+    if M in TC_DEFAULT_ROWS and TC_MIN_N <= N <= WIDE_N:
+        return "tc"
+    if M <= 16 or (M <= 64 and N <= WIDE_N) or cdiv(N, GEMM_TILE) * cdiv(M, GEMM_TILE) <= 40:
         return "small"
     return "gemm"
 
@@ -60,11 +74,12 @@ def _out_spec(epilogue: str, M: int, N: int):
     return (M, N), (BF16 if epilogue == "bf16" else FLOAT32)
 
 
-def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS) -> int:
-    """Warps per row pair: enough warps to fill the GPU (~4 blocks per SM on an H200), while
-    each warp still streams at least two 512-byte segments of its rows."""
+def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS, segment: int = 512) -> int:
+    """Warps per row pair (or per 16-row tile of the tensor-core GEMV): enough warps to fill the GPU
+    (~4 blocks per SM on an H200), while each warp still streams at least two `segment`-element
+    pieces of its rows (512 for gemv.cu, one k-block of 128 for gemv_tc.cu)."""
     ksplit = 1
-    while ksplit < 8 and pairs * ksplit < target_warps and K >= 512 * ksplit * 2:
+    while ksplit < 8 and pairs * ksplit < target_warps and K >= segment * ksplit * 2:
         ksplit *= 2
     return ksplit
 
@@ -117,8 +132,9 @@ def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
            ksplit: int | None = None, rows: int | None = None) -> None:
-    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv" or "small") and `ksplit` override the choices: for
-    the GEMV the warps per row pair, for the small GEMM the blocks per cluster splitting K (1, 2, 4 or 8)."""
+    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv", "tc" or "small") and `ksplit` override the choices:
+    for the GEMVs the warps per row pair or 16-row tile, for the small GEMM the blocks per cluster splitting
+    K (1, 2, 4 or 8)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
     M, K = x.shape
@@ -140,6 +156,16 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             raise ValueError(f"linear: ksplit must be 1, 2, 4 or 8, got {ksplit}")
         kernel("gemv.cu", f"gemv_m{M}_e{epi}").launch(
             (cdiv(pairs * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit)], stream)
+    elif path == "tc":
+        if not 1 <= M <= TC_MAX_ROWS:
+            raise ValueError(f"linear: the tensor-core GEMV handles 1 <= M <= {TC_MAX_ROWS}, got M={M}")
+        tiles = cdiv(N // 2, 8) if epilogue == "silu_mul" else cdiv(N, 16)
+        ksplit = ksplit or gemv_ksplit(tiles, K, segment=TC_KBLOCK)
+        if ksplit not in (1, 2, 4, 8):
+            raise ValueError(f"linear: ksplit must be 1, 2, 4 or 8, got {ksplit}")
+        kernel("gemv_tc.cu", f"gemv_tc_m{8 if M <= 8 else 16}_e{epi}").launch(
+            (cdiv(tiles * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(ksplit)],
+            stream)
     elif path == "gemm":
         grid = (cdiv(N, GEMM_TILE), cdiv(M, GEMM_TILE))
         kernel("gemm.cu", f"gemm_e{epi}").launch(grid, (256,), [x, w, out, I32(M), I32(N), I32(K)], stream,
@@ -149,7 +175,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         kernel("gemm_small.cu", cfg.kernel_name).launch(
             cfg.grid, (SMALL_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
     else:
-        raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'small', got {force!r}")
+        raise ValueError(f"linear: force must be 'gemm', 'gemv', 'tc' or 'small', got {force!r}")
 
 
 NORM_EPILOGUES = ("bf16", "silu_mul")  # the products that follow a norm: QKV and gate/up

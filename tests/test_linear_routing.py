@@ -1,0 +1,42 @@
+"""Which kernel linear() runs for each decode and prefill shape (tileinfer.kernels.linear.default_path).
+The choices come from H200 measurements (scripts/bench_gemm_small.py, quoted in the module docstring);
+this pins them so a change to the routing is deliberate."""
+import pytest
+
+from tileinfer.kernels.linear import default_path
+from tileinfer.model.config import preset
+
+
+def layer_matrices(name: str) -> dict[str, int]:
+    c = preset(name)
+    return {"qkv": c.qkv_size, "o": c.hidden_size, "gate_up": 2 * c.intermediate_size, "down": c.hidden_size,
+            "lm_head": c.vocab_size}
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_one_or_two_rows_take_the_gemv(M):
+    for n in layer_matrices("qwen3-8b").values():
+        assert default_path(M, n) == "gemv"
+
+
+def test_verify_sized_batches_split_between_tensor_core_gemv_and_small_gemm():
+    # M = 5 (a k = 4 verify step): wide layer matrices on the tensor-core GEMV, narrow ones and the LM head
+    # on the small GEMM.
+    want = {"qwen3-8b": {"qkv": "tc", "o": "tc", "gate_up": "tc", "down": "tc", "lm_head": "small"},
+            "qwen3-4b": {"qkv": "tc", "o": "small", "gate_up": "tc", "down": "small", "lm_head": "small"},
+            "qwen3-0.6b": {"qkv": "tc", "o": "small", "gate_up": "tc", "down": "small", "lm_head": "small"}}
+    for model, paths in want.items():
+        got = {m: default_path(5, n) for m, n in layer_matrices(model).items()}
+        assert got == paths, model
+
+
+@pytest.mark.parametrize("M", [9, 16, 64])
+def test_batches_take_the_small_gemm_except_the_lm_head_at_64(M):
+    got = {m: default_path(M, n) for m, n in layer_matrices("qwen3-0.6b").items()}
+    assert got == {"qkv": "small", "o": "small", "gate_up": "small", "down": "small",
+                   "lm_head": "gemm" if M == 64 else "small"}
+
+
+def test_prefill_takes_the_128x128_gemm():
+    assert default_path(4096, 6144) == "gemm"
+    assert default_path(512, 151936) == "gemm"
