@@ -67,14 +67,28 @@ __device__ __forceinline__ int tile_row(int i) {
     return (threadIdx.x >> 4) + 8 * i;
 }
 
+// Rows 0 .. SPACED - 1 of a thread's tile rows are STEP positions apart, so only the first needs a
+// division by the (run-time) page size; the others step their page offset. (A division per row cost
+// more instructions than the rest of the lookup, and decode attention is short of issue slots.)
 template <bool Q8>
 __device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ table, int kv_head, int num_kv_heads,
                                                     int page_size, int kv_len, int key0) {
+    constexpr int SPACED = Q8 ? 4 : 8, STEP = Q8 ? 16 : 8;
     TileRows<Q8> rows;
+    int p = key0 + tile_row<Q8>(0), page = p / page_size, off = p - page * page_size;
 #pragma unroll
-    for (int i = 0; i < TileRows<Q8>::N; ++i) {
-        const int p = key0 + tile_row<Q8>(i);
-        rows.vec[i] = p < kv_len ? (__ldg(table + p / page_size) * num_kv_heads + kv_head) * page_size + p % page_size
+    for (int i = 0; i < SPACED; ++i) {
+        if (i > 0) {
+            p += STEP;
+            off += STEP;
+            while (off >= page_size) { off -= page_size; ++page; }
+        }
+        rows.vec[i] = p < kv_len ? (__ldg(table + page) * num_kv_heads + kv_head) * page_size + off : -1;
+    }
+#pragma unroll
+    for (int i = SPACED; i < TileRows<Q8>::N; ++i) {  // INT8: the row whose scale this thread copies
+        const int q = key0 + tile_row<Q8>(i);
+        rows.vec[i] = q < kv_len ? (__ldg(table + q / page_size) * num_kv_heads + kv_head) * page_size + q % page_size
                                  : -1;
     }
     return rows;
@@ -374,10 +388,12 @@ __device__ __forceinline__ void attention_body(
             }
 #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+        if (alpha[0] != 1.f || alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
 #pragma unroll
-        for (int nb = 0; nb < 16; ++nb) {
-            o[nb][0] *= alpha[0]; o[nb][1] *= alpha[0];
-            o[nb][2] *= alpha[1]; o[nb][3] *= alpha[1];
+            for (int nb = 0; nb < 16; ++nb) {
+                o[nb][0] *= alpha[0]; o[nb][1] *= alpha[0];
+                o[nb][2] *= alpha[1]; o[nb][3] *= alpha[1];
+            }
         }
 
         // O += P V: P (bf16) is the A operand straight from the S accumulators.

@@ -490,7 +490,11 @@ def test_attention_chunk_after_cached_pages(H, page_size, buf, stream):
 
 DECODE_CASES = [pytest.param(kv, s, 16, 64, id=f"kv{kv}-splits{s}") for kv in (1, 63, 64, 65, 4097) for s in (1, 4, 16)]
 DECODE_CASES += [pytest.param(4097, 4, 32, 16, id="kv4097-splits4-H32-page16"),
-                 pytest.param(65, 16, 32, 64, id="kv65-splits16-H32-page64")]
+                 pytest.param(65, 16, 32, 64, id="kv65-splits16-H32-page64"),
+                 # page sizes that are not a multiple of a thread's 8-row stride through a key tile
+                 pytest.param(1000, 4, 16, 24, id="kv1000-splits4-H16-page24"),
+                 pytest.param(300, 1, 16, 8, id="kv300-splits1-H16-page8"),
+                 pytest.param(300, 1, 16, 5, id="kv300-splits1-H16-page5")]
 
 
 @pytest.mark.parametrize("kv_len, num_splits, H, page_size", DECODE_CASES)
@@ -555,6 +559,8 @@ INT8_CASES = [
     pytest.param([(200, 200)], 16, 64, 1, id="prefill-kv200"),
     pytest.param([(37, 137)], 32, 16, 1, id="chunk-after-cached-page16"),
     pytest.param([(1, 300), (0, 0), (37, 137), (70, 70), (1, 1)], 16, 64, 4, id="mixed-splits4"),
+    pytest.param([(1, 1000), (37, 137)], 32, 24, 4, id="decode-and-chunk-page24"),  # 16-row strides cross pages
+    pytest.param([(1, 300)], 16, 5, 1, id="decode-kv300-page5"),
 ]
 
 
