@@ -29,8 +29,6 @@
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 
 #define WARPS 8
-#define LOADS 4    // 16-byte loads per row per k-block: more (8) was faster only on down_proj (H200)
-#define KB 128     // k per k-block: LOADS x 32
 
 // W row of tile row r (0..15) of tile T; false past the end.
 template <int EPI>
@@ -44,10 +42,14 @@ __device__ __forceinline__ bool tc_row(int T, int r, int N, int &row) {
     return row < N;
 }
 
-template <int NT, int EPI>
+// LOADS 16-byte loads per row per k-block (KB = 32 * LOADS elements): 4, or 8 for long rows, where
+// a warp's few k-blocks must each carry more bytes (qwen3-8b down_proj, K = 12288: 39.4 -> 34.6 us at
+// M = 5 on the H200; shorter rows were as fast or slower with 8).
+template <int NT, int EPI, int LOADS>
 __device__ __forceinline__ void gemv_tc_tile(const bf16 *__restrict__ x, const bf16 *__restrict__ W,
                                              void *__restrict__ out, int M, int N, int K, int T, int kpart,
                                              int ksplit, float (*partial)[NT * 4][32]) {
+    constexpr int KB = 32 * LOADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int ra, rb;
     const bool va = tc_row<EPI>(T, g, N, ra), vb = tc_row<EPI>(T, g + 8, N, rb);
@@ -136,19 +138,22 @@ __device__ __forceinline__ void gemv_tc_tile(const bf16 *__restrict__ x, const b
 }
 
 // ============================================================================= kernels
-// gemv_tc_m{8,16}_e{EPI}(x, W, out, M, N, K, ksplit): grid (ceil(tiles * ksplit / 8)), block (256);
+// gemv_tc_m{8,16}_l{4,8}_e{EPI}(x, W, out, M, N, K, ksplit): grid (ceil(tiles * ksplit / 8)), block (256);
 // tiles = ceil(N / 16), or N / 16 rounded up for SiLU (8 features of [gate; up] per tile); M <= 8 for
-// m8 (one n8 tile), <= 16 for m16; ksplit in {1, 2, 4, 8} warps per tile.
-#define GEMV_TC_KERNEL(ROWS, NT, EPI)                                                                   \
+// m8 (one n8 tile), <= 16 for m16; l: LOADS; ksplit in {1, 2, 4, 8} warps per tile.
+#define GEMV_TC_KERNEL(ROWS, NT, LOADS, EPI)                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
-        gemv_tc_m##ROWS##_e##EPI(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, \
-                                 int M, int N, int K, int ksplit) {                                     \
+        gemv_tc_m##ROWS##_l##LOADS##_e##EPI(const bf16 *__restrict__ x, const bf16 *__restrict__ W,     \
+                                            void *__restrict__ out, int M, int N, int K, int ksplit) {  \
         __shared__ float partial[WARPS][NT * 4][32];                                                    \
         const int warp = threadIdx.x >> 5;                                                              \
-        gemv_tc_tile<NT, EPI>(x, W, out, M, N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, \
-                              partial);                                                                 \
+        gemv_tc_tile<NT, EPI, LOADS>(x, W, out, M, N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, \
+                                     ksplit, partial);                                                  \
     }
-#define GEMV_TC_ALL_EPI(ROWS, NT) \
-    GEMV_TC_KERNEL(ROWS, NT, 0) GEMV_TC_KERNEL(ROWS, NT, 1) GEMV_TC_KERNEL(ROWS, NT, 2) GEMV_TC_KERNEL(ROWS, NT, 3)
-GEMV_TC_ALL_EPI(8, 1)
-GEMV_TC_ALL_EPI(16, 2)
+#define GEMV_TC_ALL_EPI(ROWS, NT, LOADS)                                                                \
+    GEMV_TC_KERNEL(ROWS, NT, LOADS, 0) GEMV_TC_KERNEL(ROWS, NT, LOADS, 1) GEMV_TC_KERNEL(ROWS, NT, LOADS, 2) \
+    GEMV_TC_KERNEL(ROWS, NT, LOADS, 3)
+GEMV_TC_ALL_EPI(8, 1, 4)
+GEMV_TC_ALL_EPI(16, 2, 4)
+GEMV_TC_ALL_EPI(8, 1, 8)
+GEMV_TC_ALL_EPI(16, 2, 8)

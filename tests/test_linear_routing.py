@@ -20,9 +20,9 @@ def test_one_or_two_rows_take_the_gemv(M):
 
 
 def test_verify_sized_batches_split_between_tensor_core_gemv_and_small_gemm():
-    # M = 5 (a k = 4 verify step): wide layer matrices on the tensor-core GEMV, narrow ones and the LM head
-    # on the small GEMM.
-    want = {"qwen3-8b": {"qkv": "tc", "o": "tc", "gate_up": "tc", "down": "tc", "lm_head": "small"},
+    # M = 5 (a k = 4 verify step): layer matrices 4096-20480 wide on the tensor-core GEMV; narrower and
+    # wider ones (qwen3-8b's gate/up) and the LM head on the small GEMM.
+    want = {"qwen3-8b": {"qkv": "tc", "o": "tc", "gate_up": "small", "down": "tc", "lm_head": "small"},
             "qwen3-4b": {"qkv": "tc", "o": "small", "gate_up": "tc", "down": "small", "lm_head": "small"},
             "qwen3-0.6b": {"qkv": "tc", "o": "small", "gate_up": "tc", "down": "small", "lm_head": "small"}}
     for model, paths in want.items():

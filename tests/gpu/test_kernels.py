@@ -187,8 +187,9 @@ GEMV_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
 
 # The tensor-core GEMV: every M it serves (1-16: one or two n8 tiles, partly filled), N not a multiple
 # of 16 (a partial tile; for SiLU N / 2 = 68, 8 features a tile), K not a multiple of 128 (a partial
-# k-block), and the 8B-shaped residual product with its ksplit of 8.
-TC_NK = [(8, 64), (136, 352), (1024, 2560), (4096, 12288)]
+# k-block), the 8B-shaped residual product with its ksplit of 8, and rows long enough for 8 loads per
+# k-block (K >= 8192, tc_loads), one of them ending in a partial k-block.
+TC_NK = [(8, 64), (136, 352), (1024, 2560), (4096, 12288), (136, 8200)]
 TC_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
             for N, K in TC_NK for M in (1, 3, 5, 8, 9, 16) for e in EPILOGUES]
 

@@ -9,10 +9,11 @@ cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 3..256).
   "f32"       out [M, N] float32 (logits)
 Which kernel (`default_path`), from scripts/bench_gemm_small.py on the H200:
   - M in (1, 2): the bandwidth-bound GEMV.
-  - 3 <= M <= 8 and 4096 <= N <= 32768 (QKV, gate/up; o_proj and down_proj of qwen3-8b): the
-    tensor-core GEMV. At M = 5 it beat the small GEMM on 9 of those 10 matrices of qwen3-0.6b/4b/8b
-    (qwen3-8b: QKV 16.5 vs 17.2 us, o_proj 14.7 vs 17.2, down_proj 39.4 vs 41.4; gate/up lost, 59.6 vs
-    57.0); on narrower matrices (o_proj, down_proj of the smaller models) the small GEMM won.
+  - 3 <= M <= 8 and 4096 <= N <= 20480 (QKV, and gate/up but qwen3-8b's; o_proj and down_proj of
+    qwen3-8b): the tensor-core GEMV. At M = 5 it beat the small GEMM on all of these (qwen3-8b: QKV
+    16.5 vs 17.2 us, o_proj 14.7 vs 17.2, down_proj 34.6 vs 41.4 with 8 loads per k-block; qwen3-4b
+    gate/up 33.9 vs 35.5) and lost on qwen3-8b's gate/up (N = 24576: 59.6 vs 57.0) and on the narrower
+    o_proj and down_proj of the smaller models.
   - Otherwise the small-M GEMM where the 128x128 GEMM would leave most SMs idle: M <= 16 (the LM head
     included: at M = 4-16 it took 180-293 us where the 128x128 GEMM took 276-443), M <= 64 for all but
     very wide matrices, or at most 40 of the 128x128 tiles. At M = 64 the small GEMM takes 6-9 us on
@@ -32,8 +33,13 @@ GEMV_ROWS = (1, 2, 4, 8)
 GEMM_TILE = 128
 GEMM_SMEM = 3 * (128 + 128) * 64 * 2  # STAGES * (BM + BN) * BK * sizeof(bf16), as in gemm.cu
 GEMV_WARPS = 8
-TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8 (M <= 8) and gemv_tc_m16 (M <= 16), 8 warps a block
-TC_KBLOCK = 128    # k per block of a warp's loads in gemv_tc.cu
+TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8_* (M <= 8) and gemv_tc_m16_* (M <= 16), 8 warps a block
+TC_DEEP_K = 8192   # rows at least this long take 8 loads per k-block (gemv_tc_*_l8_*), shorter ones 4
+
+
+def tc_loads(K: int) -> int:
+    """16-byte loads per row per k-block of gemv_tc.cu for rows of K elements (a k-block is 32 * loads)."""
+    return 8 if K >= TC_DEEP_K else 4
 
 # gemm_small.cu: blocks of 64 W rows x ROWS rows of A, 4 warps splitting K in 64-wide chunks, and
 # clusters of `ksplit` blocks splitting K further. Shared memory per block: 4 warps * STAGES * one
@@ -50,8 +56,8 @@ SMALL_BLOCK_LATENCY = 2      # cost model: a block's fixed cost (first loads, re
 
 
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 go to the tensor-core GEMV or the small GEMM
-TC_DEFAULT_ROWS = range(3, 9)  # M the tensor-core GEMV takes by default, for N in [TC_MIN_N, WIDE_N]
-TC_MIN_N = 4096
+TC_DEFAULT_ROWS = range(3, 9)  # M the tensor-core GEMV takes by default, for N in [TC_MIN_N, TC_MAX_N]
+TC_MIN_N, TC_MAX_N = 4096, 20480
 WIDE_N = 32768  # wider than any layer matrix: the LM head
 
 
@@ -59,7 +65,7 @@ def default_path(M: int, N: int) -> str:
     """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
     if M in GEMV_DEFAULT_ROWS:
         return "gemv"
-    if M in TC_DEFAULT_ROWS and TC_MIN_N <= N <= WIDE_N:
+    if M in TC_DEFAULT_ROWS and TC_MIN_N <= N <= TC_MAX_N:
         return "tc"
     if M <= 16 or (M <= 64 and N <= WIDE_N) or cdiv(N, GEMM_TILE) * cdiv(M, GEMM_TILE) <= 40:
         return "small"
@@ -160,10 +166,11 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         if not 1 <= M <= TC_MAX_ROWS:
             raise ValueError(f"linear: the tensor-core GEMV handles 1 <= M <= {TC_MAX_ROWS}, got M={M}")
         tiles = cdiv(N // 2, 8) if epilogue == "silu_mul" else cdiv(N, 16)
-        ksplit = ksplit or gemv_ksplit(tiles, K, segment=TC_KBLOCK)
+        loads = tc_loads(K)
+        ksplit = ksplit or gemv_ksplit(tiles, K, segment=32 * loads)
         if ksplit not in (1, 2, 4, 8):
             raise ValueError(f"linear: ksplit must be 1, 2, 4 or 8, got {ksplit}")
-        kernel("gemv_tc.cu", f"gemv_tc_m{8 if M <= 8 else 16}_e{epi}").launch(
+        kernel("gemv_tc.cu", f"gemv_tc_m{8 if M <= 8 else 16}_l{loads}_e{epi}").launch(
             (cdiv(tiles * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(ksplit)],
             stream)
     elif path == "gemm":
