@@ -1,9 +1,9 @@
 // Decode products for a few rows of x (M <= 16: small decode batches, a speculative verify step of
 // k + 1 tokens) on tensor cores, with the GEMV's memory behaviour (gemv.cu): every weight byte read
-// once, straight from HBM into registers with 16-byte streaming loads, no shared-memory staging, so
-// M = 5 costs what M = 1 does. (The FMA GEMV's work grows with M: at M = 5 it is 1.2-1.6x slower than
-// at M = 1 on qwen3-8b's matrices; the small GEMM stages W through shared memory and streamed o_proj
-// and down_proj at 1.9-2.4 TB/s there, scripts/bench_gemm_small.py.)
+// once, straight from HBM into registers with 16-byte streaming loads, no shared-memory staging. On
+// qwen3-8b's matrices M = 5 costs 5-11% more than M = 1 here, where the FMA GEMV's work grows with M
+// (1.2-1.6x slower at M = 5) and the small GEMM, which stages W through shared memory, streamed o_proj
+// and down_proj at 1.9-2.4 TB/s (scripts/bench_gemm_small.py, H200).
 //
 // out^T = W x^T with mma.m16n8k16: W rows are the A operand (16 output features per warp), x rows the
 // B operand (n8: up to 8 rows of x per mma; NT = 2 tiles for M <= 16). For one k16 step, lane
@@ -12,8 +12,8 @@
 // 2t and 2t+1 (PTX ISA, mma.m16n8k16 fragments). A dot product may take its k in any order as long as
 // A and B use the same one, so lane t's 16-byte load of W[g][8t, 8t+8) (physical k) feeds two k16
 // steps: elements 0-1 and 2-3 become logical k 2t..2t+1 and 2t+8..2t+9 of the first, 4-7 the same of
-// the second; the 16-byte load of x[g][8t, 8t+8) lines up with it. A k-block is 128 elements: four
-// such loads per row (u = 0..3 at 32u), i.e. 256 contiguous bytes of each of the warp's 16 rows.
+// the second; the 16-byte load of x[g][8t, 8t+8) lines up with it. A k-block is 32 * LOADS elements:
+// LOADS such loads per row (u at 32u), i.e. 64 * LOADS contiguous bytes of each of the warp's 16 rows.
 //
 // A warp owns one tile of 16 features: W rows 16T .. 16T+15, or for SiLU(gate) * up (W = [gate; up],
 // N = 2 I) gate rows 8T .. 8T+7 as tile rows 0-7 and the matching up rows as 8-15, so lane (g, t) ends
