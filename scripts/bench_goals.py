@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Issue 8's goals table from one run: every case measured in one process, the peer beside it.
+
+    python3 scripts/bench_goals.py --peer path/to/peer_gptfast.py [--out DIR]
+
+Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scripts/bench.py, whose
+functions this calls):
+  - batch-1 decode after a 512-token prompt: qwen3-0.6b, qwen3-4b, qwen3-8b (the peer at batch 1);
+  - qwen3-4b batch-1 decode after 32,768 positions, BF16 and INT8 cache (the peer: BF16);
+  - qwen3-4b prefill of one 4,096-token prompt, as a fraction of the measured 790 TFLOP/s;
+  - qwen3-0.6b engine decode at batch 64 (the peer at batch 64) and the offline benchmark;
+  - start-up of that engine (LLM.startup): run after the cases above have compiled every kernel,
+    so it is the warm-cache figure the goal names, with the number of kernels it compiled.
+Prints the table (case, peer, roofline, goal, measured, met) and writes bench_goals.json and .md to
+--out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+
+# (key, case, goal, how the goal reads, True when larger is better)
+GOALS = [
+    ("0.6b_b1", "qwen3-0.6b decode, batch 1, 512 positions", 1500, ">= 1,500 tok/s", True),
+    ("4b_b1", "qwen3-4b decode, batch 1, 512 positions", 450, ">= 450 tok/s", True),
+    ("8b_b1", "qwen3-8b decode, batch 1, 512 positions", 225, ">= 225 tok/s", True),
+    ("4b_32k_bf16", "qwen3-4b decode, batch 1, 32,768 positions, BF16 cache", 285, ">= 285 tok/s", True),
+    ("4b_32k_int8", "qwen3-4b decode, batch 1, 32,768 positions, INT8 cache", 345, ">= 345 tok/s", True),
+    ("0.6b_b64", "qwen3-0.6b decode, batch 64, 512 positions, total", 40000, ">= 40,000 tok/s", True),
+    ("0.6b_offline", "qwen3-0.6b offline, 256 requests, in/out 100-1024", 30000, ">= 30,000 output tok/s", True),
+    ("4b_prefill", "qwen3-4b prefill, one 4,096-token prompt", 0.5, ">= 50% of 790 TFLOP/s", True),
+    ("startup", "start-up, warm kernel cache: compile + capture", 3.0, "<= 3 s, 0 kernels compiled", False),
+]
+
+
+def _fmt(x, key: str) -> str:
+    if x is None:
+        return "-"
+    if key == "4b_prefill":
+        return f"{100 * x:.1f}%"
+    if key == "startup":
+        return f"{x:.2f} s"
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.1f}"
+
+
+def goals_table(values: dict) -> str:
+    """Markdown table of the goals from `values`: key -> dict(measured=..., peer=..., roofline=...,
+    extra=str) or a missing key (not measured). The start-up row also needs extra `compiled` (kernels
+    compiled during start-up): its goal holds only with 0."""
+    lines = ["| case | peer | roofline | goal | measured | met |", "|---|---|---|---|---|---|"]
+    for key, case, goal, reads, larger in GOALS:
+        v = values.get(key)
+        if not v or v.get("measured") is None:
+            lines.append(f"| {case} | - | - | {reads} | not measured | - |")
+            continue
+        m = v["measured"]
+        met = m >= goal if larger else m <= goal
+        shown = _fmt(m, key)
+        if key == "startup":
+            compiled = v.get("compiled")
+            met = met and compiled == 0
+            shown += f", {compiled} compiled"
+        if v.get("extra"):
+            shown += f" ({v['extra']})"
+        lines.append(f"| {case} | {_fmt(v.get('peer'), key)} | {_fmt(v.get('roofline'), key)} | {reads} | {shown} | "
+                     f"{'yes' if met else 'no'} |")
+    return "\n".join(lines)
+
+
+def measure(args) -> dict:
+    """Run every case; each failure is printed and leaves its keys unmeasured."""
+    import bench  # scripts/bench.py: the benchmark functions (needs a GPU)
+    from tileinfer.model.config import preset
+    from tileinfer.model.synthetic import cached_checkpoint
+
+    def ns(**kw):
+        base = dict(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
+                    profile=False, batches="", peer_batches=None, offline=False, shared_prefix=False)
+        return argparse.Namespace(**{**base, **kw})
+
+    def peer_per_seq(row):
+        return row["peer"]["decode_tok_s_per_seq"] if row.get("peer") else None
+
+    values: dict = {}
+
+    def case(label, fn):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 (one failing case must not lose the others)
+            print(f"{label}: failed\n{traceback.format_exc()}", flush=True)
+
+    def decode(name, key, **kw):
+        row = bench.single(ns(**kw), name, preset(name), cached_checkpoint(name), "bf16")
+        values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"])
+        if row["prefill"]:
+            p = row["prefill"][0]
+            values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=f"{p['TFLOP_s']:.0f} TFLOP/s")
+
+    case("qwen3-0.6b batch 1", lambda: decode("qwen3-0.6b", "0.6b_b1"))
+    case("qwen3-4b batch 1 and prefill", lambda: decode("qwen3-4b", "4b_b1", prefill="4096"))
+    case("qwen3-8b batch 1", lambda: decode("qwen3-8b", "8b_b1"))
+
+    def long_context():
+        name = "qwen3-4b"
+        for kv, key in (("bf16", "4b_32k_bf16"), ("int8", "4b_32k_int8")):
+            row = bench.single(ns(context=32768, peer=args.peer if kv == "bf16" else None), name, preset(name),
+                               cached_checkpoint(name), kv, peer=kv == "bf16")
+            values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"])
+        if values["4b_32k_int8"].get("peer") is None:
+            values["4b_32k_int8"]["peer"] = values["4b_32k_bf16"].get("peer")  # the peer has no INT8 cache
+    case("qwen3-4b at 32k", long_context)
+
+    def engine():
+        name = "qwen3-0.6b"
+        out = bench.engine(ns(batches="64", peer_batches="64", offline=True), name, cached_checkpoint(name))
+        r = out["batch_decode"][0]
+        cfg = preset(name)  # roofline as bench.render counts a step: the weights once + every sequence's cache
+        step_bytes = bench.weight_bytes(cfg) + r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2)
+        values["0.6b_b64"] = dict(measured=r["decode_tok_s"], roofline=r["batch"] * bench.ROOFLINE_BYTES_PER_S / step_bytes,
+                                  peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None)
+        values["0.6b_offline"] = dict(measured=out["offline"]["output_tok_s"])
+        s = out["startup"]
+        values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],
+                                 extra=f"capture {s['capture']:.2f} s")
+    case("qwen3-0.6b engine", engine)
+    return values
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peer", type=Path, help="path to peer_gptfast.py (run beside each decode case)")
+    ap.add_argument("--peer-timeout", type=int, default=300)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args()
+    values = measure(args)
+    table = goals_table(values)
+    print(table, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_goals.json").write_text(json.dumps(values, indent=1))
+    (args.out / "bench_goals.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""scripts/bench_goals.py's table (the measuring needs a GPU; the table does not)."""
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_goals.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("bench_goals", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(table: str, case_start: str) -> list[str]:
+    line = next(line for line in table.splitlines() if line.startswith(f"| {case_start}"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_every_goal_gets_a_row_and_unmeasured_ones_say_so():
+    g = load()
+    table = g.goals_table({})
+    assert len(table.splitlines()) == 2 + len(g.GOALS)
+    assert row(table, "qwen3-8b decode")[4] == "not measured"
+
+
+def test_met_and_missed_goals():
+    g = load()
+    table = g.goals_table({
+        "0.6b_b1": dict(measured=1263.5, peer=493.0, roofline=3418),
+        "8b_b1": dict(measured=230.0),
+        "4b_prefill": dict(measured=0.512, extra="404 TFLOP/s"),
+    })
+    assert row(table, "qwen3-0.6b decode, batch 1") == [
+        "qwen3-0.6b decode, batch 1, 512 positions", "493.0", "3,418", ">= 1,500 tok/s", "1,264", "no"]
+    assert row(table, "qwen3-8b decode")[-1] == "yes"
+    assert row(table, "qwen3-4b prefill")[4:] == ["51.2% (404 TFLOP/s)", "yes"]
+
+
+def test_startup_needs_zero_recompiles_as_well_as_time():
+    g = load()
+    fast_but_compiled = g.goals_table({"startup": dict(measured=1.2, compiled=3)})
+    assert row(fast_but_compiled, "start-up")[4:] == ["1.20 s, 3 compiled", "no"]
+    warm = g.goals_table({"startup": dict(measured=1.2, compiled=0)})
+    assert row(warm, "start-up")[-1] == "yes"
+    slow = g.goals_table({"startup": dict(measured=3.5, compiled=0)})
+    assert row(slow, "start-up")[-1] == "no"
+
+
+def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
+    # bench.single / bench.engine replaced by fakes with the keys the real ones return (scripts/bench.py),
+    # so the glue is checked without a GPU: every goal ends up measured, INT8 borrows the BF16 peer.
+    import sys
+    import types
+
+    import tileinfer.model.synthetic as synthetic
+
+    calls = []
+
+    def single(args, name, cfg, path, kv="bf16", peer=True):
+        calls.append((name, args.context, kv, args.prefill, bool(peer and args.peer)))
+        prefill = [dict(matmul_fraction=0.4, TFLOP_s=316.0)] if args.prefill else []
+        return dict(decode_tok_s=100.0 + len(calls), roofline_tok_s=500.0, prefill=prefill,
+                    peer=dict(decode_tok_s_per_seq=90.0) if peer and args.peer else None)
+
+    def engine(args, name, path):
+        calls.append((name, "engine", args.batches, args.offline))
+        return dict(batch_decode=[dict(batch=64, context=512, new=128, decode_tok_s=26000.0,
+                                       peer=dict(decode_tok_s_total=21000.0))],
+                    offline=dict(output_tok_s=21000.0),
+                    startup=dict(total=1.2, kernels_compiled=0, capture=0.1))
+
+    fake = types.SimpleNamespace(single=single, engine=engine, ROOFLINE_BYTES_PER_S=4.3e12,
+                                 weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n: n * 114688)
+    monkeypatch.setitem(sys.modules, "bench", fake)
+    monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
+    g = load()
+    args = types.SimpleNamespace(peer="peer.py", peer_timeout=10)
+    values = g.measure(args)
+    assert sorted(values) == sorted(key for key, *_ in g.GOALS)
+    assert values["4b_32k_int8"]["peer"] == values["4b_32k_bf16"]["peer"] == 90.0
+    assert ("qwen3-4b", 32768, "int8", "", False) in calls and ("qwen3-4b", 512, "bf16", "4096", True) in calls
+    assert values["4b_prefill"]["measured"] == 0.4
+    assert "not measured" not in g.goals_table(values)
