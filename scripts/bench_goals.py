@@ -91,6 +91,7 @@ def measure(args) -> dict:
             fn()
         except Exception:  # noqa: BLE001 (one failing case must not lose the others)
             print(f"{label}: failed\n{traceback.format_exc()}", flush=True)
+        print(f"{label}: {json.dumps(values)}", flush=True)  # so far, in case a later case runs out of time
 
     def decode(name, key, **kw):
         row = bench.single(ns(**kw), name, preset(name), cached_checkpoint(name), "bf16")
