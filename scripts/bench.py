@@ -81,29 +81,34 @@ def graph_step_ms(model, replays: int = 50) -> float:
 
 
 def profile_step(model, bucket: int = 1) -> list[dict]:
-    """Per-kernel GPU time of one decode step of `bucket` sequences (over the step buffers' last contents).
+    """Per-kernel GPU time of one decode step of `bucket` sequences (over the step buffers' last contents)."""
+    return profile_graph(model, lambda s: model._enqueue_decode(bucket, s))
 
-    The step is captured again with an event recorded before every launch (and one after the
-    last); replaying that graph timestamps each kernel without launch gaps from Python. Rows
-    are grouped by kernel name; for the GEMVs, the bytes are the weights they stream (N x K bf16).
+
+def profile_graph(model, enqueue) -> list[dict]:
+    """Per-kernel GPU time of what `enqueue(stream)` launches, captured as a graph.
+
+    The launches are captured again with an event recorded before every launch (and one after the
+    last); replaying that graph timestamps each kernel without launch gaps from Python. The events
+    also keep a kernel from starting early (programmatic dependent launch), so each row holds its
+    kernel's whole ramp-up and tail. Rows are grouped by kernel name; their bytes are the weights
+    the launches read (every weight array among a launch's arguments).
     """
     marks: list[tuple[str, Event, int]] = []
     original = Kernel.launch
+    weights = {a.ptr: a.nbytes for a in model.weights.arrays}
 
     def launch(self, grid, block, args, stream, smem=0):
         event = Event()
         event.record(stream, external=True)
-        nbytes = 0
-        if self.name.startswith("gemv"):
-            n, k = args[-2].value, args[-1].value
-            nbytes = 2 * n * k
+        nbytes = sum(weights.get(getattr(a, "ptr", None), 0) for a in args)
         marks.append((self.name, event, nbytes))
         original(self, grid, block, args, stream, smem)
 
     end = Event()
     Kernel.launch = launch
     try:
-        graph = Graph(model.stream, lambda s: (model._enqueue_decode(bucket, s), end.record(s, external=True)))
+        graph = Graph(model.stream, lambda s: (enqueue(s), end.record(s, external=True)))
     finally:
         Kernel.launch = original
     for _ in range(3):
@@ -122,9 +127,9 @@ def profile_step(model, bucket: int = 1) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["us"])
 
 
-def render_profile(name: str, rows: list[dict]) -> str:
+def render_profile(name: str, rows: list[dict], what: str = "one decode step") -> str:
     total = sum(r["us"] for r in rows)
-    lines = [f"{name}: one decode step, {total:.0f} us of GPU time", "",
+    lines = [f"{name}: {what}, {total:.0f} us of GPU time", "",
              "| kernel | launches | total us | share | GB/s |", "|---|---|---|---|---|"]
     for r in rows:
         gbs = f"{r['GB_s']:.0f}" if r["GB_s"] else "-"
@@ -275,27 +280,26 @@ def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True
     """Batch-1 decode and prefill on the single-sequence path (tileinfer.generate) with a `kv` cache,
     and the peer at batch 1."""
     t = time.perf_counter()
-    if True:
-        with tileinfer.load_model(path, progress=False, max_batch_tokens=max(4096, args.context)) as model:
-            load_s = time.perf_counter() - t
-            row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", kv=kv, load_s=load_s,
-                       weight_GB=weight_bytes(cfg) / 1e9, load_GB_s=model.weights.nbytes / 1e9 / model.weights.load_seconds)
-            row.update(bench_decode(model, args.context, args.new, args.repeats, kv))
-            print(f"{name}: {kv} cache, decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
-                  f"{100 * row['roofline_fraction']:.1f}% of roofline); GPU time per step {row['graph_step_ms']:.3f} ms "
-                  f"({row['graph_GB_s']:.0f} GB/s), wall {row['wall_step_ms']:.3f} ms", flush=True)
-            if args.profile:
-                row["profile"] = profile_step(model)
-                print(render_profile(name, row["profile"]), flush=True)
-            row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
-            for p in row["prefill"]:
-                print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
-                      f"({p['TFLOP_s']:.0f} TFLOP/s)", flush=True)
-        if args.peer and peer:
-            peer = run_peer(args.peer, name, args.context, args.new, args.peer_timeout)
-            row["peer"] = peer
-            if peer:
-                print(f"{name}: peer {peer['decode_tok_s_per_seq']:.1f} tok/s", flush=True)
+    with tileinfer.load_model(path, progress=False, max_batch_tokens=max(4096, args.context)) as model:
+        load_s = time.perf_counter() - t
+        row = dict(model=name, batch=1, context=args.context, new=args.new, dtype="bf16", kv=kv, load_s=load_s,
+                   weight_GB=weight_bytes(cfg) / 1e9, load_GB_s=model.weights.nbytes / 1e9 / model.weights.load_seconds)
+        row.update(bench_decode(model, args.context, args.new, args.repeats, kv))
+        print(f"{name}: {kv} cache, decode {row['decode_tok_s']:.1f} tok/s ({row['GB_s']:.0f} GB/s, "
+              f"{100 * row['roofline_fraction']:.1f}% of roofline); GPU time per step {row['graph_step_ms']:.3f} ms "
+              f"({row['graph_GB_s']:.0f} GB/s), wall {row['wall_step_ms']:.3f} ms", flush=True)
+        if args.profile:
+            row["profile"] = profile_step(model)
+            print(render_profile(name, row["profile"]), flush=True)
+        row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
+        for p in row["prefill"]:
+            print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
+                  f"({p['TFLOP_s']:.0f} TFLOP/s)", flush=True)
+    if args.peer and peer:
+        peer = run_peer(args.peer, name, args.context, args.new, args.peer_timeout)
+        row["peer"] = peer
+        if peer:
+            print(f"{name}: peer {peer['decode_tok_s_per_seq']:.1f} tok/s", flush=True)
     return row
 
 

@@ -9,6 +9,8 @@ Measures, in one process:
   * t_verify: one greedy verify step of the target, k + 1 positions through Model.extend (their
     argmaxes read back) on a sequence of --context positions, then truncated back (wall time,
     median of --repeats);
+  * the GPU time of both target steps (graph replays timed with events), and with --profile each
+    step's per-kernel GPU time;
   * t_draft: one decode step of the draft model (as t_decode);
   * oracle: decode tokens/s of generate() with an OracleDraft proposing the target's own greedy
     continuation (acceptance 1, drafting free), against plain decode's tokens/s, and its end-to-end
@@ -32,7 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
+import bench  # scripts/bench.py: the decode step's GPU time and the per-kernel profile
 import tileinfer
+from tileinfer import kernels as K
+from tileinfer.cuda import Event
 from tileinfer.kv import Sequence
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -45,9 +50,13 @@ def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int]
     return 1.0 / r.decode_tokens_per_second, prompt, r.token_ids
 
 
-def verify_step_seconds(model, prompt: list[int], k: int, repeats: int) -> float:
-    """Wall seconds of one greedy verify step: k + 1 positions appended to a sequence holding the
-    prompt, their argmaxes read back (what speculative_stream asks for under greedy)."""
+def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile: bool = False
+                        ) -> tuple[float, float, list | None]:
+    """One greedy verify step: k + 1 positions appended to a sequence holding the prompt, their
+    argmaxes read back (what speculative_stream asks for under greedy). Returns its wall seconds
+    (median of `repeats`), its GPU seconds (replays of the captured verify graph and the argmax,
+    timed with events, as bench.graph_step_ms times a decode step) and, with `profile`, its
+    per-kernel profile (bench.profile_graph)."""
     cache = model.ensure_cache(len(prompt) + k + 1)
     seq = Sequence()
     try:
@@ -59,7 +68,22 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int) -> float
             model.extend(seq, feed, logits="argmax")
             times.append(time.perf_counter() - start)
             cache.manager.truncate(seq, len(prompt))
-        return statistics.median(times[1:])
+        # The step buffers still hold the last verify step's inputs; replaying it rewrites the same
+        # (now truncated, still unused) cache slots.
+        n, stream = k + 1, model.stream
+        graph = model.extend_graphs.graphs[n]
+        rows, best = model.workspace.logits.rows(0, n), model.workspace.logit_argmax.rows(0, n)
+        start, end = Event(), Event()
+        start.record(stream)
+        for _ in range(repeats):
+            graph.launch(stream)
+            K.argmax(rows, best, stream)
+        end.record(stream)
+        end.synchronize()
+        gpu = start.elapsed_ms(end) / 1e3 / repeats
+        prof = bench.profile_graph(model, lambda s: (model._enqueue_extend(n, s), K.argmax(rows, best, s))) \
+            if profile else None
+        return statistics.median(times[1:]), gpu, prof
     finally:
         cache.manager.release(seq)
 
@@ -77,13 +101,23 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the per-kernel GPU time of the target's decode and verify steps")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args()
     k = args.k
     row: dict = dict(target=args.target, draft=args.draft, k=k, context=args.context)
     with tileinfer.load_model(cached_checkpoint(args.target), progress=False) as target:
         t_decode, prompt, continuation = decode_step_seconds(target, args.context, args.new)
-        t_verify = verify_step_seconds(target, prompt, k, args.repeats)
+        gpu_decode = bench.graph_step_ms(target) / 1e3
+        t_verify, gpu_verify, verify_profile = verify_step_seconds(target, prompt, k, args.repeats, args.profile)
+        row.update(gpu_decode_ms=1e3 * gpu_decode, gpu_verify_ms=1e3 * gpu_verify,
+                   gpu_verify_over_decode=gpu_verify / gpu_decode)
+        if args.profile:
+            row["decode_profile"] = bench.profile_step(target)
+            row["verify_profile"] = verify_profile
+            print(bench.render_profile(f"{args.target} decode", row["decode_profile"]), flush=True)
+            print(bench.render_profile(f"{args.target}, k={k}", verify_profile, "one verify step"), flush=True)
         plain_tok_s = 1.0 / t_decode
         # The oracle proposes the greedy continuation itself. A verify step (k + 1 rows on the small
         # GEMM) and a decode step (one row on the GEMV) round differently, so at a near-tie the
@@ -116,6 +150,8 @@ def main() -> None:
     print(f"{args.target} target, k={k}, context {args.context}: decode step {row['t_decode_ms']:.3f} ms, "
           f"verify step {row['t_verify_ms']:.3f} ms ({row['verify_over_decode']:.2f}x), "
           f"{args.draft} draft step {row['t_draft_ms']:.3f} ms")
+    print(f"GPU time (graph replays): decode step {row['gpu_decode_ms']:.3f} ms, verify step {row['gpu_verify_ms']:.3f} ms "
+          f"({row['gpu_verify_over_decode']:.2f}x)")
     print(f"oracle draft: {oracle_tok_s:.1f} decode tok/s vs plain {plain_tok_s:.1f} ({row['oracle_speedup']:.2f}x; "
           f"end to end {oracle_e2e:.1f} tok/s with a {row['oracle_prefill_ms']:.1f} ms prefill; "
           f"{row['oracle_tokens_per_step']:.2f} tokens per target step; {attempt} oracle attempt(s), the first "
