@@ -25,6 +25,7 @@ import numpy as np
 
 import tileinfer
 from tileinfer.cuda import Event, Graph, Kernel, get_device
+from tileinfer.engine.step import prepare_step
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import cached_checkpoint
@@ -94,15 +95,20 @@ def profile_graph(model, enqueue) -> list[dict]:
     kernel's whole ramp-up and tail. Rows are grouped by kernel name; their bytes are the weights
     the launches read (every weight array among a launch's arguments).
     """
-    marks: list[tuple[str, Event, int]] = []
+    marks: list[tuple[str, Event, int, int]] = []
     original = Kernel.launch
-    weights = {a.ptr: a.nbytes for a in model.weights.arrays}
+    weights = {a.ptr: a for a in model.weights.arrays}
 
     def launch(self, grid, block, args, stream, smem=0):
         event = Event()
         event.record(stream, external=True)
-        nbytes = sum(weights.get(getattr(a, "ptr", None), 0) for a in args)
-        marks.append((self.name, event, nbytes))
+        read = [weights[a.ptr] for a in args if getattr(a, "ptr", None) in weights]
+        nbytes = sum(w.nbytes for w in read)
+        flops = 0
+        x = args[0] if args else None
+        if len(read) == 1 and len(read[0].shape) == 2 and len(getattr(x, "shape", ())) == 2:
+            flops = 2 * x.shape[0] * read[0].shape[0] * read[0].shape[1]  # a matrix product x W^T
+        marks.append((self.name, event, nbytes, flops))
         original(self, grid, block, args, stream, smem)
 
     end = Event()
@@ -115,26 +121,45 @@ def profile_graph(model, enqueue) -> list[dict]:
         graph.launch(model.stream)
     end.synchronize()
     rows: dict[str, dict] = {}
-    for i, (name, event, nbytes) in enumerate(marks):
+    for i, (name, event, nbytes, flops) in enumerate(marks):
         nxt = marks[i + 1][1] if i + 1 < len(marks) else end
-        r = rows.setdefault(name, dict(kernel=name, launches=0, us=0.0, bytes=0))
+        r = rows.setdefault(name, dict(kernel=name, launches=0, us=0.0, bytes=0, flops=0))
         r["launches"] += 1
         r["us"] += event.elapsed_ms(nxt) * 1e3
         r["bytes"] += nbytes
+        r["flops"] += flops
     graph.destroy()
     for r in rows.values():
         r["GB_s"] = r["bytes"] / (r["us"] * 1e3) if r["bytes"] else None
+        r["TFLOP_s"] = r["flops"] / (r["us"] * 1e6) if r["flops"] else None
     return sorted(rows.values(), key=lambda r: -r["us"])
 
 
 def render_profile(name: str, rows: list[dict], what: str = "one decode step") -> str:
     total = sum(r["us"] for r in rows)
     lines = [f"{name}: {what}, {total:.0f} us of GPU time", "",
-             "| kernel | launches | total us | share | GB/s |", "|---|---|---|---|---|"]
+             "| kernel | launches | total us | share | GB/s | TFLOP/s |", "|---|---|---|---|---|---|"]
     for r in rows:
         gbs = f"{r['GB_s']:.0f}" if r["GB_s"] else "-"
-        lines.append(f"| {r['kernel']} | {r['launches']} | {r['us']:.1f} | {100 * r['us'] / total:.1f}% | {gbs} |")
+        tfs = f"{r['TFLOP_s']:.0f}" if r.get("TFLOP_s") else "-"
+        lines.append(f"| {r['kernel']} | {r['launches']} | {r['us']:.1f} | {100 * r['us'] / total:.1f}% | {gbs} | {tfs} |")
     return "\n".join(lines) + "\n"
+
+
+def profile_prefill(model, n: int) -> list[dict]:
+    """Per-kernel GPU time of one prefill step of n tokens (one chunk: n <= max_batch_tokens)."""
+    prompt = np.random.default_rng(1).integers(0, 151643, n).tolist()
+    cache = model.ensure_cache(n + 1)
+    seq = Sequence()
+    try:
+        cache.manager.reserve(seq, n)
+        shape = prepare_step(model.steps, cache.manager, [(seq, prompt)])
+        model.steps.upload(model.stream)
+        return profile_graph(model, lambda s: model._enqueue(shape, all_logits=False, sample=False, num_splits=1,
+                                                            stream=s))
+    finally:
+        model.stream.synchronize()
+        cache.manager.release(seq)
 
 
 def bench_prefill(model, n: int, repeats: int) -> dict:
@@ -295,6 +320,9 @@ def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True
         for p in row["prefill"]:
             print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
                   f"({p['TFLOP_s']:.0f} TFLOP/s)", flush=True)
+            if args.profile and p["prefill_tokens"] <= model.max_batch_tokens:
+                p["profile"] = profile_prefill(model, p["prefill_tokens"])
+                print(render_profile(name, p["profile"], f"prefill of {p['prefill_tokens']} tokens"), flush=True)
     if args.peer and peer:
         peer = run_peer(args.peer, name, args.context, args.new, args.peer_timeout)
         row["peer"] = peer
