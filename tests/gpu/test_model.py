@@ -292,6 +292,24 @@ def test_truncate_then_regenerate_reproduces(tiny_model):
     assert cache.manager.num_free_pages == cache.manager.num_pages
 
 
+def test_pipelined_decode_stops_at_eos(tiny_model):
+    """generate launches step t + 1 before reading step t's token: when step t's token is an EOS, the
+    output ends there (the step run ahead is dropped) and every page is free again."""
+    prompt = random_prompt(25, seed=11)
+    plain = tileinfer.generate(tiny_model, prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    saved = tiny_model.eos_token_ids
+    tiny_model.eos_token_ids = [plain[6]]
+    try:
+        stopped = tileinfer.generate(tiny_model, prompt, max_new_tokens=20, stop_at_eos=True)
+    finally:
+        tiny_model.eos_token_ids = saved
+    first = plain.index(plain[6])
+    assert stopped.token_ids == plain[:first + 1]
+    assert stopped.finish_reason == "stop"
+    manager = tiny_model.cache.manager
+    assert manager.num_free_pages == manager.num_pages
+
+
 def test_sampling_is_seeded(tiny_model):
     prompt = random_prompt(10, seed=8)
     kw = dict(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, stop_at_eos=False)

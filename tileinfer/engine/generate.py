@@ -94,12 +94,28 @@ def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temp
         out.append(token)
         if on_token is not None:
             on_token(token)
-        while len(out) < max_new_tokens and not (stop_at_eos and token in model.eos_token_ids):
+        # Decode, pipelined: step t + 1 is launched before step t's token is read back, and takes that
+        # token on the device (token_src), so the host's planning and the copies overlap the GPU's
+        # work. If step t ends the generation (EOS), step t + 1 ran for nothing; the sequence is
+        # released below either way.
+        slot = None
+        if len(out) < max_new_tokens and not (stop_at_eos and token in model.eos_token_ids):
             cache.manager.reserve(seq, 1)
-            token = int(model.step([(seq, [token])], [row])[0])
+            slot = model.launch([(seq, [token])], [row])
+        while slot is not None:
+            ahead = None
+            if len(out) + 1 < max_new_tokens:
+                cache.manager.reserve(seq, 1)
+                ahead = model.launch([(seq, [0])], [row], token_src=[0])
+            token = int(model.collect(slot, 1)[0])
             out.append(token)
             if on_token is not None:
                 on_token(token)
+            slot = ahead
+            if stop_at_eos and token in model.eos_token_ids:
+                if ahead is not None:
+                    model.collect(ahead, 1)
+                break
         end = time.perf_counter()
         if stop_at_eos and out[-1] in model.eos_token_ids:
             finish = "stop"
