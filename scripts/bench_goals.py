@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 8's goals table from one run: every case measured in one process, the peer beside it.
 
-    python3 scripts/bench_goals.py --peer path/to/peer_gptfast.py [--out DIR]
+    python3 scripts/bench_goals.py --peer path/to/peer_gptfast.py [--profile] [--out DIR]
 
 Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scripts/bench.py, whose
 functions this calls):
@@ -13,6 +13,9 @@ functions this calls):
     so it is the warm-cache figure the goal names, with the number of kernels it compiled.
 Prints the table (case, peer, roofline, goal, measured, met) and writes bench_goals.json and .md to
 --out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
+With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) also carry their step's
+per-kernel GPU time (bench.py --profile), and the .md lists each one's slowest kernels under the
+table: the measured cause of each gap, from the same run.
 """
 from __future__ import annotations
 
@@ -70,6 +73,27 @@ def goals_table(values: dict) -> str:
     return "\n".join(lines)
 
 
+def profiles_md(values: dict, top: int = 6) -> str:
+    """Each profiled case's `top` slowest kernels (rows as bench.profile_graph returns them), in GOALS
+    order; empty without profiles."""
+    parts = []
+    for key, case, *_ in GOALS:
+        rows = (values.get(key) or {}).get("profile")
+        if not rows:
+            continue
+        total = sum(r["us"] for r in rows)
+        lines = [f"{case}: {total:,.0f} us of GPU time in the profile (an event between kernels: each runs alone, "
+                 f"with its ramp-up and tail)", "", "| kernel | launches | us | share | GB/s | TFLOP/s |",
+                 "|---|---|---|---|---|---|"]
+        for r in sorted(rows, key=lambda r: -r["us"])[:top]:
+            gbs = f"{r['GB_s']:.0f}" if r.get("GB_s") else "-"
+            tfs = f"{r['TFLOP_s']:.0f}" if r.get("TFLOP_s") else "-"
+            lines.append(f"| {r['kernel']} | {r['launches']} | {r['us']:,.1f} | {100 * r['us'] / total:.1f}% | "
+                         f"{gbs} | {tfs} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def measure(args) -> dict:
     """Run every case; each failure is printed and leaves its keys unmeasured."""
     import bench  # scripts/bench.py: the benchmark functions (needs a GPU)
@@ -78,7 +102,8 @@ def measure(args) -> dict:
 
     def ns(**kw):
         base = dict(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
-                    profile=False, batches="", peer_batches=None, offline=False, shared_prefix=False)
+                    profile=getattr(args, "profile", False), batches="", peer_batches=None, offline=False,
+                    shared_prefix=False)
         return argparse.Namespace(**{**base, **kw})
 
     def peer_per_seq(row):
@@ -91,14 +116,18 @@ def measure(args) -> dict:
             fn()
         except Exception:  # noqa: BLE001 (one failing case must not lose the others)
             print(f"{label}: failed\n{traceback.format_exc()}", flush=True)
-        print(f"{label}: {json.dumps(values)}", flush=True)  # so far, in case a later case runs out of time
+        # the values so far (without the profiles), in case a later case runs out of time
+        print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f != 'profile'} for k, v in values.items()})}",
+              flush=True)
 
     def decode(name, key, **kw):
         row = bench.single(ns(**kw), name, preset(name), cached_checkpoint(name), "bf16")
-        values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"])
+        values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"],
+                           profile=row.get("profile"))
         if row["prefill"]:
             p = row["prefill"][0]
-            values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=f"{p['TFLOP_s']:.0f} TFLOP/s")
+            values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=f"{p['TFLOP_s']:.0f} TFLOP/s",
+                                        profile=p.get("profile"))
 
     case("qwen3-0.6b batch 1", lambda: decode("qwen3-0.6b", "0.6b_b1"))
     case("qwen3-4b batch 1 and prefill", lambda: decode("qwen3-4b", "4b_b1", prefill="4096"))
@@ -108,7 +137,8 @@ def measure(args) -> dict:
         name = "qwen3-4b"
         for kv, key in (("bf16", "4b_32k_bf16"), ("int8", "4b_32k_int8")):
             row = bench.single(ns(context=32768), name, preset(name), cached_checkpoint(name), kv, peer=kv == "bf16")
-            values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"])
+            values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"],
+                               profile=row.get("profile"))
         values["4b_32k_int8"]["peer"] = values["4b_32k_bf16"]["peer"]  # the peer has no INT8 cache: its BF16 run
     case("qwen3-4b at 32k", long_context)
 
@@ -132,14 +162,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", type=Path, help="path to peer_gptfast.py (run beside each decode case)")
     ap.add_argument("--peer-timeout", type=int, default=300)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the single-sequence cases' steps per kernel (the cause of each gap)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args()
     values = measure(args)
     table = goals_table(values)
-    print(table, flush=True)
+    profiles = profiles_md(values)
+    text = table + ("\n\n" + profiles if profiles else "")
+    print(text, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_goals.json").write_text(json.dumps(values, indent=1))
-    (args.out / "bench_goals.md").write_text(table + "\n")
+    (args.out / "bench_goals.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -57,11 +57,17 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
 
     calls = []
 
+    def prof(kernel):
+        return [dict(kernel=kernel, launches=36, us=100.0, GB_s=3000.0, TFLOP_s=None),
+                dict(kernel="attention_decode", launches=36, us=50.0, GB_s=None, TFLOP_s=None)]
+
     def single(args, name, cfg, path, kv="bf16", peer=True):
         calls.append((name, args.context, kv, args.prefill, bool(peer and args.peer)))
-        prefill = [dict(matmul_fraction=0.4, TFLOP_s=316.0)] if args.prefill else []
+        prefill = [dict(matmul_fraction=0.4, TFLOP_s=316.0, profile=prof("gemm_e2") if args.profile else None)] \
+            if args.prefill else []
         return dict(decode_tok_s=100.0 + len(calls), roofline_tok_s=500.0, prefill=prefill,
-                    peer=dict(decode_tok_s_per_seq=90.0) if peer and args.peer else None)
+                    peer=dict(decode_tok_s_per_seq=90.0) if peer and args.peer else None,
+                    profile=prof(f"gemv {name} {args.context} {kv}") if args.profile else None)
 
     def engine(args, name, path):
         calls.append((name, "engine", args.batches, args.offline))
@@ -75,10 +81,15 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
     g = load()
-    args = types.SimpleNamespace(peer="peer.py", peer_timeout=10)
+    args = types.SimpleNamespace(peer="peer.py", peer_timeout=10, profile=True)
     values = g.measure(args)
     assert sorted(values) == sorted(key for key, *_ in g.GOALS)
     assert values["4b_32k_int8"]["peer"] == values["4b_32k_bf16"]["peer"] == 90.0
     assert ("qwen3-4b", 32768, "int8", "", False) in calls and ("qwen3-4b", 512, "bf16", "4096", True) in calls
     assert values["4b_prefill"]["measured"] == 0.4
     assert "not measured" not in g.goals_table(values)
+    # --profile: the single-sequence cases carry their profiles, listed under the table in GOALS order
+    md = g.profiles_md(values)
+    assert md.index("gemv qwen3-0.6b 512 bf16") < md.index("gemv qwen3-8b 512 bf16") < md.index("gemm_e2")
+    assert "gemv qwen3-4b 32768 int8" in md and "| attention_decode | 36 | 50.0 | 33.3% | - | - |" in md
+    assert g.profiles_md({}) == ""
