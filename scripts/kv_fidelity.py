@@ -14,7 +14,8 @@ cache, as a prefill does). --backend reference runs the float32 numpy reference
 (tileinfer.model.reference) on the CPU, comparing an INT8 cache quantized as tileinfer/kv/int8.py
 specifies with an exact float32 cache. --model: a preset (its synthetic checkpoint, whose
 key-norm weights have a few channels ~100x the rest) or a checkpoint directory. Prints a table and
-one JSON line.
+one JSON line. --parts (reference backend only) adds two rows with smoothing: only the keys
+quantized, only the values, to show which half the remaining error comes from.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class ReferenceBackend:
     def greedy(self, prompt, n: int) -> list[int]:
         return [int(t) for t in self.ref.greedy(prompt, n)]
 
-    def log_probs(self, tokens, int8: bool = False, smoothing: bool = False) -> np.ndarray:
-        return log_softmax(self.ref.forward(tokens, self.ref.new_cache(int8=int8, smoothing=smoothing)))
+    def log_probs(self, tokens, int8: bool = False, smoothing: bool = False, parts: str = "kv") -> np.ndarray:
+        return log_softmax(self.ref.forward(tokens, self.ref.new_cache(int8=int8, smoothing=smoothing, parts=parts)))
 
     def close(self) -> None:
         pass
@@ -72,6 +73,15 @@ class EngineBackend:
         self.model.close()
 
 
+def compare(exact: np.ndarray, lp: np.ndarray, n: int, generated) -> dict:
+    """Mean and max KL(exact || lp) over the n prompt positions, and greedy agreement: does lp pick the
+    exact cache's next token at each generated step (None when nothing was generated)?"""
+    kl = (np.exp(exact[:n]) * (exact[:n] - lp[:n])).sum(axis=-1)
+    picks = lp[n - 1:n - 1 + len(generated)].argmax(axis=-1)
+    agree = float(np.mean(picks == np.asarray(generated))) if len(generated) else None
+    return dict(mean_kl=float(kl.mean()), max_kl=float(kl.max()), greedy_agreement=agree)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -79,7 +89,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--generate", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", action="store_true",
+                    help="also quantize only the keys, then only the values (reference backend)")
     args = ap.parse_args()
+    if args.parts and args.backend != "reference":
+        ap.error("--parts needs --backend reference (the GPU's INT8 cache quantizes keys and values together)")
     path = Path(args.model) if Path(args.model).is_dir() else cached_checkpoint(args.model)
     t0 = time.perf_counter()
     backend = (EngineBackend if args.backend == "engine" else ReferenceBackend)(path)
@@ -93,21 +107,22 @@ def main() -> None:
         report = dict(model=args.model, prompt_tokens=n, generated=args.generate, backend=backend.name)
         for smoothing in (False, True):
             lp = backend.log_probs(tokens, int8=True, smoothing=smoothing)
-            kl = (np.exp(exact[:n]) * (exact[:n] - lp[:n])).sum(axis=-1)
-            # Greedy agreement: does the INT8 cache pick the exact cache's next token at each generated step?
-            picks = lp[n - 1:n - 1 + args.generate].argmax(axis=-1)
-            agree = float(np.mean(picks == np.asarray(generated)))
             key = "smoothing" if smoothing else "plain"
-            report[key] = dict(mean_kl=float(kl.mean()), max_kl=float(kl.max()), greedy_agreement=agree)
+            report[key] = compare(exact, lp, n, generated)
+        for parts, key in ((("k", "keys only, smoothed"), ("v", "values only")) if args.parts else ()):
+            report[key] = compare(exact, backend.log_probs(tokens, int8=True, smoothing=True, parts=parts), n, generated)
     finally:
         backend.close()
     report["kl_reduction"] = report["plain"]["mean_kl"] / max(report["smoothing"]["mean_kl"], 1e-30)
     report["seconds"] = time.perf_counter() - t0
     print(f"{args.model}: {n}-token prompt, {args.generate} greedy tokens ({report['backend']})")
     print("| INT8 cache | mean KL | max KL | greedy agreement |\n|---|---|---|---|")
-    for key in ("plain", "smoothing"):
+    for key in ("plain", "smoothing", "keys only, smoothed", "values only"):
+        if key not in report:
+            continue
         r = report[key]
-        print(f"| {key} | {r['mean_kl']:.2e} | {r['max_kl']:.2e} | {100 * r['greedy_agreement']:.1f}% |")
+        agree = "-" if r["greedy_agreement"] is None else f"{100 * r['greedy_agreement']:.1f}%"
+        print(f"| {key} | {r['mean_kl']:.2e} | {r['max_kl']:.2e} | {agree} |")
     print(f"smoothing lowers the mean KL {report['kl_reduction']:.0f}x")
     print(json.dumps(report))
 

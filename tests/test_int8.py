@@ -88,3 +88,25 @@ def test_reference_int8_cache_with_smoothing_on_the_tiny_checkpoint(tiny_checkpo
     print(f"mean KL to the exact cache: int8 {kl[False]:.2e}, int8 + smoothing {kl[True]:.2e}")
     assert kl[True] * 3 <= kl[False]
     assert kl[True] <= 0.005
+
+
+def test_reference_cache_quantizes_only_the_parts_asked(tiny_checkpoint):
+    """parts="k" / "v" (kv_fidelity.py --parts): only that half of the cache goes through INT8, the other
+    holds exactly what the exact cache holds; "kv" is both."""
+    from tileinfer.model.checkpoint import Checkpoint
+    ref = R.ReferenceModel.from_checkpoint(Checkpoint.open(tiny_checkpoint))
+    ids = np.random.default_rng(1).integers(0, 151643, 40)
+    caches = {parts: ref.new_cache(int8=True, parts=parts) for parts in ("kv", "k", "v")}
+    exact = ref.new_cache()
+    for cache in (exact, *caches.values()):
+        ref.forward(ids, cache)
+    # Layer 0's inputs are the embeddings in every cache, so its stored keys and values differ from the
+    # exact ones by the quantization alone (later layers' inputs already carry it).
+    k, v = exact.keys[0], exact.values[0]
+    for parts, cache in caches.items():
+        assert np.array_equal(cache.keys[0], k) == ("k" not in parts), parts
+        assert np.array_equal(cache.values[0], v) == ("v" not in parts), parts
+        assert np.abs(cache.keys[0] - k).max() <= np.abs(k).max() / 127
+        assert np.abs(cache.values[0] - v).max() <= np.abs(v).max() / 127
+    with pytest.raises(ValueError, match="parts"):
+        ref.new_cache(int8=True, parts="q")

@@ -98,14 +98,19 @@ class ReferenceCache:
 
     int8=True models the INT8 cache (tileinfer/kv/int8.py): every written vector is quantized
     and stored dequantized; with `smoothing` (per layer, the factors c), keys are stored as k / c
-    quantized, and the model multiplies its queries by c.
+    quantized, and the model multiplies its queries by c. `parts` ("kv", "k" or "v") quantizes both
+    halves or only the keys or only the values (the other stays exact): a diagnostic, to see which
+    half an INT8 cache's error comes from (scripts/kv_fidelity.py --parts).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, int8: bool = False,
-                 smoothing: list[np.ndarray] | None = None):
+                 smoothing: list[np.ndarray] | None = None, parts: str = "kv"):
+        if parts not in ("kv", "k", "v"):
+            raise ValueError(f"parts must be 'kv', 'k' or 'v', got {parts!r}")
         self._shape = (num_layers, num_kv_heads, head_dim)
         self.int8 = int8
         self.smoothing = smoothing
+        self.parts = parts
         self._k = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
         self._v = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
         self._positions = np.zeros(0, np.int64)
@@ -148,7 +153,10 @@ class ReferenceCache:
             from tileinfer.kv.int8 import dequantize, quantize
             if self.smoothing is not None:
                 k = k / self.smoothing[layer]
-            k, v = dequantize(*quantize(k)), dequantize(*quantize(v))
+            if "k" in self.parts:
+                k = dequantize(*quantize(k))
+            if "v" in self.parts:
+                v = dequantize(*quantize(v))
         self._k[layer][start:start + len(k)] = k
         self._v[layer][start:start + len(v)] = v
 
@@ -231,12 +239,14 @@ class ReferenceModel:
                    for name, shape in weight_shapes(config).items()}
         return cls(config, weights)
 
-    def new_cache(self, *, int8: bool = False, smoothing: bool = False) -> ReferenceCache:
-        """An empty cache; int8 models the INT8 cache, smoothing its key smoothing (kv/int8.py)."""
+    def new_cache(self, *, int8: bool = False, smoothing: bool = False, parts: str = "kv") -> ReferenceCache:
+        """An empty cache; int8 models the INT8 cache, smoothing its key smoothing (kv/int8.py), parts
+        which halves are quantized (ReferenceCache)."""
         from tileinfer.kv.int8 import smoothing_factors
         c = self.config
         factors = [smoothing_factors(layer.k_norm) for layer in self.layers] if int8 and smoothing else None
-        return ReferenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, int8=int8, smoothing=factors)
+        return ReferenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, int8=int8, smoothing=factors,
+                              parts=parts)
 
     # ------------------------------------------------------------------------------------- forward
 
