@@ -70,13 +70,17 @@ def graph_step_ms(model, replays: int = 50) -> float:
     Each replay recomputes the last step (same inputs, same cache slot), so nothing changes; the
     difference to the wall-clock time per token is the host's share (planning, upload, sync).
     """
-    graph = model.graphs.graphs[1]
+    return replay_ms(model.stream, model.graphs.graphs[1].launch, replays)
+
+
+def replay_ms(stream, enqueue, replays: int) -> float:
+    """Milliseconds of GPU time per `enqueue(stream)` (one untimed first, then `replays` timed with events)."""
     start, end = Event(), Event()
-    graph.launch(model.stream)
-    start.record(model.stream)
+    enqueue(stream)
+    start.record(stream)
     for _ in range(replays):
-        graph.launch(model.stream)
-    end.record(model.stream)
+        enqueue(stream)
+    end.record(stream)
     end.synchronize()
     return start.elapsed_ms(end) / replays
 
@@ -135,11 +139,12 @@ def profile_graph(model, enqueue) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["us"])
 
 
-def render_profile(name: str, rows: list[dict], what: str = "one decode step") -> str:
+def render_profile(name: str, rows: list[dict], what: str = "one decode step", top: int | None = None) -> str:
+    """A profile's rows (profile_graph's, slowest first) as a table; with `top`, only the slowest `top`."""
     total = sum(r["us"] for r in rows)
     lines = [f"{name}: {what}, {total:.0f} us of GPU time", "",
              "| kernel | launches | total us | share | GB/s | TFLOP/s |", "|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in rows[:top]:
         gbs = f"{r['GB_s']:.0f}" if r["GB_s"] else "-"
         tfs = f"{r['TFLOP_s']:.0f}" if r.get("TFLOP_s") else "-"
         lines.append(f"| {r['kernel']} | {r['launches']} | {r['us']:.1f} | {100 * r['us'] / total:.1f}% | {gbs} | {tfs} |")

@@ -74,24 +74,11 @@ def goals_table(values: dict) -> str:
 
 
 def profiles_md(values: dict, top: int = 6) -> str:
-    """Each profiled case's `top` slowest kernels (rows as bench.profile_graph returns them), in GOALS
-    order; empty without profiles."""
-    parts = []
-    for key, case, *_ in GOALS:
-        rows = (values.get(key) or {}).get("profile")
-        if not rows:
-            continue
-        total = sum(r["us"] for r in rows)
-        lines = [f"{case}: {total:,.0f} us of GPU time in the profile (an event between kernels: each runs alone, "
-                 f"with its ramp-up and tail)", "", "| kernel | launches | us | share | GB/s | TFLOP/s |",
-                 "|---|---|---|---|---|---|"]
-        for r in sorted(rows, key=lambda r: -r["us"])[:top]:
-            gbs = f"{r['GB_s']:.0f}" if r.get("GB_s") else "-"
-            tfs = f"{r['TFLOP_s']:.0f}" if r.get("TFLOP_s") else "-"
-            lines.append(f"| {r['kernel']} | {r['launches']} | {r['us']:,.1f} | {100 * r['us'] / total:.1f}% | "
-                         f"{gbs} | {tfs} |")
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts)
+    """Each profiled case's `top` slowest kernels (bench.render_profile), in GOALS order; empty without
+    profiles."""
+    from bench import render_profile  # scripts/bench.py
+    return "\n".join(render_profile(case, values[key]["profile"], "one step, per kernel", top)
+                     for key, case, *_ in GOALS if (values.get(key) or {}).get("profile"))
 
 
 def measure(args) -> dict:
@@ -102,7 +89,7 @@ def measure(args) -> dict:
 
     def ns(**kw):
         base = dict(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
-                    profile=getattr(args, "profile", False), batches="", peer_batches=None, offline=False,
+                    profile=args.profile, batches="", peer_batches=None, offline=False,
                     shared_prefix=False)
         return argparse.Namespace(**{**base, **kw})
 

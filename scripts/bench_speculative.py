@@ -37,7 +37,6 @@ import numpy as np
 import bench  # scripts/bench.py: the decode step's GPU time and the per-kernel profile
 import tileinfer
 from tileinfer import kernels as K
-from tileinfer.cuda import Event
 from tileinfer.kv import Sequence
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -55,7 +54,7 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile:
     """One greedy verify step: k + 1 positions appended to a sequence holding the prompt, their
     argmaxes read back (what speculative_stream asks for under greedy). Returns its wall seconds
     (median of `repeats`), its GPU seconds (replays of the captured verify graph and the argmax,
-    timed with events, as bench.graph_step_ms times a decode step) and, with `profile`, its
+    timed with events: bench.replay_ms, as for a decode step) and, with `profile`, its
     per-kernel profile (bench.profile_graph)."""
     cache = model.ensure_cache(len(prompt) + k + 1)
     seq = Sequence()
@@ -73,14 +72,7 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile:
         n, stream = k + 1, model.stream
         graph = model.extend_graphs.graphs[n]
         rows, best = model.workspace.logits.rows(0, n), model.workspace.logit_argmax.rows(0, n)
-        start, end = Event(), Event()
-        start.record(stream)
-        for _ in range(repeats):
-            graph.launch(stream)
-            K.argmax(rows, best, stream)
-        end.record(stream)
-        end.synchronize()
-        gpu = start.elapsed_ms(end) / 1e3 / repeats
+        gpu = bench.replay_ms(stream, lambda s: (graph.launch(s), K.argmax(rows, best, s)), repeats) / 1e3
         prof = bench.profile_graph(model, lambda s: (model._enqueue_extend(n, s), K.argmax(rows, best, s))) \
             if profile else None
         return statistics.median(times[1:]), gpu, prof

@@ -76,8 +76,12 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
                     offline=dict(output_tok_s=21000.0),
                     startup=dict(total=1.2, kernels_compiled=0, capture=0.1))
 
+    spec = importlib.util.spec_from_file_location("bench_real", SCRIPT.parent / "bench.py")
+    real = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real)  # its table renderer needs no GPU
     fake = types.SimpleNamespace(single=single, engine=engine, ROOFLINE_BYTES_PER_S=4.3e12,
-                                 weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n: n * 114688)
+                                 weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n: n * 114688,
+                                 render_profile=real.render_profile)
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
     g = load()
