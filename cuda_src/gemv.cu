@@ -74,6 +74,20 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
     float acc0[M], acc1[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = 0.f;
+    // EPI_RESIDUAL: the lane that writes out[r0], out[r1] reads their old values right after the
+    // wait (start()), so that read's latency is not on the kernel's tail.
+    float old0[M], old1[M];
+    const bool writer = EPI == EPI_RESIDUAL && active && lane == 0 && kpart == 0;
+    auto start = [&]() {
+        pdl_start();
+        if (writer)
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float *o = reinterpret_cast<const float *>(out) + (size_t)m * N;
+                old0[m] = o[r0];
+                old1[m] = has_r1 ? o[r1] : 0.f;
+            }
+    };
 
     // The first weight loads are issued before waiting for the kernel before this one (weights
     // depend on nothing), so their latency overlaps its tail; x is read only after the wait.
@@ -84,7 +98,7 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
         const int step = 256 * ksplit, k0 = kpart * 256 + lane * 8;
         vec16 a[UNROLL], b[UNROLL];
         if (active) load_weights(a, b, w0, w1, k0, step, K);
-        pdl_start();
+        start();
         started = true;
         for (int m = 0; m < M; ++m) {
             const float *row = resid + (size_t)m * K;
@@ -101,11 +115,11 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
         for (int k0 = kpart * 256 + lane * 8 + (NORM ? step * UNROLL : 0); k0 < K; k0 += step * UNROLL) {
             vec16 a[UNROLL], b[UNROLL];
             load_weights(a, b, w0, w1, k0, step, K);
-            if (!started) { pdl_start(); started = true; }
+            if (!started) { start(); started = true; }
             fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
         }
     }
-    if (!started) pdl_start();
+    if (!started) start();
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc0[m] = warp_sum(acc0[m]); acc1[m] = warp_sum(acc1[m]); }
     if (ksplit > 1) {  // the ksplit warps of a row pair are consecutive: sum their partials
@@ -127,8 +141,8 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
             if (has_r1) o[r1] = f32_to_bf16(acc1[m]);
         } else if (EPI == EPI_RESIDUAL) {
             float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
-            o[r0] += acc0[m];
-            if (has_r1) o[r1] += acc1[m];
+            o[r0] = old0[m] + acc0[m];
+            if (has_r1) o[r1] = old1[m] + acc1[m];
         } else if (EPI == EPI_F32) {
             float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
             o[r0] = acc0[m];
