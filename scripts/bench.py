@@ -151,6 +151,74 @@ def render_profile(name: str, rows: list[dict], what: str = "one decode step", t
     return "\n".join(lines) + "\n"
 
 
+# Kernel groups of a batch-1 decode step (kernel-name prefixes) whose in-graph cost --ablate measures.
+ABLATE_GROUPS = (
+    ("attention: attn_input, attention, combine", ("attn_input", "attention")),
+    ("QKV GEMV, RMSNorm fused", ("gemv_norm_m1_e0",)),
+    ("gate/up GEMV, RMSNorm fused", ("gemv_norm_m1_e2",)),
+    ("o_proj + down_proj GEMV", ("gemv_m1_e1",)),
+    ("LM head GEMV", ("gemv_m1_e3",)),
+)
+SAMPLING_KERNELS = ("sample_rows", "argmax_rows", "apply_penalties")
+
+
+def ablate_step(model, replays: int = 50) -> dict:
+    """What each kernel group costs inside the batch-1 decode graph, kernel boundaries included.
+
+    The step is captured again without the group's launches and replayed; its GPU time subtracted
+    from the whole step's is the group's marginal time, which, unlike profile_graph's rows, keeps the
+    overlap programmatic dependent launch gives. Such a graph computes nothing meaningful, only its time
+    is used: every graph here, the reference included, also leaves out the sampling kernels, so the
+    token each replay embeds stays the last one sampled. Bytes: the weights the group's launches read.
+    """
+    weights = {a.ptr: a for a in model.weights.arrays}
+
+    def timed_without(prefixes: tuple[str, ...]) -> tuple[float, int, int]:
+        dropped = dict(launches=0, bytes=0)
+        original = Kernel.launch
+
+        def launch(self, grid, block, args, stream, smem=0):
+            if self.name.startswith(SAMPLING_KERNELS):
+                return
+            if prefixes and self.name.startswith(prefixes):
+                dropped["launches"] += 1
+                dropped["bytes"] += sum(weights[a.ptr].nbytes for a in args if getattr(a, "ptr", None) in weights)
+                return
+            original(self, grid, block, args, stream, smem)
+
+        Kernel.launch = launch
+        try:
+            graph = Graph(model.stream, lambda s: model._enqueue_decode(1, s))
+        finally:
+            Kernel.launch = original
+        try:
+            return replay_ms(model.stream, graph.launch, replays), dropped["launches"], dropped["bytes"]
+        finally:
+            graph.destroy()
+
+    step_ms = timed_without(())[0]
+    rows = []
+    for label, prefixes in ABLATE_GROUPS:
+        ms, launches, nbytes = timed_without(prefixes)
+        saved_us = (step_ms - ms) * 1e3
+        rows.append(dict(group=label, launches=launches, step_ms=ms, us=saved_us, bytes=nbytes,
+                         bound_us=nbytes / ROOFLINE_BYTES_PER_S * 1e6,
+                         GB_s=nbytes / (saved_us * 1e3) if nbytes and saved_us > 0 else None))
+    return dict(step_ms=step_ms, groups=rows)
+
+
+def render_ablation(name: str, ab: dict) -> str:
+    """ablate_step's result as a table."""
+    lines = [f"{name}: decode step without sampling {ab['step_ms'] * 1e3:.0f} us of GPU time; what each group "
+             "costs inside it (the step without the group, subtracted)", "",
+             "| group | launches | us | us a launch | weight bytes at 4.3 TB/s, us | GB/s |", "|---|---|---|---|---|---|"]
+    for r in ab["groups"]:
+        gbs = f"{r['GB_s']:.0f}" if r["GB_s"] else "-"
+        per = r["us"] / r["launches"] if r["launches"] else 0.0
+        lines.append(f"| {r['group']} | {r['launches']} | {r['us']:.1f} | {per:.2f} | {r['bound_us']:.1f} | {gbs} |")
+    return "\n".join(lines) + "\n"
+
+
 def profile_prefill(model, n: int) -> list[dict]:
     """Per-kernel GPU time of one prefill step of n tokens (one chunk: n <= max_batch_tokens)."""
     prompt = np.random.default_rng(1).integers(0, 151643, n).tolist()
@@ -220,6 +288,8 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--profile", action="store_true", help="also print the per-kernel time of one decode step")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time the batch-1 decode graph without each kernel group (its in-graph cost)")
     ap.add_argument("--single", default=True, action=argparse.BooleanOptionalAction,
                     help="the batch-1 decode and prefill benchmarks on the single-sequence path")
     ap.add_argument("--batches", default="", help="engine (LLM) decode at these batch sizes, e.g. 1,8,64,256")
@@ -321,6 +391,9 @@ def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True
         if args.profile:
             row["profile"] = profile_step(model)
             print(render_profile(name, row["profile"]), flush=True)
+        if args.ablate:
+            row["ablation"] = ablate_step(model)
+            print(render_ablation(name, row["ablation"]), flush=True)
         row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
         for p in row["prefill"]:
             print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "

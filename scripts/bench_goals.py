@@ -13,8 +13,9 @@ functions this calls):
     so it is the warm-cache figure the goal names, with the number of kernels it compiled.
 Prints the table (case, peer, roofline, goal, measured, met) and writes bench_goals.json and .md to
 --out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
-With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) also carry their step's
-per-kernel GPU time (bench.py --profile), and the .md lists each one's slowest kernels under the
+With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) and the batch-64 step
+also carry their step's per-kernel GPU time (bench.py --profile), and the batch-1 decode cases what
+each kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the
 table: the measured cause of each gap, from the same run.
 """
 from __future__ import annotations
@@ -74,11 +75,18 @@ def goals_table(values: dict) -> str:
 
 
 def profiles_md(values: dict, top: int = 6) -> str:
-    """Each profiled case's `top` slowest kernels (bench.render_profile), in GOALS order; empty without
-    profiles."""
-    from bench import render_profile  # scripts/bench.py
-    return "\n".join(render_profile(case, values[key]["profile"], "one step, per kernel", top)
-                     for key, case, *_ in GOALS if (values.get(key) or {}).get("profile"))
+    """Each profiled case's `top` slowest kernels (bench.render_profile) and, for the batch-1 decode
+    cases, what each kernel group costs inside the decode graph (bench.render_ablation), in GOALS
+    order; empty without profiles."""
+    from bench import render_ablation, render_profile  # scripts/bench.py
+    parts = []
+    for key, case, *_ in GOALS:
+        v = values.get(key) or {}
+        if v.get("profile"):
+            parts.append(render_profile(case, v["profile"], "one step, per kernel", top))
+        if v.get("ablation"):
+            parts.append(render_ablation(case, v["ablation"]))
+    return "\n".join(parts)
 
 
 def measure(args) -> dict:
@@ -89,7 +97,7 @@ def measure(args) -> dict:
 
     def ns(**kw):
         base = dict(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
-                    profile=args.profile, batches="", peer_batches=None, offline=False,
+                    profile=args.profile, ablate=args.profile, batches="", peer_batches=None, offline=False,
                     shared_prefix=False)
         return argparse.Namespace(**{**base, **kw})
 
@@ -104,13 +112,13 @@ def measure(args) -> dict:
         except Exception:  # noqa: BLE001 (one failing case must not lose the others)
             print(f"{label}: failed\n{traceback.format_exc()}", flush=True)
         # the values so far (without the profiles), in case a later case runs out of time
-        print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f != 'profile'} for k, v in values.items()})}",
+        print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f not in ('profile', 'ablation')} for k, v in values.items()})}",
               flush=True)
 
     def decode(name, key, **kw):
         row = bench.single(ns(**kw), name, preset(name), cached_checkpoint(name), "bf16")
         values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"],
-                           profile=row.get("profile"))
+                           profile=row.get("profile"), ablation=row.get("ablation"))
         if row["prefill"]:
             p = row["prefill"][0]
             values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=f"{p['TFLOP_s']:.0f} TFLOP/s",
@@ -125,7 +133,7 @@ def measure(args) -> dict:
         for kv, key in (("bf16", "4b_32k_bf16"), ("int8", "4b_32k_int8")):
             row = bench.single(ns(context=32768), name, preset(name), cached_checkpoint(name), kv, peer=kv == "bf16")
             values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"],
-                               profile=row.get("profile"))
+                               profile=row.get("profile"), ablation=row.get("ablation"))
         values["4b_32k_int8"]["peer"] = values["4b_32k_bf16"]["peer"]  # the peer has no INT8 cache: its BF16 run
     case("qwen3-4b at 32k", long_context)
 
@@ -136,7 +144,8 @@ def measure(args) -> dict:
         cfg = preset(name)  # roofline as bench.render counts a step: the weights once + every sequence's cache
         step_bytes = bench.weight_bytes(cfg) + r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2)
         values["0.6b_b64"] = dict(measured=r["decode_tok_s"], roofline=r["batch"] * bench.ROOFLINE_BYTES_PER_S / step_bytes,
-                                  peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None)
+                                  peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None,
+                                  profile=r.get("profile"))
         values["0.6b_offline"] = dict(measured=out["offline"]["output_tok_s"])
         s = out["startup"]
         values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],

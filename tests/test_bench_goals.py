@@ -65,14 +65,18 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
         calls.append((name, args.context, kv, args.prefill, bool(peer and args.peer)))
         prefill = [dict(matmul_fraction=0.4, TFLOP_s=316.0, profile=prof("gemm_e2") if args.profile else None)] \
             if args.prefill else []
+        ablation = dict(step_ms=2.9, groups=[dict(group=f"QKV {name} {args.context} {kv}", launches=36, us=480.0,
+                                                  bytes=1.1e9, bound_us=263.0, GB_s=2370.0)])
         return dict(decode_tok_s=100.0 + len(calls), roofline_tok_s=500.0, prefill=prefill,
                     peer=dict(decode_tok_s_per_seq=90.0) if peer and args.peer else None,
-                    profile=prof(f"gemv {name} {args.context} {kv}") if args.profile else None)
+                    profile=prof(f"gemv {name} {args.context} {kv}") if args.profile else None,
+                    ablation=ablation if args.ablate else None)
 
     def engine(args, name, path):
         calls.append((name, "engine", args.batches, args.offline))
         return dict(batch_decode=[dict(batch=64, context=512, new=128, decode_tok_s=26000.0,
-                                       peer=dict(decode_tok_s_total=21000.0))],
+                                       peer=dict(decode_tok_s_total=21000.0),
+                                       profile=prof("gemm_small b64") if args.profile else None)],
                     offline=dict(output_tok_s=21000.0),
                     startup=dict(total=1.2, kernels_compiled=0, capture=0.1))
 
@@ -81,7 +85,7 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     spec.loader.exec_module(real)  # its table renderer needs no GPU
     fake = types.SimpleNamespace(single=single, engine=engine, ROOFLINE_BYTES_PER_S=4.3e12,
                                  weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n: n * 114688,
-                                 render_profile=real.render_profile)
+                                 render_profile=real.render_profile, render_ablation=real.render_ablation)
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
     g = load()
@@ -96,4 +100,7 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     md = g.profiles_md(values)
     assert md.index("gemv qwen3-0.6b 512 bf16") < md.index("gemv qwen3-8b 512 bf16") < md.index("gemm_e2")
     assert "gemv qwen3-4b 32768 int8" in md and "| attention_decode | 36 | 50.0 | 33.3% | - | - |" in md
+    # ... the batch-64 step's profile, and each batch-1 case's in-graph cost per kernel group
+    assert md.index("gemv qwen3-4b 32768 int8") < md.index("gemm_small b64") < md.index("gemm_e2")
+    assert "| QKV qwen3-8b 512 bf16 | 36 | 480.0 | 13.33 | 263.0 | 2370 |" in md
     assert g.profiles_md({}) == ""
