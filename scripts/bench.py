@@ -151,7 +151,8 @@ def render_profile(name: str, rows: list[dict], what: str = "one decode step", t
     return "\n".join(lines) + "\n"
 
 
-# Kernel groups of a batch-1 decode step (kernel-name prefixes) whose in-graph cost --ablate measures.
+# Kernel groups of a decode step (kernel-name prefixes) whose in-graph cost --ablate measures: batch 1
+# (every product a GEMV), and larger batches (tensor-core products, separate RMSNorm launches).
 ABLATE_GROUPS = (
     ("attention: attn_input, attention, combine", ("attn_input", "attention")),
     ("QKV GEMV, RMSNorm fused", ("gemv_norm_m1_e0",)),
@@ -159,11 +160,17 @@ ABLATE_GROUPS = (
     ("o_proj + down_proj GEMV", ("gemv_m1_e1",)),
     ("LM head GEMV", ("gemv_m1_e3",)),
 )
+BATCH_ABLATE_GROUPS = (
+    ("attention: attn_input, attention, combine", ("attn_input", "attention")),
+    ("matrix products (LM head included)", ("gemm", "gemv")),
+    ("RMSNorm", ("rmsnorm",)),
+)
 SAMPLING_KERNELS = ("sample_rows", "argmax_rows", "apply_penalties")
 
 
-def ablate_step(model, replays: int = 50) -> dict:
-    """What each kernel group costs inside the batch-1 decode graph, kernel boundaries included.
+def ablate_step(model, bucket: int = 1, replays: int = 50) -> dict:
+    """What each kernel group costs inside the decode graph of `bucket` sequences (over the step
+    buffers' contents), kernel boundaries included.
 
     The step is captured again without the group's launches and replayed; its GPU time subtracted
     from the whole step's is the group's marginal time, which, unlike profile_graph's rows, keeps the
@@ -188,7 +195,7 @@ def ablate_step(model, replays: int = 50) -> dict:
 
         Kernel.launch = launch
         try:
-            graph = Graph(model.stream, lambda s: model._enqueue_decode(1, s))
+            graph = Graph(model.stream, lambda s: model._enqueue_decode(bucket, s))
         finally:
             Kernel.launch = original
         try:
@@ -198,7 +205,7 @@ def ablate_step(model, replays: int = 50) -> dict:
 
     step_ms = timed_without(())[0]
     rows = []
-    for label, prefixes in ABLATE_GROUPS:
+    for label, prefixes in ABLATE_GROUPS if bucket == 1 else BATCH_ABLATE_GROUPS:
         ms, launches, nbytes = timed_without(prefixes)
         saved_us = (step_ms - ms) * 1e3
         rows.append(dict(group=label, launches=launches, step_ms=ms, us=saved_us, bytes=nbytes,
@@ -289,7 +296,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--profile", action="store_true", help="also print the per-kernel time of one decode step")
     ap.add_argument("--ablate", action="store_true",
-                    help="also time the batch-1 decode graph without each kernel group (its in-graph cost)")
+                    help="also time the decode graph without each kernel group (its in-graph cost): batch 1 and "
+                         "each of --batches")
     ap.add_argument("--single", default=True, action=argparse.BooleanOptionalAction,
                     help="the batch-1 decode and prefill benchmarks on the single-sequence path")
     ap.add_argument("--batches", default="", help="engine (LLM) decode at these batch sizes, e.g. 1,8,64,256")
@@ -321,7 +329,7 @@ def main() -> None:
 
 
 def engine(args, name: str, path: Path) -> dict:
-    from bench_engine import batch_decode, offline, shared_prefix
+    from bench_engine import batch_decode, live_step, offline, shared_prefix
     out: dict = {}
     batches = [int(b) for b in args.batches.split(",") if b]
     if batches:
@@ -340,8 +348,11 @@ def engine(args, name: str, path: Path) -> dict:
                 print(f"{name}: batch {b} decode {r['decode_tok_s']:.0f} tok/s in total ({r['ms_per_step']:.2f} ms/step, "
                       f"{r['gpu_wait_ms_per_step']:.2f} ms of it waiting for the GPU)", flush=True)
                 if args.profile and b in llm.model.buckets:
-                    r["profile"] = profile_step(llm.model, b)
+                    r["profile"] = live_step(llm, b, args.context, profile_step)
                     print(render_profile(f"{name} batch {b}", r["profile"]), flush=True)
+                if args.ablate and b in llm.model.buckets:
+                    r["ablation"] = live_step(llm, b, args.context, ablate_step)
+                    print(render_ablation(f"{name} batch {b}", r["ablation"]), flush=True)
                 out["batch_decode"].append(r)
         if args.peer:
             peer_batches = {int(b) for b in (args.peer_batches or args.batches).split(",") if b}

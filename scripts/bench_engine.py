@@ -47,6 +47,30 @@ def batch_decode(llm: LLM, batch: int, context: int, new: int) -> dict:
                 ms_per_step=dt / full_steps * 1e3, gpu_wait_ms_per_step=(wait1 - wait0) / full_steps * 1e3)
 
 
+def live_step(llm: LLM, batch: int, context: int, inspect):
+    """`inspect(model, batch)` over a live decode step of `batch` requests: they are brought to
+    steady decode (every one has two tokens and the step in flight decodes all of them), that step
+    is waited for, and inspect runs over its step buffers (their block tables and lengths are the
+    requests', with their pages still held: a profile replaying the step reads the real cache). The
+    requests are aborted afterwards (a replay rewrites their newest cache slots). Returns inspect's
+    result."""
+    rng = np.random.default_rng(batch + 1)
+    prompts = [rng.integers(0, VOCAB, context).tolist() for _ in range(batch)]
+    counts = [0] * batch
+    stream = llm.generate_stream(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    try:
+        for out in stream:
+            counts[out.index] += len(out.token_ids)
+            step = llm._inflight
+            if min(counts) >= 2 and step is not None and len(step.rows) == batch and \
+                    all(r.count == 1 for r in step.rows):
+                llm.model.stream.synchronize()
+                return inspect(llm.model, batch)
+        raise RuntimeError(f"the {batch} requests finished before all of them decoded together")
+    finally:
+        stream.close()
+
+
 def offline(llm: LLM, n: int = 256, low: int = 100, high: int = 1024, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     ins = rng.integers(low, high + 1, n)

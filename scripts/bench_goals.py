@@ -14,9 +14,9 @@ functions this calls):
 Prints the table (case, peer, roofline, goal, measured, met) and writes bench_goals.json and .md to
 --out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
 With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) and the batch-64 step
-also carry their step's per-kernel GPU time (bench.py --profile), and the batch-1 decode cases what
-each kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the
-table: the measured cause of each gap, from the same run.
+also carry their step's per-kernel GPU time (bench.py --profile), and the decode cases what each
+kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the table:
+the measured cause of each gap, from the same run.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def measure(args) -> dict:
         step_bytes = bench.weight_bytes(cfg) + r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2)
         values["0.6b_b64"] = dict(measured=r["decode_tok_s"], roofline=r["batch"] * bench.ROOFLINE_BYTES_PER_S / step_bytes,
                                   peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None,
-                                  profile=r.get("profile"))
+                                  profile=r.get("profile"), ablation=r.get("ablation"))
         values["0.6b_offline"] = dict(measured=out["offline"]["output_tok_s"])
         s = out["startup"]
         values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],

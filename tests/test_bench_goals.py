@@ -76,7 +76,10 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
         calls.append((name, "engine", args.batches, args.offline))
         return dict(batch_decode=[dict(batch=64, context=512, new=128, decode_tok_s=26000.0,
                                        peer=dict(decode_tok_s_total=21000.0),
-                                       profile=prof("gemm_small b64") if args.profile else None)],
+                                       profile=prof("gemm_small b64") if args.profile else None,
+                                       ablation=dict(step_ms=2.4, groups=[dict(
+                                           group="matrix products b64", launches=113, us=900.0, bytes=1.19e9,
+                                           bound_us=277.0, GB_s=1322.0)]) if args.ablate else None)],
                     offline=dict(output_tok_s=21000.0),
                     startup=dict(total=1.2, kernels_compiled=0, capture=0.1))
 
@@ -103,4 +106,5 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     # ... the batch-64 step's profile, and each batch-1 case's in-graph cost per kernel group
     assert md.index("gemv qwen3-4b 32768 int8") < md.index("gemm_small b64") < md.index("gemm_e2")
     assert "| QKV qwen3-8b 512 bf16 | 36 | 480.0 | 13.33 | 263.0 | 2370 |" in md
+    assert md.index("gemm_small b64") < md.index("matrix products b64") < md.index("gemm_e2")
     assert g.profiles_md({}) == ""
