@@ -88,3 +88,52 @@ def test_chat_with_a_draft_equals_chat_without(models):
     assert got == replies
     assert spec.last_turn.reused_tokens == plain_turns.reused_tokens and spec.last_turn.speculation.drafted > 0
     spec.close()
+
+
+# ----------------------------------------------------------------------------- the batching engine
+# LLM(draft_model=...): every running request's proposals checked in one verify step. Batch-invariant,
+# so a position's logits do not depend on the step around it and greedy output must equal plain LLM's.
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    other = tmp_path_factory.mktemp("tiny-draft-llm")
+    write_checkpoint(preset("tiny"), other, seed=1, progress=False)
+    return other
+
+
+def llm_prompts():
+    rng = np.random.default_rng(9)
+    return [rng.integers(0, 151643, int(n)).tolist() for n in (1, 17, 70, 130, 5)]
+
+
+@pytest.mark.parametrize("which", ["other", "same"])
+def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, which):
+    prompts = llm_prompts()
+    params = [tileinfer.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 41, 25, 37, 50)]
+    kw = dict(max_num_seqs=4, max_context=512, num_pages=64, page_size=16, batch_invariant=True, progress=False)
+    with tileinfer.LLM(tiny_checkpoint, **kw) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    draft = draft_checkpoint if which == "other" else tiny_checkpoint
+    with tileinfer.LLM(tiny_checkpoint, draft_model=draft, num_draft_tokens=4, **kw) as llm:
+        outs = llm.generate(prompts, params)  # 5 requests through 4 rows: one waits, then joins
+        assert [o.token_ids for o in outs] == want
+        assert llm.scheduler.manager.num_free_pages == 64 and llm.draft.cache.manager.num_free_pages == 64
+    drafted = sum(o.speculation.drafted for o in outs)
+    accepted = sum(o.speculation.accepted for o in outs)
+    print(f"LLM, draft {which}: {accepted}/{drafted} accepted")
+    assert drafted > 0
+    if which == "same":
+        assert accepted > 0.9 * drafted  # the same weights (the draft is not batch-invariant: near ties may differ)
+
+
+def test_llm_speculation_with_sampling_and_penalties(tiny_checkpoint, draft_checkpoint):
+    # Sampled requests speculate (the target's distribution is kept by rejection sampling; its
+    # statistics are tests/test_llm_speculation.py's), requests with penalties decode plainly; all finish.
+    prompts = llm_prompts()
+    params = [tileinfer.SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=i, ignore_eos=True,
+                                       repetition_penalty=1.2 if i == 2 else 1.0) for i in range(len(prompts))]
+    with tileinfer.LLM(tiny_checkpoint, draft_model=draft_checkpoint, num_draft_tokens=3, max_num_seqs=4,
+                       max_context=512, num_pages=64, page_size=16, progress=False) as llm:
+        outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert outs[2].speculation is None and all(o.speculation.target_steps > 0 for i, o in enumerate(outs) if i != 2)

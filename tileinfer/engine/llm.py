@@ -19,6 +19,16 @@ After that nothing is allocated: steps only launch kernels over persistent buffe
 Each step (`_step`): the scheduler picks rows (decode tokens and prefill chunks), the model
 runs them (a graph replay when every row is one decode token), and the sampled tokens are
 appended; finished requests free their pages at once.
+
+Speculative decoding (`draft_model=`, `num_draft_tokens=k`): a second, smaller model with the same
+vocabulary runs on its own pool (as many pages as the target's, the memory split between them). Each
+step, every decoding request without penalties or logprobs gets k greedy proposals from the draft
+(batched), and one target step checks all of them (`Model.verify`); each request keeps the longest
+accepted prefix plus one token of the target's: under greedy the target's argmax at every position
+(token for token what plain decoding gives when batch_invariant; otherwise kernels of other shapes
+may break near-ties differently), under sampling by rejection sampling, so the tokens follow the
+target's distribution (engine/spec_batch.py). Steps are then not pipelined, and the verify step
+runs eagerly (no graph yet).
 """
 from __future__ import annotations
 
@@ -40,6 +50,8 @@ from .memory_report import MemoryReport
 from .model import Model
 from .params import SamplingParams
 from .scheduler import FINISHED, Request, ScheduledRow, Scheduler
+from .spec_batch import DraftRunner
+from .speculative import Sampling, SpecStats, accept, check_count, check_draft_model
 from .step import SamplingRow
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,7 @@ class RequestOutput:
     num_preemptions: int = 0
     time_to_first_token: float = 0.0   # seconds from generate() to the first new token
     seconds: float = 0.0               # seconds from generate() to the end
+    speculation: SpecStats | None = None  # drafted, accepted, target steps: when a draft model speculated
 
     @property
     def finished(self) -> bool:
@@ -151,8 +164,11 @@ class LLM:
                  gpu_memory_utilization: float = sizing.DEFAULT_UTILIZATION, num_pages: int | None = None,
                  max_tokens: int | None = None, kv_quantize: str | None = None, use_graphs: bool = True,
                  batch_invariant: bool = False, async_scheduling: bool = True, device: int = 0,
-                 progress: bool = True, kv_smoothing: bool = True):
+                 progress: bool = True, kv_smoothing: bool = True, draft_model: str | Path | None = None,
+                 num_draft_tokens: int = 4):
         path = Path(model)
+        if draft_model is not None:
+            check_count("num_draft_tokens", num_draft_tokens)
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
         for name, value in (("max_num_seqs", max_num_seqs), ("max_context", max_context), ("page_size", page_size),
@@ -180,16 +196,19 @@ class LLM:
         self._last_rows: dict[int, int] = {}  # request id -> its row in the step in flight (if it samples)
         self._closed = False
         self.model: Model | None = None
+        self.num_draft_tokens = num_draft_tokens if draft_model is not None else 0
+        self.draft: Model | None = None           # the draft model (speculative decoding), on its own cache
+        self.drafter: DraftRunner | None = None
         try:
             self._start(path, device, max_num_batched_tokens, gpu_memory_utilization, num_pages, max_tokens,
-                        use_graphs, progress)
+                        use_graphs, progress, draft_model)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ start-up
     def _start(self, path, device, max_num_batched_tokens, utilization, num_pages, max_tokens, use_graphs,
-               progress) -> None:
+               progress, draft_path) -> None:
         bus = self._bus = pci_bus_id(device)
         nvml = lambda: sizing.nvml_memory(pci_bus_id=bus)  # noqa: E731
         try:
@@ -201,13 +220,21 @@ class LLM:
         used_ctx = nvml()[2] if nvml else 0
         alloc0 = allocated_bytes()
         t_start = time.perf_counter()
+        # A verify step has logits rows for every request's last token and its proposals.
         self.model = Model(path, device=device, max_batch_tokens=max_num_batched_tokens,
-                           max_num_seqs=self.max_num_seqs, max_logit_rows=self.max_num_seqs,
+                           max_num_seqs=self.max_num_seqs,
+                           max_logit_rows=self.max_num_seqs * (1 + self.num_draft_tokens),
                            batch_invariant=self.batch_invariant, progress=progress)
         model = self.model
         model.use_graphs = use_graphs
         workspace_bytes = model.workspace.nbytes
         weights_bytes = allocated_bytes() - alloc0 - workspace_bytes
+        if draft_path is not None:  # its weights and workspace count as weights in the memory report
+            before = allocated_bytes()
+            self.draft = Model(draft_path, device=device, max_batch_tokens=max_num_batched_tokens,
+                               max_num_seqs=self.max_num_seqs, max_logit_rows=self.max_num_seqs, progress=progress)
+            check_draft_model(model, self.draft)
+            weights_bytes += allocated_bytes() - before
         self.tokenizer = model.tokenizer
         self.eos_token_ids = set(model.eos_token_ids)
         self.config = model.config
@@ -243,9 +270,14 @@ class LLM:
                 raise RuntimeError("NVML is not available to size the KV pool; pass num_pages or max_tokens")
             _, total, used_now = nvml()
             reserve = int(graph_bytes * GRAPH_RESERVE_MARGIN) + FIXED_RESERVE_BYTES + steps_bytes
+            if self.draft is not None:  # the draft's graphs and step buffers, taken as large as the target's
+                reserve *= 2
             plan = sizing.plan(self.config, total, used_bytes=used_now, utilization=utilization,
                                reserve_bytes=reserve, weights=0, page_size=self.page_size, kv_dtype=kv_dtype)
             num_pages = plan.pages
+            if self.draft is not None:  # the draft's pool holds as many positions: the pages' memory is shared
+                draft_page_bytes = sizing.bytes_per_page(self.draft.config, self.page_size, "bf16")
+                num_pages = num_pages * page_bytes // (page_bytes + draft_page_bytes)
             if num_pages < need:
                 missing = (need - num_pages) * page_bytes
                 raise ValueError(
@@ -268,6 +300,8 @@ class LLM:
                               f"GB): {e}. Give fewer pages or a lower gpu_memory_utilization.") from None
         model.attach_cache(cache, max_context=self.max_context, penalty_capacity=self._penalty_capacity())
         self.cache = cache
+        if self.draft is not None:
+            self._start_draft(num_pages, use_graphs)
         graphs_before = nvml()[2] if nvml else 0
         if use_graphs:
             start = time.perf_counter()
@@ -295,6 +329,21 @@ class LLM:
             self.memory_report = None
         self.scheduler = Scheduler(cache.manager, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=model.max_batch_tokens, max_context=self.max_context)
+
+    def _start_draft(self, num_pages: int, use_graphs: bool) -> None:
+        """The draft model's pool (as many pages as the target's, bf16, no prefix caching) and graphs."""
+        draft = self.draft
+        try:
+            cache = draft.new_cache(num_pages=num_pages, page_size=self.page_size, max_seq_len=self.max_context,
+                                    enable_prefix_caching=False)
+        except CudaError as e:
+            raise MemoryError(f"could not allocate the draft model's KV pool of {num_pages} pages: {e}. Give fewer "
+                              f"pages or a lower gpu_memory_utilization.") from None
+        draft.attach_cache(cache, max_context=self.max_context)
+        draft.use_graphs = use_graphs
+        if use_graphs:
+            draft.graphs.capture(draft.stream)
+        self.drafter = DraftRunner(draft)
 
     def _penalty_capacity(self) -> int:
         # Distinct tokens of every row: never more than its positions.
@@ -389,6 +438,9 @@ class LLM:
             req.logprobs = []
         req.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         req.sync = p.has_penalties or p.logprobs is not None
+        if self.drafter is not None and not req.sync:  # penalties and logprobs decode one token a step
+            req.spec = SpecStats()
+            req.spec_rng = np.random.default_rng(req.seed)
         self.scheduler.add(req)
         self.stats.prompt_tokens += req.num_prompt
 
@@ -418,6 +470,8 @@ class LLM:
             raise
 
     def _step_once(self) -> list[tuple[Request, int, str]]:
+        if self.drafter is not None:
+            return self._spec_step_once()
         start = time.perf_counter()
         events = []
         sync = not self.async_scheduling or self._sync_needed()
@@ -436,6 +490,95 @@ class LLM:
             raise RuntimeError("the scheduler found nothing to run although requests are unfinished; "
                                "this is a bug in the scheduler")
         self.stats.step_seconds += time.perf_counter() - start
+        return events
+
+    # ------------------------------------------------------------------ speculative steps
+    #
+    # With a draft model, steps are not pipelined (a round's proposals depend on every token before
+    # them). Each step: the rows the scheduler picked that are one decoding token of a request that
+    # speculates go through _verify; the others (prefill chunks, requests with penalties or logprobs)
+    # run first as a plain step. See engine/spec_batch.py for the round.
+
+    def _spec_step_once(self) -> list[tuple[Request, int, str]]:
+        start = time.perf_counter()
+        events = []
+        if self._inflight is not None:
+            events += self._finish(self._inflight)
+            self._inflight = None
+        rows = self.scheduler.schedule() if self.scheduler.has_unfinished else []
+        speculates = [r.count == 1 and r.samples and r.request.spec is not None for r in rows]
+        plain = [r for r, s in zip(rows, speculates) if not s]
+        if plain:
+            events += self._finish(self._launch(plain))
+        spec = [r for r, s in zip(rows, speculates) if s]
+        if spec:
+            events += self._verify(spec)
+        live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        for rid in [rid for rid in self.drafter.held if rid not in live]:
+            self.drafter.release(rid)  # finished or aborted: its draft pages go back
+        if not rows and not events and self.scheduler.has_unfinished:
+            raise RuntimeError("the scheduler found nothing to run although requests are unfinished; "
+                               "this is a bug in the scheduler")
+        self.stats.step_seconds += time.perf_counter() - start
+        return events
+
+    def _verify(self, rows: list[ScheduledRow]) -> list[tuple[Request, int, str]]:
+        """One speculative round for these decode rows: the draft's proposals, one target step over
+        every row's last token and proposals, each request's accepted tokens, both caches rolled back."""
+        manager = self.scheduler.manager
+        room = self.model.max_verify_tokens - len(rows)  # proposals the verify step has rows for
+        items = []
+        for r in rows:
+            req = r.request
+            # Proposals past max_tokens would be wasted: the round always emits one token more.
+            k = min(self.num_draft_tokens, req.params.max_tokens - req.num_output - 1, room)
+            if k > 0 and manager.can_reserve(req.seq, k):
+                room -= k
+                manager.reserve(req.seq, k)
+            else:
+                k = 0  # no room in the pool (or the step): this request decodes one token
+            items.append((req.request_id, req.token_ids, k))
+        proposals = self.drafter.propose(items)
+        batch = []
+        for r, (_, _, k), props in zip(rows, items, proposals):
+            if len(props) < k:  # the draft's pool had no room for this request
+                manager.truncate(r.request.seq, r.start + 1 + len(props))
+            batch.append((r.request.seq, [r.request.token_ids[-1]] + props, r.start))
+        greedy = all(not r.request.params.temperature > 0 for r in rows)
+        out = self.model.verify(batch, logits="argmax" if greedy else "all")
+        self.scheduler.update(rows)
+        self.stats.steps += 1
+        self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)
+        events, at = [], 0
+        for r, props in zip(rows, proposals):
+            req, p = r.request, r.request.params
+            p_rows = out[at: at + len(props) + 1]
+            at += len(props) + 1
+            sampling = Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+            if sampling.greedy and not greedy:
+                p_rows = p_rows.argmax(axis=1)
+            emitted, accepted = accept(props, None, p_rows, sampling, req.spec_rng)
+            st = req.spec
+            st.target_steps += 1
+            st.drafted += len(props)
+            st.accepted += accepted
+            st.emitted += len(emitted)
+            # The target keeps the committed tokens but the last one (fed with the next proposals).
+            keep = r.start + 1 + accepted
+            manager.truncate(req.seq, keep)
+            req.num_computed = keep
+            for token in emitted:
+                index = len(req.token_ids)
+                req.token_ids.append(token)
+                events.append(self._accept(req, index, token, None))
+                if req.closed:
+                    break
+                if req.num_output >= p.max_tokens:
+                    self.scheduler.finish(req, "length")
+                    break
+            if req.status != FINISHED:
+                self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
+                self.drafter.rollback(req.request_id, req.token_ids)
         return events
 
     def _sync_needed(self) -> bool:
@@ -618,7 +761,7 @@ class LLM:
             finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=req.logprobs,
             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
             time_to_first_token=(req.first_token_time - t0) if req.first_token_time else 0.0,
-            seconds=(req.finish_time - t0) if req.finish_time else 0.0)
+            seconds=(req.finish_time - t0) if req.finish_time else 0.0, speculation=req.spec)
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
@@ -635,6 +778,8 @@ class LLM:
         self._closed = True
         if self.model is not None:
             self.model.close()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self) -> "LLM":
         return self

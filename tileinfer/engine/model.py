@@ -315,6 +315,41 @@ class Model:
             self.stream.synchronize()
         return out
 
+    @property
+    def max_verify_tokens(self) -> int:
+        """The most tokens one verify step takes: one chunk, with a logits row for each."""
+        return min(self.max_batch_tokens, self.workspace.max_logit_rows)
+
+    def verify(self, batch, *, logits: str = "argmax") -> np.ndarray:
+        """One step over (sequence, new ids, start) rows, their positions reserved, returning every new
+        token's next-token logits in row order: logits="argmax" their argmaxes (found on the GPU, lowest
+        index on ties), int32 [tokens]; "all" float32 [tokens, vocab]. The engine's speculative decoding
+        checks a batch of draft proposals with it: a row is a sequence's last committed token and its
+        proposals. The step must fit one chunk (at most max_batch_tokens tokens and the workspace's
+        logits rows); it runs eagerly, not as a graph."""
+        self._check_open()
+        if logits not in ("argmax", "all"):
+            raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
+        n = sum(len(item[1]) for item in batch)
+        if not batch or n > self.max_verify_tokens:
+            raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
+        copies = self.cache.manager.take_pending_copies()
+        if copies:
+            self.cache.copy_pages(copies, self.stream)
+        shape = prepare_step(self.steps, self.cache.manager, batch)
+        self.steps.upload(self.stream)
+        rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True, num_splits=1,
+                       stream=self.stream, batch_invariant=self.batch_invariant)
+        t = time.perf_counter()
+        if logits == "all":
+            out = rows.to_host(self.stream)
+        else:
+            best = self.workspace.logit_argmax.rows(0, n)
+            K.argmax(rows, best, self.stream)
+            out = best.to_host(self.stream)
+        self.wait_seconds += time.perf_counter() - t
+        return out
+
     def _validate_ids(self, token_ids) -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:

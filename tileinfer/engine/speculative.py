@@ -55,15 +55,16 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return not self.temperature > 0
 
     def distribution(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution a token is drawn from: softmax(logits / T) over the top-k / top-p set. # float64"""
+        """The distribution a token is drawn from: softmax(logits / T) over the min-p / top-k / top-p set. # float64"""
         z = scaled(logits, self.temperature).astype(np.float64)
-        keep = kept_mask(logits, self.temperature, self.top_k, self.top_p)
+        keep = kept_mask(logits, self.temperature, self.top_k, self.top_p, min_p=self.min_p)
         p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
         return p / p.sum()
 
@@ -183,6 +184,37 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     return n
 
 
+def accept(proposals: Seq[int], q: list[np.ndarray] | None, p_logits, sampling: Sampling,
+           rng: np.random.Generator) -> tuple[list[int], int]:
+    """One round's verdict on k proposals: (the tokens it emits, how many proposals were accepted).
+
+    p_logits: the target's k + 1 next-token rows after the last committed token and after each
+    proposal (logits, or under greedy their argmaxes). Greedy keeps the longest prefix of proposals
+    that match the target's argmax, then the target's token. Otherwise proposal x_i (drawn from
+    q_i, or certain when q is None) is kept with probability min(1, p_i(x_i) / q_i(x_i)); the first
+    rejected one is replaced by a draw from max(p_i - q_i, 0) renormalized, so every emitted token
+    follows the target's distribution exactly. When all k are kept, one more token comes from p_k."""
+    emitted, accepted = [], 0
+    for i, x in enumerate(proposals):
+        if sampling.greedy:
+            best = int(p_logits[i])
+            if x != best:
+                emitted.append(best)
+                return emitted, accepted
+        else:
+            p = sampling.distribution(p_logits[i])
+            qx = q[i][x] if q is not None else 1.0
+            if not rng.random() < min(1.0, p[x] / qx):  # rejected: draw from the residual
+                residual = np.maximum(p - (q[i] if q is not None else np.eye(1, p.size, x)[0]), 0.0)
+                emitted.append(draw(residual, rng) if residual.sum() > 0 else draw(p, rng))
+                return emitted, accepted
+        emitted.append(x)
+        accepted += 1
+    last = p_logits[len(proposals)]  # every proposal kept: one more token from p_k
+    emitted.append(int(last) if sampling.greedy else draw(sampling.distribution(last), rng))
+    return emitted, accepted
+
+
 def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *, max_new_tokens: int,
                        num_draft_tokens: int, sampling: Sampling | None = None, seed: int = 0,
                        eos_token_ids: Seq[int] = (), stats: SpecStats | None = None,
@@ -221,25 +253,7 @@ def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *
         p_logits = target.extend(fed, logits="argmax" if sampling.greedy else "all")[-(len(proposals) + 1):]
         stats.target_steps += 1
         stats.drafted += len(proposals)
-        emitted, accepted = [], 0
-        for i, x in enumerate(proposals):
-            if sampling.greedy:
-                best = int(p_logits[i])
-                if x != best:
-                    emitted.append(best)
-                    break
-            else:
-                p = sampling.distribution(p_logits[i])
-                qx = q[i][x] if q is not None else 1.0
-                if not rng.random() < min(1.0, p[x] / qx):  # rejected: draw from the residual
-                    residual = np.maximum(p - (q[i] if q is not None else np.eye(1, p.size, x)[0]), 0.0)
-                    emitted.append(draw(residual, rng) if residual.sum() > 0 else draw(p, rng))
-                    break
-            emitted.append(x)
-            accepted += 1
-        else:  # every proposal accepted: one more token from p_k
-            last = p_logits[len(proposals)]
-            emitted.append(int(last) if sampling.greedy else draw(sampling.distribution(last), rng))
+        emitted, accepted = accept(proposals, q, p_logits, sampling, rng)
         stats.accepted += accepted
         stats.emitted += len(emitted)
         committed += emitted

@@ -1,0 +1,217 @@
+"""Speculative decoding in the batching engine (LLM with a draft model), on the CPU with fake models.
+
+The fake target's greedy next token depends only on (fed token, position), as in test_llm_pipeline.py,
+so every greedy output is known in advance; the fake draft agrees with it two times in three (or
+always: an oracle). Checked: greedy outputs identical to plain decoding, with stops, max_tokens,
+preemption and requests that cannot speculate (penalties) in the same batches; after every step
+both caches hold exactly the committed positions; every page comes back; and under sampling the
+tokens follow the target's distribution (a chi-square test).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_llm_pipeline import VOCAB, FakeModel, expected, fake_llm, next_token, workload
+
+from tileinfer.engine.params import SamplingParams
+from tileinfer.engine.spec_batch import DraftRunner
+from tileinfer.engine.speculative import common_prefix
+from tileinfer.kv import BlockManager
+
+
+def draft_token(token: int, position: int, oracle: bool) -> int:
+    t = next_token(token, position)
+    return t if oracle or (token + position) % 3 else (t + 1) % VOCAB
+
+
+def target_logits(token: int, position: int) -> np.ndarray:
+    """A peaked distribution: its argmax is next_token(token, position); two runners-up."""
+    t = next_token(token, position)
+    row = np.full(VOCAB, -4.0, np.float32)
+    row[t], row[(t + 1) % VOCAB], row[(t + 2) % VOCAB] = 2.0, 1.0, 0.5
+    return row
+
+
+class FakeTarget(FakeModel):
+    """FakeModel plus the verify step: each fed token's argmax (or logits) at its position."""
+
+    def __init__(self, manager, max_verify_tokens=1000):
+        super().__init__()
+        self.manager = manager
+        self.max_verify_tokens = max_verify_tokens
+        self.verify_steps = 0
+
+    def verify(self, batch, *, logits="argmax"):
+        self.verify_steps += 1
+        assert sum(len(ids) for _, ids, _ in batch) <= self.max_verify_tokens
+        rows = []
+        for seq, ids, start in batch:
+            assert seq.num_positions >= start + len(ids), "verify positions not reserved"
+            assert all(t >= 0 for t in ids)
+            for i, t in enumerate(ids):
+                rows.append(next_token(t, start + i) if logits == "argmax" else target_logits(t, start + i))
+        return np.array(rows, np.int32) if logits == "argmax" else np.stack(rows)
+
+
+class FakeDraft:
+    """A draft Model: step() gives each row's greedy next token after its last id."""
+
+    def __init__(self, num_pages, page_size, oracle=False, max_batch_tokens=16, max_num_seqs=4):
+        self.cache = type("Cache", (), {})()
+        self.cache.manager = BlockManager(num_pages, page_size, enable_prefix_caching=False)
+        self.oracle, self.max_batch_tokens, self.max_num_seqs = oracle, max_batch_tokens, max_num_seqs
+        self.tokens: dict[int, dict[int, int]] = {}  # id(seq) -> position -> token written there
+
+    def step(self, batch, sampling=None, *, sample=True):
+        assert len(batch) <= self.max_num_seqs and sum(len(ids) for _, ids, _ in batch) <= self.max_batch_tokens
+        out = []
+        for seq, ids, start in batch:
+            assert seq.num_positions >= start + len(ids), "draft positions not reserved"
+            written = self.tokens.setdefault(id(seq), {})
+            for i, t in enumerate(ids):
+                written[start + i] = t
+            out.append(draft_token(ids[-1], start + len(ids) - 1, self.oracle))
+        return np.array(out, np.int32)
+
+
+def spec_llm(*, k=3, oracle=False, num_pages=64, draft_pages=64, max_num_seqs=4, budget=16, max_verify_tokens=1000):
+    llm = fake_llm(num_pages=num_pages, max_num_seqs=max_num_seqs, budget=budget, async_scheduling=True)
+    llm.model = FakeTarget(llm.scheduler.manager, max_verify_tokens)
+    llm.draft = FakeDraft(draft_pages, llm.page_size, oracle=oracle, max_batch_tokens=budget,
+                          max_num_seqs=max_num_seqs)
+    llm.drafter = DraftRunner(llm.draft)
+    llm.num_draft_tokens = k
+    return llm
+
+
+def check_caches(llm) -> None:
+    """Between steps: the target holds each running request's committed tokens but the last, the
+    draft a prefix of those (as its pages say)."""
+    for req in llm.scheduler.running:
+        # Never a position past the committed tokens (a prompt's, or a readmitted request's, positions are
+        # all reserved at admission, so a request may hold its last token's position before computing it).
+        assert req.seq.num_positions <= req.num_tokens
+        if req.spec is not None and req.spec.target_steps and req.num_computed == req.num_tokens - 1 \
+                and not req.num_preemptions:
+            assert req.seq.num_positions == req.num_computed
+    for rid, (seq, fed) in llm.drafter.held.items():
+        assert seq.num_positions == len(fed)
+        req = next((r for r in llm.scheduler.running + list(llm.scheduler.waiting) if r.request_id == rid), None)
+        if req is not None:
+            assert len(fed) <= req.num_tokens - 1 and fed == req.token_ids[:len(fed)]
+            written = llm.draft.tokens[id(seq)]
+            assert [written[p] for p in range(len(fed))] == fed, "the draft's cache holds other tokens"
+
+
+def run_checked(llm, prompts, params):
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while llm.has_unfinished_requests():
+        llm.step()
+        check_caches(llm)
+    outs = {o.request_id: o for o in llm.finished_outputs()}
+    return [outs[i] for i in ids]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_gives_the_plain_tokens(seed, k):
+    prompts, params = workload(seed)
+    llm = spec_llm(k=k)
+    outs = run_checked(llm, prompts, params)
+    for p, sp, o in zip(prompts, params, outs):
+        want = expected(p, sp)
+        assert o.token_ids == want
+        assert o.finish_reason == ("stop" if want[-1] in sp.stop_token_ids else "length")
+    stats = [o.speculation for o in outs]
+    assert sum(s.drafted for s in stats) > 0 and 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
+    assert llm.scheduler.manager.num_free_pages == 64
+    assert llm.draft.cache.manager.num_free_pages == 64 and not llm.drafter.held
+
+
+def test_an_oracle_draft_is_always_accepted():
+    prompts = [[5, 6, 7], [1] * 20, [9]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (13, 9, 21)]
+    llm = spec_llm(k=4, oracle=True)
+    outs = run_checked(llm, prompts, params)
+    assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
+    for o, sp in zip(outs, params):
+        s = o.speculation
+        assert s.accepted == s.drafted > 0
+        # rounds of up to 5 tokens, none wasted past max_tokens; the first token comes from the prefill's
+        # last chunk, or from a round when that chunk is a single token (the prompt [9])
+        assert s.emitted == sp.max_tokens - (len(o.prompt_token_ids) > 1)
+        assert s.target_steps == math.ceil(s.emitted / 5)
+
+
+def test_speculation_with_preemption_and_a_full_draft_pool():
+    # A target pool that forces preemption, and a draft pool too small for every request at once:
+    # requests the draft has no room for decode one token a step; outputs do not change.
+    for seed in range(4):
+        prompts, params = workload(seed)
+        llm = spec_llm(k=3, num_pages=18, draft_pages=12)
+        outs = run_checked(llm, prompts, params)
+        assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
+        assert llm.scheduler.manager.num_free_pages == 18 and llm.draft.cache.manager.num_free_pages == 12
+    assert llm.scheduler.num_preemptions > 0
+
+
+def test_a_verify_step_never_exceeds_its_rows():
+    # 4 decoding requests, k = 5, a verify step of at most 10 tokens: proposals are cut to fit.
+    prompts, params = workload(21)
+    llm = spec_llm(k=5, max_verify_tokens=10)
+    outs = run_checked(llm, prompts, params)
+    assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
+    assert sum(o.speculation.drafted for o in outs) > 0
+
+
+def test_requests_with_penalties_decode_without_speculating():
+    prompts, params = workload(11)
+    params = [SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True,
+                             stop_token_ids=sp.stop_token_ids, repetition_penalty=1.1 if i % 2 else 1.0)
+              for i, sp in enumerate(params)]
+    llm = spec_llm(k=3)
+    outs = run_checked(llm, prompts, params)
+    assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
+    assert all((o.speculation is None) == (i % 2 == 1) for i, o in enumerate(outs))
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    # 1,500 requests of one prompt, three tokens each at temperature 1: the first comes from the prefill
+    # step (the fake's argmax), the second from a verify round whose proposal is the draft's greedy
+    # token (accepted with probability p(x), else a draw from p without x). The second token's
+    # frequencies over the three likely tokens and the rest must fit p: chi-square, 3 degrees of
+    # freedom, rejected at p < 1e-4 (a correct engine fails one run in 10,000; dropping the residual
+    # draw, i.e. always emitting the proposal, gives a statistic in the thousands).
+    n, prompt = 1500, [17, 4]
+    llm = spec_llm(k=1, oracle=False, max_num_seqs=4)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    first = next_token(prompt[-1], len(prompt) - 1)
+    assert all(o.token_ids[0] == first for o in outs)
+    row = target_logits(first, len(prompt)).astype(np.float64)
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    t = next_token(first, len(prompt))
+    top = [t, (t + 1) % VOCAB, (t + 2) % VOCAB]
+    counts = np.array([sum(o.token_ids[1] == x for o in outs) for x in top] + [0.0])
+    counts[3] = n - counts[:3].sum()
+    want = n * np.array([p[top[0]], p[top[1]], p[top[2]], 1 - p[top].sum()])
+    assert sum(o.speculation.drafted for o in outs) == n  # every second token went through a proposal
+    chi2 = float(((counts - want) ** 2 / want).sum())
+    assert chi2 < 21.1, f"chi-square {chi2:.1f} (3 dof): counts {counts.tolist()}, expected {want.round(1).tolist()}"
+
+
+def test_draft_rollback_keeps_a_prefix_without_the_last_token():
+    draft = FakeDraft(16, 4)
+    runner = DraftRunner(draft)
+    committed = [3, 1, 4, 1, 5]
+    props = runner.propose([(7, committed, 3)])[0]
+    seq, fed = runner.held[7]
+    assert len(props) == 3 and fed == committed + props[:2] and seq.num_positions == len(fed)
+    kept = committed + props[:1] + [(props[1] + 1) % VOCAB]  # the second proposal rejected
+    runner.rollback(7, kept)
+    assert fed == kept[:common_prefix(fed, kept)] and len(fed) == len(committed) + 1 == seq.num_positions
+    runner.release(7)
+    assert draft.cache.manager.num_free_pages == 16 and not runner.held
