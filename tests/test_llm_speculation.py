@@ -203,6 +203,19 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert chi2 < 21.1, f"chi-square {chi2:.1f} (3 dof): counts {counts.tolist()}, expected {want.round(1).tolist()}"
 
 
+def test_a_stream_closed_early_gives_every_draft_page_back():
+    prompts, params = workload(31)
+    llm = spec_llm(k=3)
+    gen = llm.generate_stream(prompts, [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * len(prompts))
+    for _ in range(6):
+        next(gen)
+    assert llm.drafter.held  # drafting was under way
+    gen.close()
+    outs = llm.generate(prompts[:2], params[:2])  # the next step releases the aborted requests' drafts
+    assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+    assert llm.scheduler.manager.num_free_pages == 64 and llm.draft.cache.manager.num_free_pages == 64
+
+
 def test_draft_rollback_keeps_a_prefix_without_the_last_token():
     draft = FakeDraft(16, 4)
     runner = DraftRunner(draft)

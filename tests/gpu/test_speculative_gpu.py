@@ -118,6 +118,9 @@ def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, 
         outs = llm.generate(prompts, params)  # 5 requests through 4 rows: one waits, then joins
         assert [o.token_ids for o in outs] == want
         assert llm.scheduler.manager.num_free_pages == 64 and llm.draft.cache.manager.num_free_pages == 64
+        r = llm.memory_report
+        if r is not None:  # the draft's memory is reported, and the report still adds up
+            assert r.draft > 0 and abs(r.unaccounted) < 0.02 * r.total, r.format()
     drafted = sum(o.speculation.drafted for o in outs)
     accepted = sum(o.speculation.accepted for o in outs)
     print(f"LLM, draft {which}: {accepted}/{drafted} accepted")

@@ -229,12 +229,14 @@ class LLM:
         model.use_graphs = use_graphs
         workspace_bytes = model.workspace.nbytes
         weights_bytes = allocated_bytes() - alloc0 - workspace_bytes
-        if draft_path is not None:  # its weights and workspace count as weights in the memory report
+        draft_bytes = 0  # the draft model's memory, for the report
+        if draft_path is not None:
             before = allocated_bytes()
             self.draft = Model(draft_path, device=device, max_batch_tokens=max_num_batched_tokens,
                                max_num_seqs=self.max_num_seqs, max_logit_rows=self.max_num_seqs, progress=progress)
             check_draft_model(model, self.draft)
-            weights_bytes += allocated_bytes() - before
+            draft_bytes = allocated_bytes() - before
+        alloc0 += draft_bytes  # what follows is measured as before, without the draft
         self.tokenizer = model.tokenizer
         self.eos_token_ids = set(model.eos_token_ids)
         self.config = model.config
@@ -301,7 +303,7 @@ class LLM:
         model.attach_cache(cache, max_context=self.max_context, penalty_capacity=self._penalty_capacity())
         self.cache = cache
         if self.draft is not None:
-            self._start_draft(num_pages, use_graphs)
+            draft_bytes += self._start_draft(num_pages, use_graphs, nvml)
         graphs_before = nvml()[2] if nvml else 0
         if use_graphs:
             start = time.perf_counter()
@@ -323,16 +325,18 @@ class LLM:
                 workspace=workspace_bytes + steps_bytes, kernels=kernels_bytes,
                 graphs=(used_end - graphs_before) if use_graphs else 0, kv_pool=cache.layout.nbytes, free=free,
                 kv_dtype=kv_dtype, kv_pages=num_pages, kv_positions=cache.capacity, page_size=self.page_size,
-                max_context=self.max_context, gpu_memory_utilization=utilization)
+                max_context=self.max_context, gpu_memory_utilization=utilization, draft=draft_bytes)
             log.info("%s", self.memory_report.format())
         else:
             self.memory_report = None
         self.scheduler = Scheduler(cache.manager, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=model.max_batch_tokens, max_context=self.max_context)
 
-    def _start_draft(self, num_pages: int, use_graphs: bool) -> None:
-        """The draft model's pool (as many pages as the target's, bf16, no prefix caching) and graphs."""
+    def _start_draft(self, num_pages: int, use_graphs: bool, nvml) -> int:
+        """The draft model's pool (as many pages as the target's, bf16, no prefix caching) and graphs;
+        returns the bytes they took (the pool and step buffers allocated, the graphs by NVML)."""
         draft = self.draft
+        before = allocated_bytes()
         try:
             cache = draft.new_cache(num_pages=num_pages, page_size=self.page_size, max_seq_len=self.max_context,
                                     enable_prefix_caching=False)
@@ -340,10 +344,14 @@ class LLM:
             raise MemoryError(f"could not allocate the draft model's KV pool of {num_pages} pages: {e}. Give fewer "
                               f"pages or a lower gpu_memory_utilization.") from None
         draft.attach_cache(cache, max_context=self.max_context)
+        nbytes = allocated_bytes() - before
         draft.use_graphs = use_graphs
         if use_graphs:
+            used = nvml()[2] if nvml else 0
             draft.graphs.capture(draft.stream)
+            nbytes += (nvml()[2] - used) if nvml else 0
         self.drafter = DraftRunner(draft)
+        return nbytes
 
     def _penalty_capacity(self) -> int:
         # Distinct tokens of every row: never more than its positions.

@@ -12,6 +12,8 @@ difference measured around one start-up stage:
                        loaded modules)
     graphs             NVML difference over capturing every decode graph
     KV pool            DeviceArray bytes of the pages
+    draft model        speculative decoding only: the draft's DeviceArrays (weights, workspace, step
+                       buffers, its pool) and the NVML difference over capturing its graphs
     free               NVML free after start-up
 
 `unaccounted` is NVML's used minus the sum of the parts: allocator granularity, and anything
@@ -41,6 +43,7 @@ class MemoryReport:
     page_size: int
     max_context: int
     gpu_memory_utilization: float | None  # None when the pool was sized explicitly
+    draft: int = 0  # the draft model's memory (speculative decoding), 0 without one
 
     @property
     def used(self) -> int:
@@ -50,7 +53,7 @@ class MemoryReport:
     @property
     def parts(self) -> int:
         return (self.used_before + self.context + self.weights + self.workspace + self.kernels + self.graphs
-                + self.kv_pool)
+                + self.kv_pool + self.draft)
 
     @property
     def unaccounted(self) -> int:
@@ -82,6 +85,10 @@ class MemoryReport:
             f"  KV pool           {gb(self.kv_pool)}   {self.kv_pages} pages x {self.page_size} = "
             f"{self.kv_positions:,} positions, {self.kv_dtype.upper()}; "
             f"{self.sequences_of_max_context} sequences of {self.max_context}",
+        ]
+        if self.draft:
+            lines.append(f"  draft model       {gb(self.draft)}   weights, workspace, its pool and graphs")
+        lines += [
             f"  unaccounted       {gb(self.unaccounted)}",
             f"  free              {gb(self.free)}",
         ]
