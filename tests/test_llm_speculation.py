@@ -63,9 +63,11 @@ class FakeDraft:
         self.cache.manager = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.oracle, self.max_batch_tokens, self.max_num_seqs = oracle, max_batch_tokens, max_num_seqs
         self.tokens: dict[int, dict[int, int]] = {}  # id(seq) -> position -> token written there
+        self.longest_rows: list[int] = []  # each step's longest row
 
     def step(self, batch, sampling=None, *, sample=True):
         assert len(batch) <= self.max_num_seqs and sum(len(ids) for _, ids, _ in batch) <= self.max_batch_tokens
+        self.longest_rows.append(max(len(ids) for _, ids, _ in batch))
         out = []
         for seq, ids, start in batch:
             assert seq.num_positions >= start + len(ids), "draft positions not reserved"
@@ -214,6 +216,27 @@ def test_a_stream_closed_early_gives_every_draft_page_back():
     outs = llm.generate(prompts[:2], params[:2])  # the next step releases the aborted requests' drafts
     assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts[:2], params[:2])]
     assert llm.scheduler.manager.num_free_pages == 64 and llm.draft.cache.manager.num_free_pages == 64
+
+
+def test_short_draft_catch_ups_run_as_decode_steps():
+    # Rows of 1-4 tokens (what a round leaves to feed) go through one-token steps that end together
+    # (the draft's decode graphs); a row of more goes through the chunked path. Same next tokens.
+    from tileinfer.kv import Sequence
+
+    draft = FakeDraft(64, 4, max_batch_tokens=16)
+    runner = DraftRunner(draft)
+    rows = []
+    for n, start in ((1, 5), (2, 9), (4, 0), (3, 2)):
+        seq = Sequence()
+        draft.cache.manager.reserve(seq, start + n)
+        rows.append((seq, [7 * n + i for i in range(n)], start))
+    got = runner._run(rows)
+    assert draft.longest_rows == [1, 1, 1, 1]
+    assert got == [draft_token(ids[-1], start + len(ids) - 1, False) for _, ids, start in rows]
+    long_seq = Sequence()
+    draft.cache.manager.reserve(long_seq, 20)
+    got = runner._run(rows + [(long_seq, list(range(20)), 0)])
+    assert max(draft.longest_rows[4:]) > 1 and got[-1] == draft_token(19, 19, False)
 
 
 def test_draft_rollback_keeps_a_prefix_without_the_last_token():

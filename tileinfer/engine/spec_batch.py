@@ -18,6 +18,9 @@ from ..kv import Sequence
 from .speculative import common_prefix
 
 
+SHORT = 4  # catch-ups of at most this many tokens a row run as one-token decode steps (graph replays)
+
+
 class DraftRunner:
     """The draft model's sequences, one per request, in its own paged cache. A request's draft
     sequence holds a prefix of the request's committed tokens, never the last one (the next
@@ -60,8 +63,21 @@ class DraftRunner:
         return out
 
     def _run(self, rows: list[tuple[Sequence, list[int], int]]) -> list[int]:
-        """Feed every row its ids (start: the first position) in steps of at most max_batch_tokens tokens
-        and max_num_seqs rows, a long row in chunks; each row's greedy next token after its last id."""
+        """Feed every row its ids (start: the first position); each row's greedy next token after its
+        last id. Short catch-ups (at most SHORT tokens a row: after a round, one or two) run as decode
+        steps of one token a row, aligned to end together, so they replay the draft's decode graphs;
+        longer ones (a new request's prompt) in steps of at most max_batch_tokens tokens and
+        max_num_seqs rows, a long row in chunks."""
+        if not rows:
+            return []
+        longest = max(len(ids) for _, ids, _ in rows)
+        if longest <= SHORT:
+            tokens = []
+            for t in range(longest):  # row r's token i goes in step longest - len(ids_r) + i
+                step = [(seq, [ids[i]], start + i) for seq, ids, start in rows
+                        for i in [t - longest + len(ids)] if i >= 0]
+                tokens = self.model.step(step)
+            return [int(x) for x in tokens]  # every row is in the last step, in order
         limit, max_rows = self.model.max_batch_tokens, self.model.max_num_seqs
         result = [0] * len(rows)
         step, owners, used = [], [], 0
