@@ -495,9 +495,7 @@ class LLM:
         if launched is not None and sync:
             events += self._finish(launched)
             self._inflight = None
-        if launched is None and not events and self.scheduler.has_unfinished:
-            raise RuntimeError("the scheduler found nothing to run although requests are unfinished; "
-                               "this is a bug in the scheduler")
+        self._check_progress(launched is not None, events)
         self.stats.step_seconds += time.perf_counter() - start
         return events
 
@@ -525,11 +523,15 @@ class LLM:
         live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
         for rid in [rid for rid in self.drafter.held if rid not in live]:
             self.drafter.release(rid)  # finished or aborted: its draft pages go back
-        if not rows and not events and self.scheduler.has_unfinished:
-            raise RuntimeError("the scheduler found nothing to run although requests are unfinished; "
-                               "this is a bug in the scheduler")
+        self._check_progress(bool(rows), events)
         self.stats.step_seconds += time.perf_counter() - start
         return events
+
+    def _check_progress(self, ran: bool, events: list) -> None:
+        """A step that ran nothing and returned nothing while requests wait would loop forever."""
+        if not ran and not events and self.scheduler.has_unfinished:
+            raise RuntimeError("the scheduler found nothing to run although requests are unfinished; "
+                               "this is a bug in the scheduler")
 
     def _verify(self, rows: list[ScheduledRow]) -> list[tuple[Request, int, str]]:
         """One speculative round for these decode rows: the draft's proposals, one target step over

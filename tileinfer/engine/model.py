@@ -208,9 +208,7 @@ class Model:
         """Enqueue one step without waiting for it; returns the slot to `collect` its samples from
         (None with sample=False). At most two sampled steps may be in flight."""
         self._check_open()
-        copies = self.cache.manager.take_pending_copies()
-        if copies:
-            self.cache.copy_pages(copies, self.stream)
+        self._copy_pending_pages()
         decode = all(len(item[1]) == 1 for item in batch) and len(batch) <= self.max_num_seqs
         if decode:
             # Padded to its bucket, eager or not, so a graph replay and an eager step run the same launches.
@@ -303,12 +301,8 @@ class Model:
                 rows = self._enqueue_extend(n, self.stream)
                 if self.use_graphs:
                     self.extend_graphs.capture(self.stream, [n])
-            if logits == "all":
-                out[start: start + n] = rows.to_host(self.stream)
-            elif logits == "argmax":
-                best = self.workspace.logit_argmax.rows(0, n)
-                K.argmax(rows, best, self.stream)
-                out[start: start + n] = best.to_host(self.stream)
+            if every_row:
+                out[start: start + n] = self._read_rows(rows, n, logits)
             elif logits == "last" and start + n == len(ids):
                 out = rows.rows(rows.shape[0] - 1, rows.shape[0]).to_host(self.stream)
         if logits == "none":
@@ -333,22 +327,30 @@ class Model:
         n = sum(len(item[1]) for item in batch)
         if not batch or n > self.max_verify_tokens:
             raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
-        copies = self.cache.manager.take_pending_copies()
-        if copies:
-            self.cache.copy_pages(copies, self.stream)
+        self._copy_pending_pages()
         shape = prepare_step(self.steps, self.cache.manager, batch)
         self.steps.upload(self.stream)
         rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True, num_splits=1,
                        stream=self.stream, batch_invariant=self.batch_invariant)
         t = time.perf_counter()
-        if logits == "all":
-            out = rows.to_host(self.stream)
-        else:
-            best = self.workspace.logit_argmax.rows(0, n)
-            K.argmax(rows, best, self.stream)
-            out = best.to_host(self.stream)
+        out = self._read_rows(rows, n, logits)
         self.wait_seconds += time.perf_counter() - t
         return out
+
+    def _read_rows(self, rows, n: int, logits: str) -> np.ndarray:
+        """The first n logits rows to the host: "all" as they are, "argmax" each row's argmax (found on
+        the GPU, so 4 bytes a row cross instead of the vocabulary)."""
+        if logits == "all":
+            return rows.to_host(self.stream)
+        best = self.workspace.logit_argmax.rows(0, n)
+        K.argmax(rows, best, self.stream)
+        return best.to_host(self.stream)
+
+    def _copy_pending_pages(self) -> None:
+        """Copy-on-write pages the block manager asked for, before a step writes into them."""
+        copies = self.cache.manager.take_pending_copies()
+        if copies:
+            self.cache.copy_pages(copies, self.stream)
 
     def _validate_ids(self, token_ids) -> list[int]:
         ids = [int(t) for t in token_ids]
