@@ -3,7 +3,7 @@ The choices come from H200 measurements (scripts/bench_gemm_small.py, quoted in 
 this pins them so a change to the routing is deliberate."""
 import pytest
 
-from tileinfer.kernels.linear import default_path
+from tileinfer.kernels.linear import default_path, gemv_ksplit
 from tileinfer.model.config import preset
 
 
@@ -40,3 +40,20 @@ def test_batches_take_the_small_gemm_except_the_lm_head_at_64(M):
 def test_prefill_takes_the_128x128_gemm():
     assert default_path(4096, 6144) == "gemm"
     assert default_path(512, 151936) == "gemm"
+
+
+def test_gemv_split_keeps_the_grid_within_one_wave():
+    # Batch 1 on qwen3-4b: QKV (3,072 row pairs of 2,560) gets 1 warp per pair, o_proj (1,280 pairs of
+    # 4,096) 2, down_proj (1,280 pairs of 9,728) 2: a third of a wave more would start a second one.
+    target = 4 * 132 * 8
+    c = preset("qwen3-4b")
+    assert gemv_ksplit(c.qkv_size // 2, c.hidden_size) == 1
+    assert gemv_ksplit(c.hidden_size // 2, c.num_attention_heads * c.head_dim) == 2
+    assert gemv_ksplit(c.hidden_size // 2, c.intermediate_size) == 2
+    for pairs in (1, 64, 500, 1024, 2048, 4096, 151936 // 2):
+        for K in (256, 1024, 4096, 12288):
+            ks = gemv_ksplit(pairs, K)
+            assert ks in (1, 2, 4, 8)
+            assert ks == 1 or (pairs * ks <= target and K >= 512 * ks)
+            # the next split would pass one wave, a short row or the largest split
+            assert ks == 8 or pairs * ks * 2 > target or K < 512 * ks * 2

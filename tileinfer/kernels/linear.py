@@ -81,11 +81,16 @@ def _out_spec(epilogue: str, M: int, N: int):
 
 
 def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS, segment: int = 512) -> int:
-    """Warps per row pair (or per 16-row tile of the tensor-core GEMV): enough warps to fill the GPU
-    (~4 blocks per SM on an H200), while each warp still streams at least two `segment`-element
-    pieces of its rows (512 for gemv.cu, one k-block of 128 for gemv_tc.cu)."""
+    """Warps per row pair (or per 16-row tile of the tensor-core GEMV): the most (1, 2, 4 or 8) that keep
+    the grid within one wave of ~4 blocks per SM on an H200, while each warp still streams at least two
+    `segment`-element pieces of its rows (512 for gemv.cu, one k-block of 128 for gemv_tc.cu).
+
+    One wave, not the first split past it: a second, partial wave of warps leaves most SMs idle at the
+    kernel's end. Measured on the H200 (bench.py batch 1, GPU ms per step, against doubling until the
+    grid passed one wave): qwen3-0.6b 0.729 -> 0.697, qwen3-4b 2.863 -> 2.795, qwen3-8b 4.437 -> 4.405;
+    engine qwen3-4b batch 4 1,124 -> 1,196 tok/s, batch 8 2,090 -> 2,221."""
     ksplit = 1
-    while ksplit < 8 and pairs * ksplit < target_warps and K >= segment * ksplit * 2:
+    while ksplit < 8 and pairs * ksplit * 2 <= target_warps and K >= segment * ksplit * 2:
         ksplit *= 2
     return ksplit
 
