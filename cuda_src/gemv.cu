@@ -11,6 +11,10 @@
 // reading every ksplit-th 512-byte segment of the rows; their partial sums meet in shared
 // memory before the epilogue.
 //
+// PIPE (o_proj, down_proj and the LM head at batch 1, when a warp streams at least 4 segments of
+// its rows): software-pipelined, two batches of PIPE_UNROLL loads per row in flight, the next issued
+// before the current one's products, instead of one batch of UNROLL loaded and then used.
+//
 // W is [N, K] bf16 row-major (Hugging Face's [out, in]); x is [M, K] bf16; K % 8 == 0.
 #include "common.cuh"
 
@@ -18,24 +22,26 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 
 #define WARPS 8
 #define UNROLL 4
+#define PIPE_UNROLL 2
 
-// One batch of a warp's weight loads: UNROLL 16-byte pieces of each of its two rows, `step`
-// elements apart, from k0.
-__device__ __forceinline__ void load_weights(vec16 (&a)[UNROLL], vec16 (&b)[UNROLL], const bf16 *__restrict__ w0,
+// One batch of a warp's weight loads: U 16-byte pieces of each of its two rows, `step` elements
+// apart, from k0.
+template <int U>
+__device__ __forceinline__ void load_weights(vec16 (&a)[U], vec16 (&b)[U], const bf16 *__restrict__ w0,
                                              const bf16 *__restrict__ w1, int k0, int step, int K) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
         const int k = k0 + u * step;
         if (k < K) { a[u] = ld16_stream(w0 + k); b[u] = ld16_stream(w1 + k); }
     }
 }
 
 // acc += that batch times the M rows of x.
-template <int M>
-__device__ __forceinline__ void fma_weights(const vec16 (&a)[UNROLL], const vec16 (&b)[UNROLL], const bf16 *x,
+template <int M, int U>
+__device__ __forceinline__ void fma_weights(const vec16 (&a)[U], const vec16 (&b)[U], const bf16 *x,
                                             int k0, int step, int K, float (&acc0)[M], float (&acc1)[M]) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
         const int k = k0 + u * step;
         if (k < K) {
             float wa[8], wb[8];
@@ -58,7 +64,7 @@ __device__ __forceinline__ void fma_weights(const vec16 (&a)[UNROLL], const vec1
 // NORM: x is not given; the block first computes x = rmsnorm(resid) * norm_w into shared memory
 // `xs` ([M, K] bf16), exactly as the rmsnorm kernel would (same helpers, same block size), while
 // its first weight loads are in flight. Every warp of the block takes part, active or not.
-template <int M, int EPI, bool NORM>
+template <int M, int EPI, bool NORM, bool PIPE>
 __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict__ resid,
                                           const bf16 *__restrict__ norm_w, float eps, bf16 *xs, float *scratch,
                                           const bf16 *__restrict__ W, void *__restrict__ out, int N, int K,
@@ -91,35 +97,58 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
 
     // The first weight loads are issued before waiting for the kernel before this one (weights
     // depend on nothing), so their latency overlaps its tail; x is read only after the wait.
-    bool started = false;
-    if (NORM) {  // the first batch of loads, the norm, and that batch's products
+    if (PIPE) {
+        static_assert(!(PIPE && NORM), "the pipelined loop has no norm prologue");
+        // Two batches in flight; the sums run over k in the same order as the loop below.
         const bf16 *w0 = W + (size_t)r0 * K;
         const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
-        const int step = 256 * ksplit, k0 = kpart * 256 + lane * 8;
-        vec16 a[UNROLL], b[UNROLL];
-        if (active) load_weights(a, b, w0, w1, k0, step, K);
+        const int step = 256 * ksplit, stride = step * PIPE_UNROLL;
+        int k0 = kpart * 256 + lane * 8;
+        vec16 a0[PIPE_UNROLL], b0[PIPE_UNROLL], a1[PIPE_UNROLL], b1[PIPE_UNROLL];
+        if (active) load_weights(a0, b0, w0, w1, k0, step, K);
         start();
-        started = true;
-        for (int m = 0; m < M; ++m) {
-            const float *row = resid + (size_t)m * K;
-            store_normed_row(row, row_inv_rms(row, K, eps, scratch), norm_w, xs + (size_t)m * K, K);
-        }
-        __syncthreads();
-        x = xs;
-        if (active) fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
-    }
-    if (active) {
-        const bf16 *w0 = W + (size_t)r0 * K;
-        const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
-        const int step = 256 * ksplit;  // elements between this warp's segments
-        for (int k0 = kpart * 256 + lane * 8 + (NORM ? step * UNROLL : 0); k0 < K; k0 += step * UNROLL) {
+        if (active)
+            for (;;) {
+                if (k0 + stride < K) load_weights(a1, b1, w0, w1, k0 + stride, step, K);
+                fma_weights<M>(a0, b0, x, k0, step, K, acc0, acc1);
+                k0 += stride;
+                if (k0 >= K) break;
+                if (k0 + stride < K) load_weights(a0, b0, w0, w1, k0 + stride, step, K);
+                fma_weights<M>(a1, b1, x, k0, step, K, acc0, acc1);
+                k0 += stride;
+                if (k0 >= K) break;
+            }
+    } else {
+        bool started = false;
+        if (NORM) {  // the first batch of loads, the norm, and that batch's products
+            const bf16 *w0 = W + (size_t)r0 * K;
+            const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
+            const int step = 256 * ksplit, k0 = kpart * 256 + lane * 8;
             vec16 a[UNROLL], b[UNROLL];
-            load_weights(a, b, w0, w1, k0, step, K);
-            if (!started) { start(); started = true; }
-            fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
+            if (active) load_weights(a, b, w0, w1, k0, step, K);
+            start();
+            started = true;
+            for (int m = 0; m < M; ++m) {
+                const float *row = resid + (size_t)m * K;
+                store_normed_row(row, row_inv_rms(row, K, eps, scratch), norm_w, xs + (size_t)m * K, K);
+            }
+            __syncthreads();
+            x = xs;
+            if (active) fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
         }
+        if (active) {
+            const bf16 *w0 = W + (size_t)r0 * K;
+            const bf16 *w1 = W + (size_t)(has_r1 ? r1 : r0) * K;
+            const int step = 256 * ksplit;  // elements between this warp's segments
+            for (int k0 = kpart * 256 + lane * 8 + (NORM ? step * UNROLL : 0); k0 < K; k0 += step * UNROLL) {
+                vec16 a[UNROLL], b[UNROLL];
+                load_weights(a, b, w0, w1, k0, step, K);
+                if (!started) { start(); started = true; }
+                fma_weights<M>(a, b, x, k0, step, K, acc0, acc1);
+            }
+        }
+        if (!started) start();
     }
-    if (!started) start();
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc0[m] = warp_sum(acc0[m]); acc1[m] = warp_sum(acc1[m]); }
     if (ksplit > 1) {  // the ksplit warps of a row pair are consecutive: sum their partials
@@ -157,20 +186,26 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
 // ============================================================================= kernels
 // grid (ceil(pairs * ksplit / 8)), block (256). pairs = N/2 for SILU_MUL (N = 2 * intermediate),
 // else ceil(N/2); ksplit in {1, 2, 4, 8} warps per row pair.
-#define GEMV_KERNEL(M, EPI)                                                                              \
+// gemv_pipe_m1_*: the same with the pipelined loop (PIPE above), at batch 1, for the epilogues
+// without a norm before them: residual (o_proj, down_proj) and f32 (the LM head).
+#define GEMV_KERNEL(NAME, M, EPI, PIPE)                                                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
-        gemv_m##M##_e##EPI(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, \
-                           int N, int K, int ksplit) {                                                  \
+        NAME(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, \
+             int ksplit) {                                                                              \
         __shared__ float partial[WARPS][M][2];                                                          \
         const int warp = threadIdx.x >> 5;                                                              \
-        gemv_rows<M, EPI, false>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K,              \
-                                 (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial);  \
+        gemv_rows<M, EPI, false, PIPE>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K,        \
+                                       (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
     }
-#define GEMV_ALL_EPI(M) GEMV_KERNEL(M, 0) GEMV_KERNEL(M, 1) GEMV_KERNEL(M, 2) GEMV_KERNEL(M, 3)
+#define GEMV_ALL_EPI(M)                                                                                  \
+    GEMV_KERNEL(gemv_m##M##_e0, M, 0, false) GEMV_KERNEL(gemv_m##M##_e1, M, 1, false)                   \
+    GEMV_KERNEL(gemv_m##M##_e2, M, 2, false) GEMV_KERNEL(gemv_m##M##_e3, M, 3, false)
 GEMV_ALL_EPI(1)
 GEMV_ALL_EPI(2)
 GEMV_ALL_EPI(4)
 GEMV_ALL_EPI(8)
+GEMV_KERNEL(gemv_pipe_m1_e1, 1, 1, true)
+GEMV_KERNEL(gemv_pipe_m1_e3, 1, 3, true)
 
 // The same with the RMSNorm of the input fused in: y = rmsnorm(resid) * norm_w @ W^T, for the two
 // products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL). resid [M, K] float32;
@@ -183,7 +218,7 @@ GEMV_ALL_EPI(8)
         __shared__ float scratch[32];                                                                   \
         extern __shared__ __align__(16) unsigned char xs_bytes[];                                       \
         const int warp = threadIdx.x >> 5;                                                              \
-        gemv_rows<M, EPI, true>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
+        gemv_rows<M, EPI, true, false>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
                                 N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
     }
 GEMV_NORM_KERNEL(1, 0) GEMV_NORM_KERNEL(1, 2)

@@ -157,8 +157,8 @@ ABLATE_GROUPS = (
     ("attention: attn_input, attention, combine", ("attn_input", "attention")),
     ("QKV GEMV, RMSNorm fused", ("gemv_norm_m1_e0",)),
     ("gate/up GEMV, RMSNorm fused", ("gemv_norm_m1_e2",)),
-    ("o_proj + down_proj GEMV", ("gemv_m1_e1",)),
-    ("LM head GEMV", ("gemv_m1_e3",)),
+    ("o_proj + down_proj GEMV", ("gemv_m1_e1", "gemv_pipe_m1_e1")),
+    ("LM head GEMV", ("gemv_m1_e3", "gemv_pipe_m1_e3")),
 )
 BATCH_ABLATE_GROUPS = (
     ("attention: attn_input, attention, combine", ("attn_input", "attention")),

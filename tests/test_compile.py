@@ -25,7 +25,7 @@ ENTRY_POINTS = {
     "rmsnorm.cu": ["rmsnorm"],
     "attn_input.cu": ["attn_input", "attn_input_int8"],
     "gemm.cu": [f"gemm_e{e}" for e in range(4)],
-    "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)],
+    "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)] + ["gemv_pipe_m1_e1", "gemv_pipe_m1_e3"],
     "attention.cu": ["attention", "attention_combine"],
     "sampling.cu": ["argmax_rows", "sample_rows", "apply_penalties"],
     "gemm_small.cu": [f"gemm_small_m{r}_c{k}" for r in (16, 32, 64) for k in (1, 2, 4, 8)],

@@ -195,7 +195,7 @@ TC_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
 
 
 def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None,
-                 ksplit: int | None = None):
+                 ksplit: int | None = None, pipe: bool | None = None) -> np.ndarray:
     rng = np.random.default_rng(seed_of("linear", path, M, N, K, epilogue))
     w = linear_weight(N, K) if w is None else w
     x = rand_bf16(rng, (M, K))
@@ -214,9 +214,9 @@ def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, 
         ref = acc
         out = buf.poisoned((M, N), BF16 if epilogue == "bf16" else F32)
 
-    linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path, ksplit=ksplit)
+    linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path, ksplit=ksplit, pipe=pipe)
     got = out.to_host(stream)
-    label = f"linear {path} {epilogue} M={M} N={N} K={K} ksplit={ksplit}"
+    label = f"linear {path} {epilogue} M={M} N={N} K={K} ksplit={ksplit} pipe={pipe}"
     if epilogue in ("bf16", "silu_mul"):
         # bf16 output: rounding <= 2^-8 relative (rtol 1e-2); float32 accumulation error is far below
         # atol = 2e-3 * rms(ref); ||err|| / ||ref|| < 1e-2 (bf16 rounding gives ~1.5e-3).
@@ -225,6 +225,7 @@ def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, 
         # float32 output: float32 (tensor-core) accumulation over K, error ~1e-5 of the dot-product
         # scale sqrt(K)*rms(x)*rms(w): atol 3e-4 of it, rtol 1e-5 (the residual add), ||err||/||ref|| < 1e-4.
         assert_close(got, ref, atol=3e-4 * dot_scale, rtol=1e-5, rel_norm=1e-4, label=label)
+    return got
 
 
 @pytest.mark.parametrize("M, N, K, epilogue", GEMM_CASES)
@@ -254,6 +255,26 @@ def test_linear_tensor_core_gemv_every_split(ksplit, buf, stream):
                                                (8, 24, 9728, "bf16"), (4, 1024, 352, "f32")])
 def test_linear_gemv_ksplit(M, N, K, epilogue, ksplit, buf, stream):
     check_linear(buf, stream, M, N, K, epilogue, "gemv", ksplit=ksplit)
+
+
+# The batch-1 GEMV's pipelined loop (gemv_pipe_m1_*: residual and f32 epilogues) at every split, on rows
+# whose length is not a multiple of a warp's 256-element segment or of its two-batch stride, and rows
+# shorter than one batch: against the float64 reference, and bitwise equal to the one-batch loop (the
+# same k order of the sums).
+@pytest.mark.parametrize("ksplit", [1, 2, 4, 8])
+@pytest.mark.parametrize("N, K, epilogue", [(1000, 2568, "residual"), (136, 9736, "f32"), (24, 200, "residual"),
+                                            (2056, 4096, "f32")])
+def test_linear_gemv_pipelined(N, K, epilogue, ksplit, buf, stream):
+    w = linear_weight(N, K)
+    piped = check_linear(buf, stream, 1, N, K, epilogue, "gemv", w=w, ksplit=ksplit, pipe=True)
+    plain = check_linear(buf, stream, 1, N, K, epilogue, "gemv", w=w, ksplit=ksplit, pipe=False)
+    np.testing.assert_array_equal(piped, plain)
+
+
+def test_linear_pipelined_gemv_is_batch_one_without_a_norm(buf, stream):
+    x, w = buf.upload(np.zeros((2, 256), np.float32).astype(BF16)), buf.upload(linear_weight(16, 256))
+    with pytest.raises(ValueError, match="pipelined GEMV takes M = 1"):
+        linear(x, w, buf.poisoned((2, 16), BF16), "bf16", stream, force="gemv", pipe=True)
 
 
 # The GEMV that normalizes its own input (gemv_norm_*) against the rmsnorm kernel then the GEMV:

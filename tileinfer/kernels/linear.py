@@ -95,6 +95,20 @@ def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS, se
     return ksplit
 
 
+PIPE_EPILOGUES = ("residual", "f32")  # gemv_pipe_m1_*: o_proj, down_proj and the LM head
+PIPE_MIN_SEGMENTS = 4
+
+
+def gemv_pipe(M: int, K: int, ksplit: int, epilogue: str) -> bool:
+    """Whether the batch-1 GEMV runs its software-pipelined loop (gemv.cu, PIPE): for the products with
+    no norm before them, when each warp streams at least PIPE_MIN_SEGMENTS 256-element segments of its
+    rows. Measured on the H200 (bench.py --ablate, in-graph us, one loop against the other):
+    o_proj + down_proj qwen3-4b 800 -> 757, qwen3-8b 1,295 -> 1,214, qwen3-0.6b (2-3 segments a warp)
+    108 -> 125; LM head 0.6b 71.1 -> 70.1, 4b 173.9 -> 171.3, 8b 283.7 -> 275.2. On the products after
+    a norm (QKV, gate/up) it was slower or no faster, so those keep one loop."""
+    return M == 1 and epilogue in PIPE_EPILOGUES and K // (256 * ksplit) >= PIPE_MIN_SEGMENTS
+
+
 @dataclass(slots=True, frozen=True)
 class SmallGemmConfig:
     """One launch of gemm_small.cu: M tile `rows`, `ksplit` blocks per cluster, grid (ksplit, M tiles, N blocks)."""
@@ -142,10 +156,10 @@ def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows
 
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
-           ksplit: int | None = None, rows: int | None = None) -> None:
+           ksplit: int | None = None, rows: int | None = None, pipe: bool | None = None) -> None:
     """out <- epilogue(x @ w.T). `force` ("gemm", "gemv", "tc" or "small") and `ksplit` override the choices:
     for the GEMVs the warps per row pair or 16-row tile, for the small GEMM the blocks per cluster splitting
-    K (1, 2, 4 or 8)."""
+    K (1, 2, 4 or 8); `pipe` the batch-1 GEMV's loop (gemv_pipe)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
     M, K = x.shape
@@ -165,7 +179,12 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         ksplit = ksplit or gemv_ksplit(pairs, K)
         if ksplit not in (1, 2, 4, 8):
             raise ValueError(f"linear: ksplit must be 1, 2, 4 or 8, got {ksplit}")
-        kernel("gemv.cu", f"gemv_m{M}_e{epi}").launch(
+        if pipe is None:
+            pipe = gemv_pipe(M, K, ksplit, epilogue)
+        elif pipe and not (M == 1 and epilogue in PIPE_EPILOGUES):
+            raise ValueError(f"linear: the pipelined GEMV takes M = 1 and the {' or '.join(PIPE_EPILOGUES)} "
+                             f"epilogue, got M={M}, {epilogue!r}")
+        kernel("gemv.cu", f"gemv_{'pipe_' if pipe else ''}m{M}_e{epi}").launch(
             (cdiv(pairs * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit)], stream)
     elif path == "tc":
         if not 1 <= M <= TC_MAX_ROWS:
