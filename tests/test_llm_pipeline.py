@@ -64,6 +64,7 @@ def fake_llm(*, num_pages=64, page_size=4, max_num_seqs=4, budget=16, async_sche
     llm._next_id, llm._requests, llm._closed, llm._broken = 0, {}, False, None
     llm.async_scheduling, llm._inflight, llm._last_rows = async_scheduling, None, {}
     llm.draft, llm.drafter, llm.num_draft_tokens = None, None, 0
+    llm._verify_graphs = False
     llm.model = FakeModel()
     llm.tokenizer = tokenizers.Tokenizer.from_str(tok.qwen3_tokenizer_json())
     llm.eos_token_ids = {VOCAB - 1}

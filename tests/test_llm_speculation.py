@@ -42,9 +42,11 @@ class FakeTarget(FakeModel):
         self.manager = manager
         self.max_verify_tokens = max_verify_tokens
         self.verify_steps = 0
+        self.graph_widths = set()
 
-    def verify(self, batch, *, logits="argmax"):
+    def verify(self, batch, *, logits="argmax", graph_width=None):
         self.verify_steps += 1
+        self.graph_widths.add(graph_width)
         assert sum(len(ids) for _, ids, _ in batch) <= self.max_verify_tokens
         rows = []
         for seq, ids, start in batch:
@@ -145,6 +147,16 @@ def test_an_oracle_draft_is_always_accepted():
         # last chunk, or from a round when that chunk is a single token (the prompt [9])
         assert s.emitted == sp.max_tokens - (len(o.prompt_token_ids) > 1)
         assert s.target_steps == math.ceil(s.emitted / 5)
+
+
+def test_verify_steps_ask_for_a_graph_of_k_plus_one_tokens_a_row_when_on():
+    prompts, params = workload(1)
+    for on, widths in ((False, {None}), (True, {4})):
+        llm = spec_llm(k=3)
+        llm._verify_graphs = on  # TILEINFER_VERIFY_GRAPHS
+        outs = run_checked(llm, prompts, params)
+        assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
+        assert llm.model.graph_widths == widths
 
 
 def test_speculation_with_preemption_and_a_full_draft_pool():

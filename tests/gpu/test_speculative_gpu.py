@@ -9,6 +9,7 @@ import pytest
 
 import tileinfer
 from tileinfer.engine.speculative import ModelDecoder, ModelDraft, OracleDraft, speculative_decode
+from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import write_checkpoint
 
@@ -90,6 +91,42 @@ def test_chat_with_a_draft_equals_chat_without(models):
     spec.close()
 
 
+def test_graphed_verify_equals_the_eager_verify(models):
+    # Model.verify(graph_width=5): the step padded to the batch's bucket (3 rows -> 4) x 5 tokens, replayed
+    # from a graph after its first (eager) run. The target is batch-invariant, so the padding cannot change
+    # a row's logits: bitwise the eager, unpadded step's, round after round (new tokens each time).
+    target, _, _ = models
+    cache = target.ensure_cache(1024)
+    rng = np.random.default_rng(11)
+    seqs = []
+    try:
+        for n in (40, 9, 70):
+            seq = Sequence()
+            target.extend(seq, rng.integers(0, 151643, n).tolist(), logits="none")
+            seqs.append(seq)
+        for _ in range(3):
+            batch = []
+            for seq, q in zip(seqs, (5, 2, 4)):
+                start = seq.num_positions
+                cache.manager.reserve(seq, q)
+                batch.append((seq, rng.integers(0, 151643, q).tolist(), start))
+            eager = target.verify(batch, logits="all")
+            np.testing.assert_array_equal(target.verify(batch, logits="all", graph_width=5), eager)
+            np.testing.assert_array_equal(target.verify(batch, logits="argmax", graph_width=5), eager.argmax(axis=1))
+        assert {key: sorted(g.graphs) for key, g in target.verify_graphs.items()} == {(5, "all"): [4], (5, "argmax"): [4]}
+        # A row longer than the graph's width runs eagerly (no new graph).
+        seq = seqs[0]
+        start = seq.num_positions
+        cache.manager.reserve(seq, 7)
+        long_row = [(seq, rng.integers(0, 151643, 7).tolist(), start)]
+        np.testing.assert_array_equal(target.verify(long_row, logits="all", graph_width=5),
+                                      target.verify(long_row, logits="all"))
+        assert sorted(target.verify_graphs[(5, "all")].graphs) == [4]
+    finally:
+        for seq in seqs:
+            cache.manager.release(seq)
+
+
 # ----------------------------------------------------------------------------- the batching engine
 # LLM(draft_model=...): every running request's proposals checked in one verify step. Batch-invariant,
 # so a position's logits do not depend on the step around it and greedy output must equal plain LLM's.
@@ -106,8 +143,9 @@ def llm_prompts():
     return [rng.integers(0, 151643, int(n)).tolist() for n in (1, 17, 70, 130, 5)]
 
 
-@pytest.mark.parametrize("which", ["other", "same"])
-def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, which):
+@pytest.mark.parametrize("which, graphs", [("other", False), ("same", False), ("other", True)])
+def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, which, graphs, monkeypatch):
+    monkeypatch.setenv("TILEINFER_VERIFY_GRAPHS", "1" if graphs else "0")  # verify steps replaying graphs
     prompts = llm_prompts()
     params = [tileinfer.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 41, 25, 37, 50)]
     kw = dict(max_num_seqs=4, max_context=512, num_pages=64, page_size=16, batch_invariant=True, progress=False)
@@ -121,9 +159,10 @@ def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, 
         r = llm.memory_report
         if r is not None:  # the draft's memory is reported, and the report still adds up
             assert r.draft > 0 and abs(r.unaccounted) < 0.02 * r.total, r.format()
+        assert bool(llm.model.verify_graphs) == graphs
     drafted = sum(o.speculation.drafted for o in outs)
     accepted = sum(o.speculation.accepted for o in outs)
-    print(f"LLM, draft {which}: {accepted}/{drafted} accepted")
+    print(f"LLM, draft {which}, verify graphs {graphs}: {accepted}/{drafted} accepted")
     assert drafted > 0
     if which == "same":
         assert accepted > 0.9 * drafted  # the same weights (the draft is not batch-invariant: near ties may differ)

@@ -34,6 +34,7 @@ verify step (float32 over the vocabulary: 0.78 GB for 256 sequences and k = 4).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -198,6 +199,9 @@ class LLM:
         self._closed = False
         self.model: Model | None = None
         self.num_draft_tokens = num_draft_tokens if draft_model is not None else 0
+        # Verify steps replaying a graph per (batch bucket, k) (Model.verify's graph_width): off until
+        # it has run on a GPU; TILEINFER_VERIFY_GRAPHS=1 turns it on.
+        self._verify_graphs = os.environ.get("TILEINFER_VERIFY_GRAPHS", "0") == "1"
         self.draft: Model | None = None           # the draft model (speculative decoding), on its own cache
         self.drafter: DraftRunner | None = None
         try:
@@ -556,7 +560,8 @@ class LLM:
                 manager.truncate(r.request.seq, r.start + 1 + len(props))
             batch.append((r.request.seq, [r.request.token_ids[-1]] + props, r.start))
         greedy = all(not r.request.params.temperature > 0 for r in rows)
-        out = self.model.verify(batch, logits="argmax" if greedy else "all")
+        width = self.num_draft_tokens + 1 if self._verify_graphs else None
+        out = self.model.verify(batch, logits="argmax" if greedy else "all", graph_width=width)
         self.scheduler.update(rows)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)

@@ -86,6 +86,7 @@ class Model:
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
         self.graphs = self.extend_graphs = None
+        self.verify_graphs: dict[tuple[int, str], DecodeGraphs] = {}  # (tokens a row, logits) -> graph per bucket
         self.use_graphs = True
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
         self._slot = 0           # pinned slot the next sampled step downloads into
@@ -314,13 +315,17 @@ class Model:
         """The most tokens one verify step takes: one chunk, with a logits row for each."""
         return min(self.max_batch_tokens, self.workspace.max_logit_rows)
 
-    def verify(self, batch, *, logits: str = "argmax") -> np.ndarray:
+    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None) -> np.ndarray:
         """One step over (sequence, new ids, start) rows, their positions reserved, returning every new
         token's next-token logits in row order: logits="argmax" their argmaxes (found on the GPU, lowest
         index on ties), int32 [tokens]; "all" float32 [tokens, vocab]. The engine's speculative decoding
         checks a batch of draft proposals with it: a row is a sequence's last committed token and its
         proposals. The step must fit one chunk (at most max_batch_tokens tokens and the workspace's
-        logits rows); it runs eagerly, not as a graph."""
+        logits rows).
+
+        graph_width: with graphs on, the step is padded to the batch's decode bucket x graph_width
+        tokens (each row at most graph_width) and replays the graph of that shape, captured on its
+        first use; otherwise (or when the padded step would not fit) it runs eagerly."""
         self._check_open()
         if logits not in ("argmax", "all"):
             raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
@@ -328,14 +333,52 @@ class Model:
         if not batch or n > self.max_verify_tokens:
             raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
         self._copy_pending_pages()
-        shape = prepare_step(self.steps, self.cache.manager, batch)
-        self.steps.upload(self.stream)
-        rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True, num_splits=1,
-                       stream=self.stream, batch_invariant=self.batch_invariant)
-        t = time.perf_counter()
-        out = self._read_rows(rows, n, logits)
+        bucket = self._verify_bucket(batch, graph_width)
+        if bucket is None:
+            shape = prepare_step(self.steps, self.cache.manager, batch)
+            self.steps.upload(self.stream)
+            rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True,
+                           num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
+            t = time.perf_counter()
+            out = self._read_rows(rows, n, logits)
+        else:
+            prepare_step(self.steps, self.cache.manager, batch, pad_to=bucket, pad_tokens=bucket * graph_width)
+            self.steps.upload(self.stream)
+            key = (graph_width, logits)
+            graphs = self.verify_graphs.get(key)
+            if graphs is None:
+                graphs = self.verify_graphs[key] = DecodeGraphs(
+                    lambda b, s, key=key: self._enqueue_verify(b, *key, s), self.buckets,
+                    kind=f"verify ({graph_width} tokens a row, {logits})")
+            if bucket in graphs.graphs:
+                graphs.graphs[bucket].launch(self.stream)
+            else:  # eagerly the first time (loading every kernel it uses), then captured
+                self._enqueue_verify(bucket, graph_width, logits, self.stream)
+                graphs.capture(self.stream, [bucket])
+            t = time.perf_counter()
+            ws = self.workspace
+            out = (ws.logits if logits == "all" else ws.logit_argmax).rows(0, n).to_host(self.stream)
         self.wait_seconds += time.perf_counter() - t
         return out
+
+    def _verify_bucket(self, batch, width: int | None) -> int | None:
+        """The decode bucket a graphed verify step pads `batch` to, or None for an eager step."""
+        if not (width and self.use_graphs and len(batch) <= self.max_num_seqs):
+            return None
+        bucket = bucket_for(len(batch), self.buckets)
+        if bucket * width > self.max_verify_tokens or any(len(item[1]) > width for item in batch):
+            return None
+        return bucket
+
+    def _enqueue_verify(self, bucket: int, width: int, logits: str, stream) -> None:
+        """A verify step of `bucket` rows of up to `width` tokens (padding rows do nothing), with the
+        argmax of every row's logits when logits="argmax"."""
+        n = bucket * width
+        shape = StepShape(num_tokens=n, num_seqs=bucket, max_q_len=width)
+        rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True, num_splits=1,
+                       stream=stream, batch_invariant=self.batch_invariant)
+        if logits == "argmax":
+            K.argmax(rows, self.workspace.logit_argmax.rows(0, n), stream)
 
     def _read_rows(self, rows, n: int, logits: str) -> np.ndarray:
         """The first n logits rows to the host: "all" as they are, "argmax" each row's argmax (found on
@@ -370,6 +413,9 @@ class Model:
         if self.graphs is not None:
             self.graphs.destroy()
             self.extend_graphs.destroy()
+        for graphs in self.verify_graphs.values():
+            graphs.destroy()
+        self.verify_graphs = {}
         if self.steps is not None:
             self.steps.free()
         if self.cache is not None:

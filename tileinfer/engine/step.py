@@ -153,7 +153,7 @@ class StepBuffers:
 
 def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: list[SamplingRow] | None = None,
                  pad_to: int | None = None, penalties: list | None = None,
-                 token_src: list[int] | None = None) -> StepShape:
+                 token_src: list[int] | None = None, pad_tokens: int | None = None) -> StepShape:
     """Fill the pinned mirror for one step; the positions it computes must be reserved already.
 
     batch: (sequence, new token ids, start) triples: the step computes positions start ..
@@ -164,6 +164,7 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     penalties: per row None or (token ids, output counts) int32 arrays for apply_penalties.
     token_src: per row -1, or (for a one-token row) the row of the previous step whose sample is
     this row's token: it is read on the device, so the host need not have it yet.
+    pad_tokens: the step's token rows, padding included (a graphed verify step: bucket x tokens a row).
     """
     buffers.wait_upload()
     h = buffers.host
@@ -231,7 +232,11 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     h["counters"][:b] = kv_lens  # the position a row's sample is for seeds the draw
     h["last_rows"][:b] = last_rows
     num_tokens = offset
-    if pad_to and max_q == 1:
+    if pad_tokens is not None:
+        if not offset <= pad_tokens <= buffers.max_tokens:
+            raise ValueError(f"prepare_step: {offset} tokens padded to {pad_tokens}, buffers hold {buffers.max_tokens}")
+        num_tokens = pad_tokens
+    elif pad_to and max_q == 1:
         num_tokens = num_seqs  # a decode bucket: one row per (padding) sequence
     pad = slice(offset, num_tokens)
     h["tokens"][pad], h["positions"][pad], h["slots"][pad], src[pad] = 0, 0, -1, -1
