@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 8's goals table from one run: every case measured in one process, the peer beside it.
 
-    python3 scripts/bench_goals.py --peer path/to/peer_gptfast.py [--profile] [--out DIR]
+    python3 scripts/bench_goals.py --peer path/to/peer_gptfast.py [--profile] [--peer-prewarm] [--out DIR]
 
 Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scripts/bench.py, whose
 functions this calls):
@@ -23,6 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -87,6 +90,33 @@ def profiles_md(values: dict, top: int = 6) -> str:
         if v.get("ablation"):
             parts.append(render_ablation(case, v["ablation"]))
     return "\n".join(parts)
+
+
+# The peer's runs in measure(): (model, batch, context), 128 new tokens each, as bench.run_peer calls it.
+PEER_RUNS = [("qwen3-0.6b", 1, 512), ("qwen3-4b", 1, 512), ("qwen3-8b", 1, 512), ("qwen3-4b", 1, 32768),
+             ("qwen3-0.6b", 64, 512)]
+PEER_NEW = 128
+
+
+def peer_commands(peer: Path) -> list[list[str]]:
+    """The command of each of the peer's runs (bench.run_peer's)."""
+    return [[sys.executable, str(peer), name, str(batch), str(context), str(PEER_NEW)] for name, batch, context in PEER_RUNS]
+
+
+def prewarm_peer(peer: Path, timeout: int) -> float:
+    """Run every one of the peer's cases at once, results discarded, so that its torch.compile caches
+    (on disk) are warm when measure() runs each case alone: on a fresh machine the compiles alone took
+    336 s one after another (session 8). Returns the seconds taken."""
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OUT": os.environ.get("TMPDIR", "/tmp")}  # its JSON files aside
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+             for cmd in peer_commands(peer)]
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return time.perf_counter() - start
 
 
 def measure(args) -> dict:
@@ -160,8 +190,14 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--profile", action="store_true",
                     help="also profile the single-sequence cases' steps per kernel (the cause of each gap)")
+    ap.add_argument("--peer-prewarm", action="store_true",
+                    help="first run all of the peer's cases at once, untimed, to fill its compile caches (not yet "
+                         "measured whether the timed runs' warm-up then shrinks)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args()
+    if args.peer and args.peer_prewarm:
+        print(f"peer compile caches warmed in {prewarm_peer(args.peer, args.peer_timeout):.0f} s (all cases at once, "
+              "untimed)", flush=True)
     values = measure(args)
     table = goals_table(values)
     profiles = profiles_md(values)

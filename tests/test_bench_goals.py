@@ -108,3 +108,12 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     assert "| QKV qwen3-8b 512 bf16 | 36 | 480.0 | 13.33 | 263.0 | 2370 |" in md
     assert md.index("gemm_small b64") < md.index("matrix products b64") < md.index("gemm_e2")
     assert g.profiles_md({}) == ""
+
+
+def test_the_peer_prewarm_runs_the_cases_measure_runs():
+    # The same (model, batch, context, new) as the timed runs, or the warm caches would not be hit.
+    g = load()
+    cmds = g.peer_commands(Path("peer.py"))
+    assert [c[2:] for c in cmds] == [["qwen3-0.6b", "1", "512", "128"], ["qwen3-4b", "1", "512", "128"],
+                                     ["qwen3-8b", "1", "512", "128"], ["qwen3-4b", "1", "32768", "128"],
+                                     ["qwen3-0.6b", "64", "512", "128"]]
