@@ -64,13 +64,14 @@ class DecodeGraphs:
             if bar is not None:
                 bar.close()
 
-    def replay(self, batch: int, stream: Stream) -> int:
-        """Launch the graph for `batch` sequences (capturing it on first use); returns the bucket."""
-        b = bucket_for(batch, self.buckets)
-        if b not in self.graphs:
-            self.capture(stream, [b])
-        self.graphs[b].launch(stream)
-        return b
+    def run(self, bucket: int, stream: Stream) -> None:
+        """Replay the graph for `bucket`. The first time, run its step eagerly instead (loading every
+        kernel it uses) and capture the same launches for the steps that follow."""
+        if bucket in self.graphs:
+            self.graphs[bucket].launch(stream)
+        else:
+            self.enqueue_step(bucket, stream)
+            self.capture(stream, [bucket])
 
     def destroy(self) -> None:
         for g in self.graphs.values():

@@ -85,6 +85,11 @@ def replay_ms(stream, enqueue, replays: int) -> float:
     return start.elapsed_ms(end) / replays
 
 
+def weights_read(weights: dict, args) -> list:
+    """The weight arrays among a launch's arguments (`weights`: the model's, by device pointer)."""
+    return [weights[a.ptr] for a in args if getattr(a, "ptr", None) in weights]
+
+
 def profile_step(model, bucket: int = 1) -> list[dict]:
     """Per-kernel GPU time of one decode step of `bucket` sequences (over the step buffers' last contents)."""
     return profile_graph(model, lambda s: model._enqueue_decode(bucket, s))
@@ -106,7 +111,7 @@ def profile_graph(model, enqueue) -> list[dict]:
     def launch(self, grid, block, args, stream, smem=0):
         event = Event()
         event.record(stream, external=True)
-        read = [weights[a.ptr] for a in args if getattr(a, "ptr", None) in weights]
+        read = weights_read(weights, args)
         nbytes = sum(w.nbytes for w in read)
         flops = 0
         x = args[0] if args else None
@@ -189,7 +194,7 @@ def ablate_step(model, bucket: int = 1, replays: int = 50) -> dict:
                 return
             if prefixes and self.name.startswith(prefixes):
                 dropped["launches"] += 1
-                dropped["bytes"] += sum(weights[a.ptr].nbytes for a in args if getattr(a, "ptr", None) in weights)
+                dropped["bytes"] += sum(w.nbytes for w in weights_read(weights, args))
                 return
             original(self, grid, block, args, stream, smem)
 
@@ -270,9 +275,14 @@ def bench_prefill(model, n: int, repeats: int) -> dict:
                 matmul_fraction=flops / seconds / MATMUL_FLOPS)
 
 
+def peer_command(peer: Path, name: str, context: int, new: int, batch: int = 1) -> list[str]:
+    """The command that runs the peer on one case (peer_gptfast.py MODEL BATCH CONTEXT NEW)."""
+    return [sys.executable, str(peer), name, str(batch), str(context), str(new)]
+
+
 def run_peer(peer: Path, name: str, context: int, new: int, timeout: int, batch: int = 1) -> dict | None:
     try:
-        proc = subprocess.run([sys.executable, str(peer), name, str(batch), str(context), str(new)], capture_output=True,
+        proc = subprocess.run(peer_command(peer, name, context, new, batch), capture_output=True,
                               text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:
         print(f"peer {name}: timed out after {timeout} s", flush=True)

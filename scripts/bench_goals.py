@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -100,7 +99,8 @@ PEER_NEW = 128
 
 def peer_commands(peer: Path) -> list[list[str]]:
     """The command of each of the peer's runs (bench.run_peer's)."""
-    return [[sys.executable, str(peer), name, str(batch), str(context), str(PEER_NEW)] for name, batch, context in PEER_RUNS]
+    from bench import peer_command  # scripts/bench.py
+    return [peer_command(peer, name, context, PEER_NEW, batch) for name, batch, context in PEER_RUNS]
 
 
 def prewarm_peer(peer: Path, timeout: int) -> float:

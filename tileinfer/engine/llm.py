@@ -28,7 +28,8 @@ accepted prefix plus one token of the target's: under greedy the target's argmax
 (token for token what plain decoding gives when batch_invariant; otherwise kernels of other shapes
 may break near-ties differently), under sampling by rejection sampling, so the tokens follow the
 target's distribution (engine/spec_batch.py). Steps are then not pipelined, and the verify step
-runs eagerly (no graph yet). The target's logits workspace holds max_num_seqs x (k + 1) rows for the
+runs eagerly (with TILEINFER_VERIFY_GRAPHS=1 it replays a graph per batch bucket and k, not yet
+run on a GPU). The target's logits workspace holds max_num_seqs x (k + 1) rows for the
 verify step (float32 over the vocabulary: 0.78 GB for 256 sequences and k = 4).
 """
 from __future__ import annotations

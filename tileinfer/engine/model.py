@@ -217,15 +217,10 @@ class Model:
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
                          token_src=token_src)
             self.steps.upload(self.stream)
-            if not self.use_graphs:
-                self._enqueue_decode(bucket, self.stream)
-            elif bucket in self.graphs.graphs:
-                self.graphs.replay(len(batch), self.stream)
+            if self.use_graphs:
+                self.graphs.run(bucket, self.stream)
             else:
-                # First step of this bucket: run it eagerly (loading every kernel it uses), then
-                # capture the same launches for the steps that follow.
                 self._enqueue_decode(bucket, self.stream)
-                self.graphs.capture(self.stream, [bucket])
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
                                  token_src=token_src)
@@ -295,13 +290,11 @@ class Model:
             if n > EXTEND_GRAPH_TOKENS:  # without all rows, the LM head runs on the chunk's last row only
                 rows = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=every_row,
                                num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
-            elif self.use_graphs and n in self.extend_graphs.graphs:
-                self.extend_graphs.graphs[n].launch(self.stream)
+            elif self.use_graphs:
+                self.extend_graphs.run(n, self.stream)
                 rows = self.workspace.logits.rows(0, n)
-            else:  # eagerly the first time, then captured for the next extend by n tokens
+            else:
                 rows = self._enqueue_extend(n, self.stream)
-                if self.use_graphs:
-                    self.extend_graphs.capture(self.stream, [n])
             if every_row:
                 out[start: start + n] = self._read_rows(rows, n, logits)
             elif logits == "last" and start + n == len(ids):
@@ -334,27 +327,20 @@ class Model:
             raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
         self._copy_pending_pages()
         bucket = self._verify_bucket(batch, graph_width)
+        pad = dict(pad_to=bucket, pad_tokens=bucket * graph_width) if bucket else {}
+        shape = prepare_step(self.steps, self.cache.manager, batch, **pad)
+        self.steps.upload(self.stream)
         if bucket is None:
-            shape = prepare_step(self.steps, self.cache.manager, batch)
-            self.steps.upload(self.stream)
             rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True,
                            num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
             t = time.perf_counter()
             out = self._read_rows(rows, n, logits)
         else:
-            prepare_step(self.steps, self.cache.manager, batch, pad_to=bucket, pad_tokens=bucket * graph_width)
-            self.steps.upload(self.stream)
             key = (graph_width, logits)
-            graphs = self.verify_graphs.get(key)
-            if graphs is None:
-                graphs = self.verify_graphs[key] = DecodeGraphs(
-                    lambda b, s, key=key: self._enqueue_verify(b, *key, s), self.buckets,
-                    kind=f"verify ({graph_width} tokens a row, {logits})")
-            if bucket in graphs.graphs:
-                graphs.graphs[bucket].launch(self.stream)
-            else:  # eagerly the first time (loading every kernel it uses), then captured
-                self._enqueue_verify(bucket, graph_width, logits, self.stream)
-                graphs.capture(self.stream, [bucket])
+            if key not in self.verify_graphs:
+                self.verify_graphs[key] = DecodeGraphs(lambda b, s, key=key: self._enqueue_verify(b, *key, s),
+                                                       self.buckets, kind=f"verify ({graph_width} tokens a row, {logits})")
+            self.verify_graphs[key].run(bucket, self.stream)
             t = time.perf_counter()
             ws = self.workspace
             out = (ws.logits if logits == "all" else ws.logit_argmax).rows(0, n).to_host(self.stream)
