@@ -58,17 +58,64 @@ __device__ __forceinline__ void fma_weights(const vec16 (&a)[U], const vec16 (&b
     }
 }
 
+// ARGMAX (the LM head at batch 1, EPI_F32): besides the logits, each block writes the key of its
+// largest logit to best[blockIdx.x], so that greedy decoding reduces one key per block instead of
+// scanning the vocabulary again (sampling.cu, sample_rows). key = (order of the value) << 32 |
+// ~index: the largest value wins, on a tie the lowest index, exactly as argmax_rows; -0 counts as
+// +0 (they compare equal there) and a NaN never wins.
+__device__ __forceinline__ unsigned long long logit_key(float v, int index) {
+    if (v != v) return 0ull;
+    const u32 b = __float_as_uint(v == 0.f ? 0.f : v);
+    const u32 order = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)order << 32) | (u32)~(u32)index;
+}
+
+template <int M>
+__device__ __forceinline__ void argmax_tail(float acc0, float acc1, int r0, int r1, bool has_r1, bool active, int lane,
+                                            int warp, int kpart, int ksplit, float (*partial)[M][2],
+                                            void *__restrict__ out, unsigned long long *__restrict__ best,
+                                            unsigned long long *keys) {
+    bool owner = active;  // this warp writes the row pair (no early return: the block meets below)
+    if (ksplit > 1) {
+        if (lane == 0) { partial[warp][0][0] = acc0; partial[warp][0][1] = acc1; }
+        __syncthreads();
+        owner = owner && kpart == 0;
+        if (owner)
+            for (int w = warp + 1; w < warp + ksplit; ++w) { acc0 += partial[w][0][0]; acc1 += partial[w][0][1]; }
+    }
+    unsigned long long key = 0ull;
+    if (owner && lane == 0) {
+        float *o = reinterpret_cast<float *>(out);
+        o[r0] = acc0;
+        key = logit_key(acc0, r0);
+        if (has_r1) {
+            o[r1] = acc1;
+            const unsigned long long k1 = logit_key(acc1, r1);
+            key = k1 > key ? k1 : key;
+        }
+    }
+    if (lane == 0) keys[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long k = keys[0];
+        for (int w = 1; w < WARPS; ++w) k = keys[w] > k ? keys[w] : k;
+        best[blockIdx.x] = k;
+    }
+}
+
 // Row pair `pair`: for SILU_MUL the gate row j and the up row j + N/2 (W is [gate; up]),
 // otherwise rows 2 pair and 2 pair + 1. This warp reads segments kpart, kpart + ksplit, ...
 //
 // NORM: x is not given; the block first computes x = rmsnorm(resid) * norm_w into shared memory
 // `xs` ([M, K] bf16), exactly as the rmsnorm kernel would (same helpers, same block size), while
 // its first weight loads are in flight. Every warp of the block takes part, active or not.
-template <int M, int EPI, bool NORM, bool PIPE>
+template <int M, int EPI, bool NORM, bool PIPE, bool ARGMAX = false>
 __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict__ resid,
                                           const bf16 *__restrict__ norm_w, float eps, bf16 *xs, float *scratch,
                                           const bf16 *__restrict__ W, void *__restrict__ out, int N, int K,
-                                          int pair, int kpart, int ksplit, float (*partial)[M][2]) {
+                                          int pair, int kpart, int ksplit, float (*partial)[M][2],
+                                          unsigned long long *__restrict__ best = nullptr,
+                                          unsigned long long *keys = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = EPI == EPI_SILU_MUL ? N / 2 : N;
     int r0, r1;
@@ -151,6 +198,10 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) { acc0[m] = warp_sum(acc0[m]); acc1[m] = warp_sum(acc1[m]); }
+    if constexpr (ARGMAX) {
+        argmax_tail(acc0[0], acc1[0], r0, r1, has_r1, active, lane, warp, kpart, ksplit, partial, out, best, keys);
+        return;
+    }
     if (ksplit > 1) {  // the ksplit warps of a row pair are consecutive: sum their partials
         if (lane == 0)
 #pragma unroll
@@ -206,6 +257,21 @@ GEMV_ALL_EPI(4)
 GEMV_ALL_EPI(8)
 GEMV_KERNEL(gemv_pipe_m1_e1, 1, 1, true)
 GEMV_KERNEL(gemv_pipe_m1_e3, 1, 3, true)
+
+// The LM head at batch 1 with each block's largest logit (ARGMAX above): best[ceil(pairs * ksplit / 8)].
+#define GEMV_ARGMAX_KERNEL(NAME, PIPE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
+        NAME(const bf16 *__restrict__ x, const bf16 *__restrict__ W, float *__restrict__ out, int N, int K, \
+             int ksplit, unsigned long long *__restrict__ best) {                                       \
+        __shared__ float partial[WARPS][1][2];                                                          \
+        __shared__ unsigned long long keys[WARPS];                                                      \
+        const int warp = threadIdx.x >> 5;                                                              \
+        gemv_rows<1, EPI_F32, false, PIPE, true>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K, \
+                                                 (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, \
+                                                 partial, best, keys);                                  \
+    }
+GEMV_ARGMAX_KERNEL(gemv_argmax_m1_e3, false)
+GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
 
 // The same with the RMSNorm of the input fused in: y = rmsnorm(resid) * norm_w @ W^T, for the two
 // products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL). resid [M, K] float32;

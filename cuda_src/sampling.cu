@@ -91,6 +91,30 @@ __device__ __forceinline__ ArgMax thread_argmax(const float *__restrict__ z, int
     return m;
 }
 
+// Row 0's argmax from the LM head's per-block keys (gemv.cu, ARGMAX: (order_key(value) << 32) | ~index,
+// the largest value and on a tie the lowest index): the same result as thread_argmax + block_argmax
+// over the logits, from 8 bytes per 16 vocabulary entries.
+__device__ ArgMax keyed_argmax(const u64 *__restrict__ keys, int num_keys, u64 *scratch) {
+    u64 k = 0;
+    for (int i = threadIdx.x; i < num_keys; i += blockDim.x) k = keys[i] > k ? keys[i] : k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, k, o);
+        k = other > k ? other : k;
+    }
+    if (lane == 0) scratch[warp] = k;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) k = scratch[w] > k ? scratch[w] : k;
+        scratch[0] = k;
+    }
+    __syncthreads();
+    k = scratch[0];
+    __syncthreads();
+    return ArgMax{key_value((u32)(k >> 32)), (int)~(u32)k};
+}
+
 // Key of min-p's cut z_max + log(min_p); 0 (keep everything) when min_p <= 0, z_max's own when
 // min_p >= 1. log is taken in double and rounded to float, and the add is not fused with the
 // product that made z_max, so the cut is bit-identical to the numpy mirror's float32 arithmetic.
@@ -139,19 +163,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *_
 
 // grid (rows), block (1024). Per row r: temperature[r] <= 0 means greedy (min-p, top-k, top-p
 // ignored); min_p[r] <= 0 disables min-p; top_k[r] <= 0 or >= vocab disables top-k; top_p[r] >= 1
-// disables top-p. counters[r] is the position being sampled.
+// disables top-p. counters[r] is the position being sampled. num_keys > 0: the LM head wrote row
+// 0's per-block keys to head_keys (batch 1); unless penalties changed row 0 since (pen_offsets: it
+// has entries), its argmax comes from those keys.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         const float *__restrict__ logits, int vocab, const float *__restrict__ temperature,
         const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
-        const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out) {
+        const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out,
+        const u64 *__restrict__ head_keys, int num_keys, const int *__restrict__ pen_offsets) {
     pdl_start();
     __shared__ float sv[32];
     __shared__ int si[32];
+    __shared__ u64 sk[32];
     const int r = blockIdx.x;
     const float *z = logits + (size_t)r * vocab;
     const float temp = temperature[r];
 
-    const ArgMax m = block_argmax(thread_argmax(z, vocab), sv, si);
+    const bool keyed = r == 0 && num_keys > 0 && pen_offsets[1] == pen_offsets[0];
+    const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk) : block_argmax(thread_argmax(z, vocab), sv, si);
     if (!(temp > 0.f)) {
         if (threadIdx.x == 0) out[r] = m.i;
         return;

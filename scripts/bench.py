@@ -163,7 +163,7 @@ ABLATE_GROUPS = (
     ("QKV GEMV, RMSNorm fused", ("gemv_norm_m1_e0",)),
     ("gate/up GEMV, RMSNorm fused", ("gemv_norm_m1_e2",)),
     ("o_proj + down_proj GEMV", ("gemv_m1_e1", "gemv_pipe_m1_e1")),
-    ("LM head GEMV", ("gemv_m1_e3", "gemv_pipe_m1_e3")),
+    ("LM head GEMV", ("gemv_m1_e3", "gemv_pipe_m1_e3", "gemv_argmax_m1_e3", "gemv_pipe_argmax_m1_e3")),
 )
 BATCH_ABLATE_GROUPS = (
     ("attention: attn_input, attention, combine", ("attn_input", "attention")),

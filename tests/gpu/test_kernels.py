@@ -19,6 +19,7 @@ import pytest
 
 from tileinfer.engine import sampler
 from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, norm_linear, rmsnorm, sample
+from tileinfer.kernels.linear import head_key_count
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize
 from tileinfer.model import reference
@@ -630,6 +631,69 @@ def test_argmax(rows, vocab, buf, stream):
     argmax(buf.upload(logits), out, stream)
     # Exact: an index.
     assert_exact(out.to_host(stream), expected, f"argmax rows={rows} vocab={vocab} (tie at {i}, {j})")
+
+
+# ============================================================================= the LM head's keys
+# linear(head_keys=) (batch 1, f32): each block's largest logit as (order << 32 | ~index); sample() reads
+# row 0's argmax from them. Decoded here as the kernel does.
+
+def decode_key(key: int) -> tuple[float, int]:
+    order, index = key >> 32, (~key) & 0xFFFFFFFF
+    bits = (order & 0x7FFFFFFF) if order & 0x80000000 else (~order & 0xFFFFFFFF)
+    return float(np.array([bits], np.uint32).view(np.float32)[0]), index
+
+
+@pytest.mark.parametrize("N, K", [(151936, 1024), (1000, 2568), (24, 200), (2056, 4104)])
+def test_lm_head_keys_give_the_argmax_lowest_index_on_ties(N, K, buf, stream):
+    rng = np.random.default_rng(seed_of("head_keys", N, K))
+    x = buf.upload(rand_bf16(rng, (1, K)))
+    w = linear_weight(N, K).copy()
+    blocks = head_key_count(N, K)
+    for tie in (False, True):
+        logits, keys = buf.poisoned((1, N), F32), buf.poisoned((blocks,), np.dtype(np.uint64))
+        linear(x, buf.upload(w), logits, "f32", stream, head_keys=keys)
+        got = logits.to_host(stream)[0]
+        want = int(np.argmax(got))
+        # The logits are the plain GEMV's, bitwise; the keys' maximum is their argmax.
+        plain = buf.poisoned((1, N), F32)
+        linear(x, buf.upload(w), plain, "f32", stream)
+        np.testing.assert_array_equal(got, plain.to_host(stream)[0])
+        value, index = decode_key(int(keys.to_host(stream).max()))
+        assert (index, value) == (want, float(got[want])), f"tie={tie}"
+        if not tie and want > 0:  # the same row again at a lower index: equal logits, the lower one wins
+            w[want // 2] = w[want]
+            assert want // 2 < want
+
+
+def test_sample_reads_the_lm_head_keys_unless_penalties_changed_the_row(buf, stream):
+    rng = np.random.default_rng(seed_of("sample_keys"))
+    N, K = 151936, 1024
+    x, w = buf.upload(rand_bf16(rng, (1, K))), buf.upload(linear_weight(N, K))
+    logits, keys = buf.poisoned((1, N), F32), buf.poisoned((head_key_count(N, K),), np.dtype(np.uint64))
+    linear(x, w, logits, "f32", stream, head_keys=keys)
+    host = logits.to_host(stream)
+
+    def run(temperature, offsets, with_keys=True):
+        out = buf.poisoned((1,), I32)
+        sample(logits, buf.upload(np.array([temperature], np.float32)), buf.upload(np.array([0], np.int32)),
+               buf.upload(np.array([1.0], np.float32)), buf.upload(np.zeros(1, np.float32)),
+               buf.upload(np.array([7], np.uint64)), buf.upload(np.array([3], np.int32)), out, stream,
+               head_keys=keys if with_keys else None, pen_offsets=buf.upload(np.asarray(offsets, np.int32)))
+        return int(out.to_host(stream)[0])
+
+    assert run(0.0, [0, 0]) == int(np.argmax(host))
+    assert run(0.8, [0, 0]) == run(0.8, [0, 0], with_keys=False)  # the same maximum, the same sample
+    # Penalties rewrite the row after the keys were made: the keys are stale, the logits are scanned.
+    best = int(np.argmax(host))
+    penalised = host.copy()
+    penalised[0, best] = host.min() - 1.0
+    stale = buf.upload(penalised)
+    out = buf.poisoned((1,), I32)
+    sample(stale, buf.upload(np.array([0.0], np.float32)), buf.upload(np.array([0], np.int32)),
+           buf.upload(np.array([1.0], np.float32)), buf.upload(np.zeros(1, np.float32)),
+           buf.upload(np.array([7], np.uint64)), buf.upload(np.array([3], np.int32)), out, stream,
+           head_keys=keys, pen_offsets=buf.upload(np.array([0, 1], np.int32)))
+    assert int(out.to_host(stream)[0]) == int(np.argmax(penalised))
 
 
 # ============================================================================= sampling

@@ -33,7 +33,7 @@ from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import Checkpoint
-from ..model.qwen3 import Workspace, forward
+from ..model.qwen3 import Workspace, forward, head_keys_written
 from ..model.weights import DeviceWeights
 from .step import SamplingRow, StepBuffers, StepShape, prepare_step
 
@@ -172,9 +172,11 @@ class Model:
             K.apply_penalties(logits, d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens,
                               self.steps.penalty_counts, d["repetition"].rows(0, b), d["presence"].rows(0, b),
                               d["frequency"].rows(0, b), stream)
+            keyed = head_keys_written(logits, self.batch_invariant)  # batch 1: row 0's maximum is known
             K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                      d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
-                     self.steps.sampled.rows(0, b), stream)
+                     self.steps.sampled.rows(0, b), stream, head_keys=self.workspace.head_keys if keyed else None,
+                     pen_offsets=d["pen_offsets"].rows(0, 2) if keyed else None)
 
     def extend_splits(self, n: int) -> int:
         """Key-range splits of a one-sequence step of n query tokens: a decode step's, as far as the

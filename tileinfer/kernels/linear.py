@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
-from ._check import BF16, FLOAT32, cdiv, expect
+from ._check import BF16, FLOAT32, UINT64, cdiv, expect
 from .rmsnorm import rmsnorm
 
 EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}
@@ -95,6 +95,12 @@ def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS, se
     return ksplit
 
 
+def head_key_count(N: int, K: int) -> int:
+    """Blocks of the batch-1 LM head GEMV ([N, K] weights): the keys linear(head_keys=) writes."""
+    pairs = cdiv(N, 2)
+    return cdiv(pairs * gemv_ksplit(pairs, K), GEMV_WARPS)
+
+
 PIPE_EPILOGUES = ("residual", "f32")  # gemv_pipe_m1_*: o_proj, down_proj and the LM head
 PIPE_MIN_SEGMENTS = 4
 
@@ -156,10 +162,13 @@ def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows
 
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
-           ksplit: int | None = None, rows: int | None = None, pipe: bool | None = None) -> None:
+           ksplit: int | None = None, rows: int | None = None, pipe: bool | None = None,
+           head_keys: DeviceArray | None = None) -> None:
     """out <- epilogue(x @ w.T). `force` ("gemm", "gemv", "tc" or "small") and `ksplit` override the choices:
     for the GEMVs the warps per row pair or 16-row tile, for the small GEMM the blocks per cluster splitting
-    K (1, 2, 4 or 8); `pipe` the batch-1 GEMV's loop (gemv_pipe)."""
+    K (1, 2, 4 or 8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one
+    row, the f32 epilogue, the GEMV): also each block's largest logit as a key, in head_keys[:blocks]
+    with blocks = head_key_count(N, K) (gemv.cu, ARGMAX), for sample()."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
     M, K = x.shape
@@ -184,8 +193,18 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         elif pipe and not (M == 1 and epilogue in PIPE_EPILOGUES):
             raise ValueError(f"linear: the pipelined GEMV takes M = 1 and the {' or '.join(PIPE_EPILOGUES)} "
                              f"epilogue, got M={M}, {epilogue!r}")
+        grid = (cdiv(pairs * ksplit, GEMV_WARPS),)
+        if head_keys is not None:
+            if M != 1 or epilogue != "f32":
+                raise ValueError(f"linear: head_keys need one row and the f32 epilogue, got M={M}, {epilogue!r}")
+            expect("head_keys", head_keys, grid, UINT64)
+            kernel("gemv.cu", f"gemv_{'pipe_' if pipe else ''}argmax_m1_e3").launch(
+                grid, (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit), head_keys], stream)
+            return
         kernel("gemv.cu", f"gemv_{'pipe_' if pipe else ''}m{M}_e{epi}").launch(
-            (cdiv(pairs * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit)], stream)
+            grid, (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit)], stream)
+    elif head_keys is not None:
+        raise ValueError(f"linear: head_keys need the GEMV, got the {path!r} path")
     elif path == "tc":
         if not 1 <= M <= TC_MAX_ROWS:
             raise ValueError(f"linear: the tensor-core GEMV handles 1 <= M <= {TC_MAX_ROWS}, got M={M}")

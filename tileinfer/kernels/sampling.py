@@ -13,18 +13,31 @@ def argmax(logits: DeviceArray, out: DeviceArray, stream) -> None:
 
 
 def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray,
-           min_p: DeviceArray, seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream) -> None:
+           min_p: DeviceArray, seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream, *,
+           head_keys: DeviceArray | None = None, pen_offsets: DeviceArray | None = None) -> None:
     """Per row r: greedy if temperature[r] <= 0, else a Gumbel-max sample from the min-p, then top-k,
     then top-p filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r]).
-    min_p[r] <= 0 disables min-p (it keeps probabilities >= min_p[r] * the largest)."""
+    min_p[r] <= 0 disables min-p (it keeps probabilities >= min_p[r] * the largest).
+
+    head_keys: the per-block keys the batch-1 LM head wrote with the logits (linear(head_keys=)), for
+    one row only; row 0's largest logit is then read from them (a few KB instead of the vocabulary)
+    unless apply_penalties changed the row since, which pen_offsets (apply_penalties' offsets) tells."""
     rows, vocab = logits.shape
     expect("logits", logits, (rows, vocab), FLOAT32)
     for name, arr, dtype in (("temperature", temperature, FLOAT32), ("top_k", top_k, INT32),
                              ("top_p", top_p, FLOAT32), ("min_p", min_p, FLOAT32), ("seeds", seeds, UINT64),
                              ("counters", counters, INT32), ("out", out, INT32)):
         expect(name, arr, (rows,), dtype)
+    num_keys = 0
+    if head_keys is not None:
+        if rows != 1:
+            raise ValueError(f"sample: head_keys serve one row of logits, got {rows}")
+        expect("head_keys", head_keys, (None,), UINT64)
+        expect("pen_offsets", pen_offsets, (2,), INT32)
+        num_keys = head_keys.shape[0]
     kernel("sampling.cu", "sample_rows").launch(
-        (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out], stream)
+        (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out, head_keys,
+                           I32(num_keys), pen_offsets], stream)
 
 
 def apply_penalties(logits: DeviceArray, offsets: DeviceArray, tokens: DeviceArray, counts: DeviceArray,

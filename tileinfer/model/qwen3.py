@@ -13,12 +13,15 @@ The residual stream is float32; activations between kernels are bf16.
 """
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 
 from .. import kernels as K
 from ..cuda import DeviceArray
 from ..engine.step import StepBuffers, StepShape
+from ..kernels.linear import head_key_count
 from ..kv import PagedKVCache
 from .reference import rope_inv_freq
 from .weights import DeviceWeights
@@ -43,6 +46,8 @@ class Workspace:
         self.final_x = DeviceArray((max_logit_rows, c.hidden_size), BF16)
         self.logits = DeviceArray((max_logit_rows, c.vocab_size), np.float32)
         self.logit_argmax = DeviceArray((max_logit_rows,), np.int32)  # each logits row's argmax, when asked
+        # The batch-1 LM head's per-block keys of its largest logit (linear(head_keys=), for sample()).
+        self.head_keys = DeviceArray((head_key_count(c.vocab_size, c.hidden_size),), np.uint64)
         self.max_decode_rows = max_decode_rows
         # Split-K decode attention partials: splits x rows of them, at most max_partial_rows together.
         self.max_partial_rows = max_partial_rows or max_splits * max_decode_rows
@@ -51,7 +56,7 @@ class Workspace:
         self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
         self.inv_freq = DeviceArray.from_host(rope_inv_freq(c.head_dim, c.rope_theta).astype(np.float32))
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.logits,
-                       self.logit_argmax, self.part_o, self.part_ml, self.inv_freq]
+                       self.logit_argmax, self.head_keys, self.part_o, self.part_ml, self.inv_freq]
 
     @property
     def nbytes(self) -> int:
@@ -111,8 +116,18 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     final_x, logits = ws.final_x.rows(0, rows), ws.logits.rows(0, rows)
     K.rmsnorm(resid, weights.final_norm, final_x, c.rms_norm_eps, stream,
               rows=None if all_logits else d["last_rows"].rows(0, b))
-    K.linear(final_x, weights.lm_head, logits, "f32", stream, force=linear_path)
+    K.linear(final_x, weights.lm_head, logits, "f32", stream, force=linear_path,
+             head_keys=ws.head_keys if head_keys_written(logits, batch_invariant) else None)
     return logits
+
+
+# TILEINFER_HEAD_KEYS=0 turns the LM head's keys off (greedy decoding scans the logits again): for A/B runs.
+HEAD_KEYS = os.environ.get("TILEINFER_HEAD_KEYS", "1") != "0"
+
+
+def head_keys_written(logits: DeviceArray, batch_invariant: bool) -> bool:
+    """Whether forward() had the LM head write ws.head_keys with these logits (one row, on the GEMV)."""
+    return HEAD_KEYS and logits.shape[0] == 1 and not batch_invariant
 
 
 def _prefix_view(buf: DeviceArray, lead: tuple[int, int]) -> DeviceArray:
