@@ -31,7 +31,7 @@ from .rmsnorm import rmsnorm
 EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}
 GEMV_ROWS = (1, 2, 4, 8)
 GEMM_TILE = 128
-GEMM_SMEM = 3 * (128 + 128) * 64 * 2  # STAGES * (BM + BN) * BK * sizeof(bf16), as in gemm.cu
+GEMM_SMEM = 4 * (128 + 128) * 64 * 2 + 1024  # STAGES * (BM + BN) * BK * sizeof(bf16) + alignment, as gemm.cu
 GEMV_WARPS = 8
 TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8_* (M <= 8) and gemv_tc_m16_* (M <= 16), 8 warps a block
 TC_DEEP_K = 8192   # rows at least this long take 8 loads per k-block (gemv_tc_*_l8_*), shorter ones 4
