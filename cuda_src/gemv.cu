@@ -276,12 +276,14 @@ GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
 // The same with the RMSNorm of the input fused in: y = rmsnorm(resid) * norm_w @ W^T, for the two
 // products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL). resid [M, K] float32;
 // dynamic shared memory M * K * 2 bytes; block (256) as the rmsnorm kernel's, K % 8 == 0.
-// MIN_BLOCKS: NVRTC gives gate/up at batch 1 68 registers (3 blocks an SM) unless capped at 64 (4 an
-// SM, the wave gemv_ksplit plans for). Measured on the H200 (bench.py, GPU ms per step): qwen3-4b
-// 2.720 -> 2.630, qwen3-0.6b and qwen3-8b unchanged (0.694 -> 0.692, 4.311 -> 4.305).
-#define GEMV_NORM_KERNEL(M, EPI, MIN_BLOCKS)                                                             \
+// MIN_BLOCKS 4 caps a kernel at 64 registers (4 blocks an SM, the wave gemv_ksplit plans for; the
+// compiler would give gate/up 68, QKV 72). Measured on the H200 (bench.py --ablate, GPU ms per step):
+// gate/up capped: qwen3-4b 2.720 -> 2.630, 0.6b and 8b unchanged (0.694 -> 0.692, 4.311 -> 4.305).
+// QKV capped (gemv_norm_m1_e0_b4): qwen3-0.6b 0.715 -> 0.686 (QKV 130 -> 99 us in-graph), but
+// qwen3-4b 2.614 -> 2.629 and 8b 4.248 -> 4.292; so norm_linear takes it for rows of <= 1,024 only.
+#define GEMV_NORM_KERNEL(NAME, M, EPI, MIN_BLOCKS)                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                                \
-        gemv_norm_m##M##_e##EPI(const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps, \
+        NAME(const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps, \
                                 const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, int ksplit) { \
         __shared__ float partial[WARPS][M][2];                                                          \
         __shared__ float scratch[32];                                                                   \
@@ -290,5 +292,6 @@ GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
         gemv_rows<M, EPI, true, false>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
                                 N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
     }
-GEMV_NORM_KERNEL(1, 0, 1) GEMV_NORM_KERNEL(1, 2, 4)
-GEMV_NORM_KERNEL(2, 0, 1) GEMV_NORM_KERNEL(2, 2, 1)
+GEMV_NORM_KERNEL(gemv_norm_m1_e0, 1, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m1_e0_b4, 1, 0, 4)
+GEMV_NORM_KERNEL(gemv_norm_m1_e2, 1, 2, 4)
+GEMV_NORM_KERNEL(gemv_norm_m2_e0, 2, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m2_e2, 2, 2, 1)

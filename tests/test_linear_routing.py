@@ -3,7 +3,7 @@ The choices come from H200 measurements (scripts/bench_gemm_small.py, quoted in 
 this pins them so a change to the routing is deliberate."""
 import pytest
 
-from tileinfer.kernels.linear import default_path, gemv_ksplit
+from tileinfer.kernels.linear import default_path, gemv_ksplit, norm_kernel_name
 from tileinfer.model.config import preset
 
 
@@ -57,3 +57,13 @@ def test_gemv_split_keeps_the_grid_within_one_wave():
             assert ks == 1 or (pairs * ks <= target and K >= 512 * ks)
             # the next split would pass one wave, a short row or the largest split
             assert ks == 8 or pairs * ks * 2 > target or K < 512 * ks * 2
+
+
+def test_only_short_batch_1_qkv_rows_take_the_64_register_norm_gemv():
+    # qwen3-0.6b's QKV (K = 1,024) takes gemv_norm_m1_e0_b4; 4b's and 8b's (2,560, 4,096), gate/up and
+    # batch 2 keep their own builds.
+    assert norm_kernel_name(1, preset("qwen3-0.6b").hidden_size, "bf16") == "gemv_norm_m1_e0_b4"
+    assert norm_kernel_name(1, preset("qwen3-4b").hidden_size, "bf16") == "gemv_norm_m1_e0"
+    assert norm_kernel_name(1, preset("qwen3-8b").hidden_size, "bf16") == "gemv_norm_m1_e0"
+    assert norm_kernel_name(1, 1024, "silu_mul") == "gemv_norm_m1_e2"
+    assert norm_kernel_name(2, 1024, "bf16") == "gemv_norm_m2_e0"

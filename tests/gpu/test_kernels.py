@@ -280,7 +280,9 @@ def test_linear_pipelined_gemv_is_batch_one_without_a_norm(buf, stream):
 
 # The GEMV that normalizes its own input (gemv_norm_*) against the rmsnorm kernel then the GEMV:
 # bitwise equal (same helpers, same block size), and x is not written.
+# (1, 4096, 1024) and (1, 136, 1000) take the 64-register QKV build (gemv_norm_m1_e0_b4).
 @pytest.mark.parametrize("M, N, K, epilogue", [(1, 6144, 2560, "bf16"), (2, 4096, 1024, "bf16"), (1, 136, 4104, "bf16"),
+                                               (1, 4096, 1024, "bf16"), (1, 136, 1000, "bf16"),
                                                (1, 19456, 2560, "silu_mul"), (2, 2048, 1000, "silu_mul"),
                                                (2, 24, 4096, "silu_mul")])
 def test_norm_linear_fused_equals_rmsnorm_then_gemv(M, N, K, epilogue, buf, stream):

@@ -238,6 +238,16 @@ def fused_norm_default() -> bool:
     return os.environ.get("TILEINFER_FUSED_NORM", "1") != "0"
 
 
+NORM_SHORT_K = 1024  # QKV rows this short take the 64-register build (gemv.cu, GEMV_NORM_KERNEL)
+
+
+def norm_kernel_name(M: int, K: int, epilogue: str) -> str:
+    """The gemv_norm_* kernel of a fused norm + product: batch-1 QKV over rows of at most NORM_SHORT_K
+    takes the build capped at 64 registers (measured faster for qwen3-0.6b, slower for 4b and 8b)."""
+    name = f"gemv_norm_m{M}_e{EPILOGUES[epilogue]}"
+    return name + "_b4" if M == 1 and epilogue == "bf16" and K <= NORM_SHORT_K else name
+
+
 def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,
                 out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
                 fused: bool | None = None) -> None:
@@ -263,7 +273,7 @@ def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceAr
         raise ValueError(f"norm_linear: K and N must be multiples of 8 (16-byte rows), got K={K}, N={N}")
     pairs = N // 2 if epilogue == "silu_mul" else cdiv(N, 2)
     ksplit = gemv_ksplit(pairs, K)
-    kernel("gemv.cu", f"gemv_norm_m{M}_e{EPILOGUES[epilogue]}").launch(
+    kernel("gemv.cu", norm_kernel_name(M, K, epilogue)).launch(
         (cdiv(pairs * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,),
         [resid, norm_w, F32(eps), w, out, I32(N), I32(K), I32(ksplit)], stream, smem=M * K * 2)
 
