@@ -1,4 +1,4 @@
-"""Launchers for cuda_src/gemm.cu (tensor cores, prefill), cuda_src/gemv.cu (decode),
+"""Launchers for cuda_src/gemm.cu (wgmma tensor cores, prefill), cuda_src/gemv.cu (decode),
 cuda_src/gemv_tc.cu (tensor cores, a few rows: small batches, verify steps) and
 cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 3..256).
 
@@ -20,6 +20,8 @@ Which kernel (`default_path`), from scripts/bench_gemm_small.py on the H200:
     Qwen3-0.6B's layer matrices where the 128x128 GEMM takes 16-49 us; the LM head stays on the 128x128
     GEMM there (120 vs 137 us); at M = 256 the small GEMM wins only for N = 1024 and 2560.
   - Everything else (prefill) takes the 128x128 GEMM.
+The 128x128 figures above are the mma.sync GEMM's; session 9 replaced it with a wgmma kernel of the
+same tile (prefill 512 tokens 153 -> 242 TFLOP/s) and the crossovers were not re-measured.
 """
 import os
 from dataclasses import dataclass
