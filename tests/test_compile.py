@@ -25,6 +25,7 @@ ENTRY_POINTS = {
     "rmsnorm.cu": ["rmsnorm"],
     "attn_input.cu": ["attn_input", "attn_input_int8"],
     "gemm.cu": [f"gemm_e{e}" for e in range(4)],
+    "gemm_tma.cu": [f"gemm_tma_e{e}" for e in range(4)] + [f"gemm_tma_n128_e{e}" for e in range(4)],
     "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)] + ["gemv_pipe_m1_e1", "gemv_pipe_m1_e3",
                                                                                     "gemv_argmax_m1_e3", "gemv_pipe_argmax_m1_e3",
                                                                                     "gemv_norm_m1_e0", "gemv_norm_m1_e0_b4", "gemv_norm_m1_e2",

@@ -3,7 +3,7 @@ The choices come from H200 measurements (scripts/bench_gemm_small.py, quoted in 
 this pins them so a change to the routing is deliberate."""
 import pytest
 
-from tileinfer.kernels.linear import default_path, gemv_ksplit, norm_kernel_name
+from tileinfer.kernels.linear import default_path, gemv_ksplit, norm_kernel_name, tma_tiles, tma_width
 from tileinfer.model.config import preset
 
 
@@ -67,3 +67,15 @@ def test_only_short_batch_1_qkv_rows_take_the_64_register_norm_gemv():
     assert norm_kernel_name(1, preset("qwen3-8b").hidden_size, "bf16") == "gemv_norm_m1_e0"
     assert norm_kernel_name(1, 1024, "silu_mul") == "gemv_norm_m1_e2"
     assert norm_kernel_name(2, 1024, "bf16") == "gemv_norm_m2_e0"
+
+
+def test_tma_tma_width():
+    # qwen3-4b at 4,096 tokens: QKV and gate/up on 128 x 256 tiles, o_proj and down_proj (N = 2560) on
+    # 128 x 128 (320 wide tiles are 2.4 rounds of 132 SMs, 640 narrow ones 4.85).
+    c = preset("qwen3-4b")
+    assert tma_width(4096, c.qkv_size, False) == 256
+    assert tma_width(4096, 2 * c.intermediate_size, True) == 256
+    assert tma_width(4096, c.hidden_size, False) == 128
+    assert tma_tiles(4096, c.hidden_size, False, 256) == 32 * 10
+    assert tma_tiles(4096, 2 * c.intermediate_size, True, 256) == 32 * 76
+    assert tma_tiles(1, 8, False, 128) == 1

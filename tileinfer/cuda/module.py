@@ -44,9 +44,10 @@ def _as_ctype(arg):
         return ctypes.c_void_p(arg.ptr)
     if arg is None:
         return ctypes.c_void_p(0)
-    if isinstance(arg, ctypes._SimpleCData):
-        return arg
-    raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None or a ctypes scalar (e.g. ctypes.c_int32(n))")
+    if isinstance(arg, (ctypes._SimpleCData, ctypes.Array)):
+        return arg  # a ctypes array goes by value (the driver copies its bytes): e.g. a tensor map
+    raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None, a ctypes scalar (e.g. ctypes.c_int32(n)) "
+                    "or a ctypes array (by value)")
 
 
 class Kernel:

@@ -1,4 +1,4 @@
-"""Launchers for cuda_src/gemm.cu (wgmma tensor cores, prefill), cuda_src/gemv.cu (decode),
+"""Launchers for cuda_src/gemm.cu and gemm_tma.cu (wgmma tensor cores, prefill), cuda_src/gemv.cu (decode),
 cuda_src/gemv_tc.cu (tensor cores, a few rows: small batches, verify steps) and
 cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 3..256).
 
@@ -21,12 +21,14 @@ Which kernel (`default_path`), from scripts/bench_gemm_small.py on the H200:
     GEMM there (120 vs 137 us); at M = 256 the small GEMM wins only for N = 1024 and 2560.
   - Everything else (prefill) takes the 128x128 GEMM.
 The 128x128 figures above are the mma.sync GEMM's; session 9 replaced it with a wgmma kernel of the
-same tile (prefill 512 tokens 153 -> 242 TFLOP/s) and the crossovers were not re-measured.
+same tile (prefill 512 tokens 153 -> 242 TFLOP/s) and the crossovers were not re-measured. With
+TILEINFER_TMA_GEMM=1 the "gemm" path runs gemm_tma.cu (tma_gemm_default).
 """
 import os
 from dataclasses import dataclass
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
+from ..cuda.tensormap import bf16_tensor_map
 from ._check import BF16, FLOAT32, UINT64, cdiv, expect
 from .rmsnorm import rmsnorm
 
@@ -34,6 +36,11 @@ EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}
 GEMV_ROWS = (1, 2, 4, 8)
 GEMM_TILE = 128
 GEMM_SMEM = 4 * (128 + 128) * 64 * 2 + 1024  # STAGES * (BM + BN) * BK * sizeof(bf16) + alignment, as gemm.cu
+TMA_BM = 128
+TMA_WIDTHS = (256, 128)  # gemm_tma.cu: gemm_tma_e* and gemm_tma_n128_e*
+TMA_WIDE_COST = 0.92  # a 128 x 256 tile's time over two 128 x 128 tiles': an estimate, not fitted
+TMA_THREADS = 384
+TMA_SMEM = 192 * 1024 + 256 + 1024  # as gemm_tma.cu's SMEM_BYTES: the stage ring, mbarriers, alignment
 GEMV_WARPS = 8
 TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8_* (M <= 8) and gemv_tc_m16_* (M <= 16), 8 warps a block
 TC_DEEP_K = 8192   # rows at least this long take 8 loads per k-block (gemv_tc_*_l8_*), shorter ones 4
@@ -163,6 +170,56 @@ def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows
     return SmallGemmConfig(rows, ksplit, (ksplit, m_tiles, n_blocks), SMALL_GEMM_SMEM[rows])
 
 
+def tma_gemm_default() -> bool:
+    """Whether the "gemm" path runs gemm_tma.cu (TILEINFER_TMA_GEMM=1) instead of gemm.cu. Off until the
+    GPU suite has run it in the tree: as an experiment it passed its 43 tests and took qwen3-4b's prefill
+    of 4,096 tokens from 314 to 421 TFLOP/s (docs/benchmarks.md, session 9)."""
+    return os.environ.get("TILEINFER_TMA_GEMM", "0") == "1"
+
+
+def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
+    """gemm_tma.cu's output tiles: 128 rows x `width` columns of W (width / 2 outputs for SiLU)."""
+    return cdiv(M, TMA_BM) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
+
+
+def tma_width(M: int, N: int, silu: bool, sms: int = 132) -> int:
+    """gemm_tma.cu's tile width: 256 or 128, whichever gives fewer (rounds of tiles per SM) x (a tile's
+    cost), 256 on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
+    (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128."""
+    def cost(width: int) -> float:
+        return cdiv(tma_tiles(M, N, silu, width), sms) * width * (TMA_WIDE_COST if width == 256 else 1.0)
+    return min(TMA_WIDTHS, key=cost)
+
+
+def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, tma: bool | None = None,
+         width: int | None = None, blocks: int | None = None) -> None:
+    """The "gemm" path of `linear` (shapes already checked). gemm.cu: one 128 x 128 tile a block. With
+    `tma` (default tma_gemm_default()) gemm_tma.cu: persistent, one block per SM walking its tiles, fed
+    by TMA through tensor maps of x and w; `width` (128 or 256) forces its tile width, `blocks` caps its
+    grid (tests: many tiles a block)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M == 0:
+        return
+    epi = EPILOGUES[epilogue]
+    if not (tma_gemm_default() if tma is None else tma):
+        grid = (cdiv(N, GEMM_TILE), cdiv(M, GEMM_TILE))
+        kernel("gemm.cu", f"gemm_e{epi}").launch(grid, (256,), [x, w, out, I32(M), I32(N), I32(K)], stream,
+                                                smem=GEMM_SMEM)
+        return
+    silu = epilogue == "silu_mul"
+    sms = get_device().info.num_sms
+    width = width or tma_width(M, N, silu, sms)
+    if width not in TMA_WIDTHS:
+        raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
+    grid = min(tma_tiles(M, N, silu, width), blocks or sms)
+    name = f"gemm_tma_e{epi}" if width == 256 else f"gemm_tma_n128_e{epi}"
+    kernel("gemm_tma.cu", name).launch(
+        (grid,), (TMA_THREADS,),
+        [x, w, out, I32(M), I32(N), I32(K), bf16_tensor_map(x.ptr, M, K, TMA_BM),
+         bf16_tensor_map(w.ptr, N, K, width // 2)], stream, smem=TMA_SMEM)
+
+
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
            ksplit: int | None = None, rows: int | None = None, pipe: bool | None = None,
            head_keys: DeviceArray | None = None) -> None:
@@ -219,9 +276,9 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             (cdiv(tiles * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(ksplit)],
             stream)
     elif path == "gemm":
-        grid = (cdiv(N, GEMM_TILE), cdiv(M, GEMM_TILE))
-        kernel("gemm.cu", f"gemm_e{epi}").launch(grid, (256,), [x, w, out, I32(M), I32(N), I32(K)], stream,
-                                                smem=GEMM_SMEM)
+        # Forced (the batch-invariant mode forces every product here): one tile width whatever M is, so
+        # that a row's sums never depend on the rows beside it.
+        gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0] if force else None)
     elif path == "small":
         cfg = small_gemm_config(M, N, K, ksplit=ksplit, rows=rows, sms=get_device().info.num_sms)
         kernel("gemm_small.cu", cfg.kernel_name).launch(

@@ -1,0 +1,402 @@
+// Prefill matrix products C[m, n] = sum_k A[m, k] * W[n, k] on Hopper's warpgroup tensor-core
+// instructions (wgmma, sm_90a), fed by the tensor memory accelerator (TMA), warp-specialized and
+// persistent.
+//
+// A: [M, K] bf16 activations, W: [N, K] bf16 weights (Hugging Face [out, in]), K % 8 == 0, N % 8 == 0.
+//
+// Block: 3 warpgroups (384 threads). Warpgroup 0 is the producer: after `setmaxnreg.dec` to 40
+// registers, one thread issues the TMA copies (cp.async.bulk.tensor) of each k-step's A tile
+// (128 x 64) and W tile (BN x 64, two boxes of BN/2 rows) into a ring of STAGES shared-memory
+// stages. Warpgroups 1 and 2 are the consumers (`setmaxnreg.inc` to 232 registers): each computes
+// 64 rows x BN columns of the 128 x BN block tile with wgmma.m64n{BN}k16 (bf16 in, f32
+// accumulators in registers: BN / 2 a thread, both operands read from shared memory through
+// matrix descriptors), then runs the epilogue straight from its registers to global memory.
+// BN = 256 (gemm_tma_e*: 4 stages of 48 KB) or 128 (gemm_tma_n128_e*: 6 stages of 32 KB); the launcher
+// (tileinfer/kernels/linear.py, gemm_width) takes the one with the smaller (rounds of tiles per block) x (tile cost):
+// 128 where 256-wide tiles would leave many SMs idle in the last round (N = 2560 at 4,096 tokens).
+//
+// Pipeline: per stage a "full" mbarrier (1 arrival: the producer's arrive.expect_tx of the stage's
+// bytes; the TMA unit completes the transaction) and an "empty" mbarrier (8 arrivals: lane 0 of
+// each consumer warp, once the wgmma group that read the stage has completed). Consumers keep one
+// wgmma group in flight: after committing k-step kt's 4 wgmmas they wait for k-step kt - 1's group
+// (wgmma.wait_group 1) and release its stage. Phases follow the usual parity convention: a
+// fresh barrier counts its "previous" phase (parity 1) as completed, so the producer's first pass
+// over the ring waits on nothing.
+//
+// Persistent: grid = min(tiles, SMs); block b takes tiles b, b + grid, ... in a grouped order
+// (GROUP_M row tiles share each column of W tiles, M fastest) so blocks running together share A and
+// W tiles in L2. The producer runs ahead across tile boundaries, so the next tile's first stages
+// load while the consumers run the epilogue of the last one.
+//
+// Shared-memory tiles: rows of 64 bf16 (128 bytes), written by TMA with the 128-byte swizzle (the
+// 16-byte chunk c of row r at chunk c ^ (r % 8)), tiles 1024-byte aligned: exactly the layout the
+// descriptors (128-byte swizzle, 1024-byte stride between 8-row groups) name. Within a stage the
+// k16 slices are 32 bytes apart (start address + 32 ks). Partial tiles: TMA zero-fills what lies
+// outside [M or N rows, K columns], so the products there are 0 and the epilogue skips rows >= M
+// and columns >= N. A W box entirely past N (plain epilogues, the last column tile) is not loaded:
+// its columns are never stored.
+//
+// Epilogues as in gemv.cu. For SILU_MUL (W = [gate; up], N = 2 I) a column tile covers BN/2 outputs:
+// the first W box holds gate rows j0 .. j0 + BN/2 - 1, the second the up rows I + j0 .. , so
+// accumulator column c (gate) and BN/2 + c (up) sit in the same thread (d[4 j + e] and
+// d[4 (j + BN/16) + e]). Gate rows past I read up rows (inside W): those outputs are not stored.
+//
+// Kernel arguments: (A, W, out, M, N, K, tmA, tmW); tmA, tmW: CUtensorMaps (128 bytes, by value,
+// __grid_constant__) of A ([M, K], box 64 x 128) and W ([N, K], box 64 x BN/2), bf16, 128-byte
+// swizzle, zero out-of-bounds fill, made by cuTensorMapEncodeTiled on the host (tileinfer/cuda/tensormap.py).
+// A and W themselves are not read (the maps hold the addresses). Launch: grid (min(tiles, SMs)),
+// block (384), dynamic shared memory SMEM_BYTES.
+//
+// Against gemm.cu (2 warpgroups, 128 x 128 tiles, cp.async, all warps loading and multiplying,
+// __syncthreads per k-step), measured on the H200 as an A/B in one call (this kernel from an
+// experiment harness with the same launch; qwen3-4b prefill of 4,096 tokens, bench.py --profile, two
+// runs each): gate/up 340-341 -> 683-690 TFLOP/s, QKV 392-395 -> 646-651, o_proj + down_proj 380-384
+// -> 555-556 (128-wide tiles); the whole prefill 313-314 -> 420-421 TFLOP/s, 512 tokens 264-269 ->
+// 367-397. linear.gemm takes it with TILEINFER_TMA_GEMM=1 until the GPU suite has run it in the tree.
+//
+// Registers (ptxas, CUDA 13): 168 a thread at launch (384 threads, one block per SM), no spills; the
+// producer's code after setmaxnreg.dec uses < 24, the consumers' < 168 (232 available).
+//
+// wgmma, TMA and setmaxnreg exist only on sm_90a: load_module compiles for it on
+// Hopper; a plain sm_90 build (which test_compile also checks) gets kernels that trap.
+#include "common.cuh"
+
+enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+
+#define BM 128
+#define BK 64
+#define THREADS 384                            // warpgroup 0: producer; 1 and 2: consumers
+#define TILE_A (BM * BK * 2)                   // bytes of one stage's A tile
+#define SMEM_TILES (192 * 1024)                // the stage ring: 4 stages at BN = 256, 6 at BN = 128
+#define SMEM_BYTES (SMEM_TILES + 256 + 1024)   // + mbarriers + alignment slack
+#define GROUP_M 16                             // row tiles per group of the tile order
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232                      // 128 x 40 + 256 x 232 <= 65536
+
+// A CUtensorMap: 128 opaque bytes, 64-byte aligned.
+struct __align__(64) TmaDesc { unsigned long long opaque[16]; };
+
+// A shared-memory matrix descriptor: K-major rows of 128 bytes in 128-byte-swizzled 8-row atoms
+// (1024 bytes apart: the stride byte offset), start address in 16-byte units.
+__device__ __forceinline__ unsigned long long smem_desc(u32 addr) {
+    unsigned long long d = 0;
+    d |= (unsigned long long)((addr & 0x3FFFF) >> 4);      // bits 0-13: start address >> 4
+    d |= (unsigned long long)(16 >> 4) << 16;                // bits 16-29: leading byte offset >> 4 (unused here)
+    d |= (unsigned long long)(1024 >> 4) << 32;              // bits 32-45: stride byte offset >> 4
+    d |= (unsigned long long)1 << 62;                        // bits 62-63: 128-byte swizzle
+    return d;
+}
+
+// ----------------------------------------------------------------------------- tile order
+// Tile t -> (row tile mt, column tile nt): groups of GROUP_M row tiles; within a group the row tile
+// varies fastest, so the blocks running at once cover ~GROUP_M row tiles x (SMs / GROUP_M) column tiles.
+__device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int &mt, int &nt) {
+    const int per_group = GROUP_M * tiles_n;
+    const int group = t / per_group, r = t - group * per_group;
+    const int first = group * GROUP_M;
+    const int rows = min(GROUP_M, tiles_m - first);
+    mt = first + r % rows;
+    nt = r / rows;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ----------------------------------------------------------------------------- mbarriers, TMA
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialized barriers visible to the other threads and to the async proxy (TMA); a
+// __syncthreads follows.
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.b32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+// Until the phase of parity `parity` has completed (for a fresh barrier parity 1 counts as completed).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc *map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+// The box of `map` at (inner coordinate c0 = k, outer c1 = row) -> shared memory at dst; its bytes
+// complete the transaction of barrier `bar`. Out-of-bounds elements are written as zeros.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc *map, u32 bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// ----------------------------------------------------------------------------- wgmma
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Pins the accumulators after a wgmma wait: no read of them moves above it.
+template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 128 per warpgroup, 64 floats a thread) += A (64 x 16) * B (16 x 128), or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db,
+                                                 int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d (64 x 256 per warpgroup, 128 floats a thread) += A (64 x 16) * B (16 x 256), or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db,
+                                                 int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+template <int BN> struct Wgmma;
+template <> struct Wgmma<128> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b, int acc) {
+        wgmma_m64n128k16(d, a, b, acc);
+    }
+};
+template <> struct Wgmma<256> {
+    static __device__ __forceinline__ void run(float (&d)[128], unsigned long long a, unsigned long long b, int acc) {
+        wgmma_m64n256k16(d, a, b, acc);
+    }
+};
+
+// ----------------------------------------------------------------------------- the kernel body
+template <int EPI, int BN>
+__device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
+                                        int M, int N, int K) {
+    constexpr int WBOX = BN / 2;                      // rows of one W box
+    constexpr int TILE_B = BN * BK * 2;               // bytes of one stage's W tile
+    constexpr int STAGES = SMEM_TILES / (TILE_A + TILE_B);
+    constexpr int R = BN / 2;                         // accumulators a consumer thread
+    constexpr bool SILU = EPI == EPI_SILU_MUL;
+    static_assert(2 * STAGES * 8 <= 256, "mbarriers exceed their space");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const u32 sA = base;                              // [STAGES][BM][BK], 128-byte swizzled
+    const u32 sB = sA + STAGES * TILE_A;              // [STAGES][BN][BK]
+    const u32 full = sB + STAGES * TILE_B;            // [STAGES] mbarriers
+    const u32 empty = full + STAGES * 8;              // [STAGES] mbarriers
+
+    const int half = N / 2;
+    const int tiles_m = ceil_div(M, BM);
+    const int tiles_n = SILU ? ceil_div(half, WBOX) : ceil_div(N, BN);
+    const int tiles = tiles_m * tiles_n, ktiles = ceil_div(K, BK);
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 8);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        // ------------------------------------------------------------------- producer
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            tma_prefetch_desc(tmA);
+            tma_prefetch_desc(tmW);
+            int s = 0;
+            u32 phase = 0;
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                int mt, nt;
+                tile_coords(tile, tiles_m, tiles_n, mt, nt);
+                const int m0 = mt * BM;
+                const int r0 = SILU ? nt * WBOX : nt * BN;             // first W box: gate rows, or the first half
+                const int r1 = SILU ? half + nt * WBOX : nt * BN + WBOX;  // second: up rows, or the second half
+                const bool second = r1 < N;                           // always with SILU (r0 < half)
+                const u32 bytes = TILE_A + (second ? 2 : 1) * WBOX * BK * 2;
+                for (int kt = 0; kt < ktiles; ++kt) {
+                    mbar_wait(empty + 8 * s, phase ^ 1);              // the consumers are done with stage s
+                    mbar_arrive_expect_tx(full + 8 * s, bytes);
+                    const int k0 = kt * BK;
+                    tma_load_2d(sA + s * TILE_A, tmA, full + 8 * s, k0, m0);
+                    tma_load_2d(sB + s * TILE_B, tmW, full + 8 * s, k0, r0);
+                    if (second) tma_load_2d(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, r1);
+                    if (++s == STAGES) {
+                        s = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // ----------------------------------------------------------------------- consumers
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int c = wg - 1;                             // rows 64 c .. 64 c + 63 of the block tile
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    float d[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) d[i] = 0.f;
+
+    int s = 0;
+    u32 phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int mt, nt;
+        tile_coords(tile, tiles_m, tiles_n, mt, nt);
+        int prev = 0;
+        for (int kt = 0; kt < ktiles; ++kt) {
+            mbar_wait(full + 8 * s, phase);                   // stage s has landed
+            const u32 a = sA + s * TILE_A + c * 64 * BK * 2, b = sB + s * TILE_B;
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / 16; ++ks)
+                Wgmma<BN>::run(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), (kt | ks) != 0);
+            wgmma_commit();
+            wgmma_wait<1>();                                  // k-step kt - 1's group has completed ...
+            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * prev);  // ... so its stage can be refilled
+            prev = s;
+            if (++s == STAGES) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait<0>();
+        fence_regs(d);
+        if (lane == 0) mbar_arrive(empty + 8 * prev);
+
+        // Accumulators: warp w of the warpgroup holds rows 16 w + g and + 8; d[4j + e] is column
+        // 8j + 2t + (e & 1) of row g + 8 (e >> 1) (the mma.m16n8 fragment layout, BN / 8 blocks of 8 columns).
+        const int row_base = mt * BM + c * 64 + warp * 16 + g;
+        if (SILU) {
+            // Columns c < BN/2: gate of output j0 + c; BN/2 + c: up of the same output.
+            const int j0 = nt * WBOX;
+#pragma unroll
+            for (int j = 0; j < BN / 16; ++j) {
+                const int col = j0 + 8 * j + 2 * t;           // even; half is even, so col + 1 < half too
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row_base + 8 * h;
+                    if (row >= M || col >= half) continue;
+                    const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
+                    const float u0 = d[4 * (j + BN / 16) + 2 * h], u1 = d[4 * (j + BN / 16) + 2 * h + 1];
+                    *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
+                        pack_bf16x2(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+                }
+            }
+        } else {
+            const int n0 = nt * BN;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int col = n0 + 8 * j + 2 * t;           // even; N % 8 == 0, so col + 1 < N too
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row_base + 8 * h;
+                    if (row >= M || col >= N) continue;
+                    const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+                    const size_t at = (size_t)row * N + col;
+                    if (EPI == EPI_BF16) {
+                        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + at) = pack_bf16x2(v0, v1);
+                    } else if (EPI == EPI_RESIDUAL) {
+                        float2 *o = reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at);
+                        const float2 r = *o;
+                        *o = make_float2(r.x + v0, r.y + v1);
+                    } else {
+                        *reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at) = make_float2(v0, v1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#else
+template <int EPI, int BN>
+__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int) { __trap(); }
+#endif
+
+// ============================================================================= kernels
+// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tmA, tmW); grid
+// (min(tiles, SMs)) with tiles = ceil(M / 128) * ceil(N / BN) (SILU_MUL: ceil(N / 2 / (BN / 2))),
+// block (384), dynamic shared memory SMEM_BYTES. A and W are the matrices tmA and tmW describe.
+#define GEMM_KERNEL(NAME, EPI, BN)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
+            const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW) {                     \
+        pdl_start();                                                                                        \
+        gemm_ws<EPI, BN>(&tmA, &tmW, out, M, N, K);                                                          \
+    }
+GEMM_KERNEL(gemm_tma_e0, 0, 256)
+GEMM_KERNEL(gemm_tma_e1, 1, 256)
+GEMM_KERNEL(gemm_tma_e2, 2, 256)
+GEMM_KERNEL(gemm_tma_e3, 3, 256)
+GEMM_KERNEL(gemm_tma_n128_e0, 0, 128)
+GEMM_KERNEL(gemm_tma_n128_e1, 1, 128)
+GEMM_KERNEL(gemm_tma_n128_e2, 2, 128)
+GEMM_KERNEL(gemm_tma_n128_e3, 3, 128)
