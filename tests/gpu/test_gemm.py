@@ -4,15 +4,13 @@ reference, and against gemm.cu. tests/gpu/test_kernels.py covers the `linear(for
 route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every product on this path)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from tileinfer.kernels.linear import gemm
 
-from gpu_helpers import linear_weight, matmul_ref, rand_bf16, rms, seed_of  # noqa: E402
-from test_kernels import BF16, F32, assert_close  # noqa: E402
+from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
+from test_kernels import EPILOGUES, F32, check_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +19,6 @@ pytestmark = pytest.mark.gpu
 # wholly past N (N = 8; N = 264 at 256 wide), and qwen3-4b's QKV, gate/up, o_proj and down_proj.
 SHAPES = [(128, 128, 64), (33, 8, 8), (129, 264, 136), (1000, 136, 1000), (77, 520, 4104), (300, 1024, 2560),
           (256, 2560, 9728), (640, 2560, 4096), (512, 19456, 2560), (4096, 6144, 2560)]
-EPILOGUES = ["bf16", "residual", "silu_mul", "f32"]
 # (tile width, cap on the persistent grid): both kernels on a full grid, and a few blocks each walking
 # many tiles (the stage ring's barrier phases carry across tiles).
 VARIANTS = [(256, None), (128, None), (256, 3), (128, 5)]
@@ -30,36 +27,11 @@ VARIANTS = [(256, None), (128, None), (256, 3), (128, 5)]
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("M, N, K", SHAPES)
 def test_gemm_tma(M, N, K, epilogue, buf, stream):
-    rng = np.random.default_rng(seed_of("gemm_tma", M, N, K, epilogue))
-    w = linear_weight(N, K)
-    x = rand_bf16(rng, (M, K))
-    acc = matmul_ref(x, w)
-    dot_scale = math.sqrt(K) * rms(x) * rms(w)
-    old = None
-    if epilogue == "silu_mul":
-        gate, up = acc[:, :N // 2], acc[:, N // 2:]
-        ref = gate / (1.0 + np.exp(-gate)) * up
-    elif epilogue == "residual":
-        old = rng.standard_normal((M, N), dtype=np.float32) * np.float32(dot_scale)
-        ref = old.astype(np.float64) + acc
-    else:
-        ref = acc
-    dx, dw = buf.upload(x), buf.upload(w)
     # The big shapes take the launcher's own tile width (as the model does), the rest every variant.
     for width, blocks in (VARIANTS if M * N * K <= 2 ** 33 else [(None, None)]):
-        if epilogue == "silu_mul":
-            out = buf.poisoned((M, N // 2), BF16)
-        elif epilogue == "residual":
-            out = buf.upload(old)
-        else:
-            out = buf.poisoned((M, N), BF16 if epilogue == "bf16" else F32)
-        gemm(dx, dw, out, epilogue, stream, tma=True, width=width, blocks=blocks)
-        got = out.to_host(stream)
-        label = f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks={blocks}"
-        if epilogue in ("bf16", "silu_mul"):
-            assert_close(got, ref, atol=2e-3 * rms(ref), rtol=1e-2, rel_norm=1e-2, label=label)
-        else:
-            assert_close(got, ref, atol=3e-4 * dot_scale, rtol=1e-5, rel_norm=1e-4, label=label)
+        check_linear(buf, stream, M, N, K, epilogue, "gemm",
+                     launch=lambda x, w, out: gemm(x, w, out, epilogue, stream, tma=True, width=width, blocks=blocks),
+                     label=f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks={blocks}")
 
 
 def test_gemm_tma_equals_gemm_up_to_summation_order(buf, stream):

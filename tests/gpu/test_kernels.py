@@ -196,7 +196,9 @@ TC_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
 
 
 def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None,
-                 ksplit: int | None = None, pipe: bool | None = None) -> np.ndarray:
+                 ksplit: int | None = None, pipe: bool | None = None, launch=None, label: str = "") -> np.ndarray:
+    """linear(force=path) on random inputs against the float64 reference; `launch(x, w, out)` (device
+    arrays) replaces the linear call (a kernel's own launcher: tests/gpu/test_gemm.py)."""
     rng = np.random.default_rng(seed_of("linear", path, M, N, K, epilogue))
     w = linear_weight(N, K) if w is None else w
     x = rand_bf16(rng, (M, K))
@@ -215,9 +217,12 @@ def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, 
         ref = acc
         out = buf.poisoned((M, N), BF16 if epilogue == "bf16" else F32)
 
-    linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path, ksplit=ksplit, pipe=pipe)
+    if launch is None:
+        linear(buf.upload(x), buf.upload(w), out, epilogue, stream, force=path, ksplit=ksplit, pipe=pipe)
+    else:
+        launch(buf.upload(x), buf.upload(w), out)
     got = out.to_host(stream)
-    label = f"linear {path} {epilogue} M={M} N={N} K={K} ksplit={ksplit} pipe={pipe}"
+    label = label or f"linear {path} {epilogue} M={M} N={N} K={K} ksplit={ksplit} pipe={pipe}"
     if epilogue in ("bf16", "silu_mul"):
         # bf16 output: rounding <= 2^-8 relative (rtol 1e-2); float32 accumulation error is far below
         # atol = 2e-3 * rms(ref); ||err|| / ||ref|| < 1e-2 (bf16 rounding gives ~1.5e-3).
