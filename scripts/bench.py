@@ -315,6 +315,7 @@ def main() -> None:
     ap.add_argument("--offline", action="store_true", help="engine offline throughput (256 requests)")
     ap.add_argument("--shared-prefix", action="store_true", help="engine shared-prefix prefill, cache on and off")
     ap.add_argument("--kv", default="bf16", help="KV cache kinds for the batch-1 decode: bf16, int8 or both (bf16,int8)")
+    ap.add_argument("--engine-kv", default="bf16", choices=("bf16", "int8"), help="KV cache of the engine's --batches runs")
     args = ap.parse_args()
 
     dev = get_device()
@@ -344,7 +345,9 @@ def engine(args, name: str, path: Path) -> dict:
     batches = [int(b) for b in args.batches.split(",") if b]
     if batches:
         ctx = args.context + args.new + 64
-        with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False) as llm:
+        kv = args.engine_kv
+        with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False,
+                           kv_quantize="int8" if kv == "int8" else None) as llm:
             out["capture_s"] = llm.capture_seconds
             out["num_graphs"] = len(llm.model.graphs.graphs)
             out["startup"] = dataclasses.asdict(llm.startup)
@@ -355,7 +358,9 @@ def engine(args, name: str, path: Path) -> dict:
             out["batch_decode"] = []
             for b in batches:
                 r = batch_decode(llm, b, args.context, args.new)
-                print(f"{name}: batch {b} decode {r['decode_tok_s']:.0f} tok/s in total ({r['ms_per_step']:.2f} ms/step, "
+                r["kv"] = kv
+                print(f"{name}: batch {b} decode{' (INT8 cache)' if kv == 'int8' else ''} {r['decode_tok_s']:.0f} tok/s "
+                      f"in total ({r['ms_per_step']:.2f} ms/step, "
                       f"{r['gpu_wait_ms_per_step']:.2f} ms of it waiting for the GPU)", flush=True)
                 if args.profile and b in llm.model.buckets:
                     r["profile"] = live_step(llm, b, args.context, profile_step)
@@ -458,15 +463,16 @@ def render(results: list[dict], gpu: str) -> str:
     engine_rows = [(r, b) for r in results for b in r.get("engine", {}).get("batch_decode", [])]
     if engine_rows:
         lines += ["", "Engine (tileinfer.LLM) decode, every sequence at `context` + up to `new` positions:", "",
-                  "| model | batch | context | tok/s total | ms/step | GB/s | % roofline | peer tok/s total | ratio |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| model | KV cache | batch | context | tok/s total | ms/step | GB/s | % roofline | peer tok/s total (BF16) | ratio |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r, b in engine_rows:
             cfg = preset(r["model"])
-            step_bytes = weight_bytes(cfg) + b["batch"] * kv_bytes(cfg, b["context"] + b["new"] // 2)
+            kv = b.get("kv", "bf16")
+            step_bytes = weight_bytes(cfg) + b["batch"] * kv_bytes(cfg, b["context"] + b["new"] // 2, kv)
             gbs = step_bytes / (b["ms_per_step"] / 1e3) / 1e9
             peer = b.get("peer")
             p = peer["decode_tok_s_total"] if peer else None
-            lines.append(f"| {r['model']} | {b['batch']} | {b['context']} | {b['decode_tok_s']:.0f} | "
+            lines.append(f"| {r['model']} | {kv.upper()} | {b['batch']} | {b['context']} | {b['decode_tok_s']:.0f} | "
                          f"{b['ms_per_step']:.3f} | {gbs:.0f} | {100 * gbs * 1e9 / ROOFLINE_BYTES_PER_S:.1f} | "
                          f"{'%.0f' % p if p else '-'} | {'%.2fx' % (b['decode_tok_s'] / p) if p else '-'} |")
     for r in results:
