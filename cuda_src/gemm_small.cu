@@ -1,11 +1,11 @@
 // Matrix products for small M on tensor cores: C[m, n] = sum_k A[m, k] * W[n, k], M ~ 9..256
-// (decode steps with continuous batching). Same math, layouts and epilogues as gemm.cu.
+// (decode steps with continuous batching). Same math and epilogues as gemm_tma.cu (prefill).
 //
 // A: [M, K] bf16 activations, W: [N, K] bf16 weights (Hugging Face [out, in]); K % 8 == 0, N % 8 == 0.
 //
 // Why another GEMM: at these M a step reads every weight once and does ~M flops per weight byte,
 // so it is bound by HBM bandwidth (4.3 TB/s on the H200, GPU.md), not by tensor cores (M = 64 needs
-// 64 flop/B * 4.3 TB/s = 275 TFLOP/s). gemm.cu's 128x128 tiles give N = 1024 only 8 column blocks:
+// 64 flop/B * 4.3 TB/s = 275 TFLOP/s). 128-row prefill tiles give N = 1024 only 8 column blocks of 128:
 // 8 of 132 SMs stream the whole matrix. Here every SM has to be streaming W.
 //
 // Tiling. A block owns BN = 64 W rows (output columns) and a tile of ROWS = 16 * MT rows of A
@@ -13,7 +13,7 @@
 // stored). Its 4 warps split K, not N: every warp computes the whole ROWS x 64 tile over its own
 // k-chunks (64 wide), so a warp's loads are 64 rows x 128 contiguous bytes of W plus ROWS x 128
 // bytes of A. Every column block reads A (from L2): M / 64 times the bytes of W. Beyond 64 rows each
-// M tile re-reads W, from L2 (those blocks run side by side); there, for large N, gemm.cu's 128x128
+// M tile re-reads W, from L2 (those blocks run side by side); there, for large N, gemm_tma.cu's 128-row
 // tiles move fewer bytes and may win: measure (scripts/bench_gemm_small.py).
 //
 // Pipelines. Each warp runs its own cp.async pipeline (STAGES chunks in its private smem, only
@@ -23,7 +23,7 @@
 // smem: two blocks per SM, 128 KB of W in flight per SM) and 3 * 8 KB for MT = 4 (192 KB: one
 // block per SM). Little's law needs ~4.3 TB/s * ~1 us / 132 SMs ~ 33 KB in flight per SM.
 // Shared-memory rows are 128 bytes with chunk c of row r at c ^ (r % 8) and fragments come
-// from ldmatrix, exactly as in gemm.cu (conflict-free).
+// from ldmatrix (conflict-free).
 //
 // Split K across blocks (KS, a compile-time thread-block cluster). 64-column blocks still leave
 // N = 1024 with 16 blocks, so the KS blocks of a cluster share one tile's K range: the KS * 4
@@ -36,11 +36,11 @@
 // arrival order). The cluster shape is fixed at compile time (__cluster_dims__), so the plain
 // cuLaunchKernel launches it; KS in {1, 2, 4, 8} (8 is the portable cluster limit).
 //
-// Epilogues as in gemm.cu / gemv.cu: 0 bf16 out, 1 float32 out += (residual stream), 2 SiLU(gate)
+// Epilogues as in gemm_tma.cu / gemv.cu: 0 bf16 out, 1 float32 out += (residual stream), 2 SiLU(gate)
 // * up with W = [gate; up] (N = 2 * intermediate; the loader interleaves gate row j and up row j
 // into adjacent tile rows, so each accumulator pair holds gate_j and up_j; out is [M, N / 2]),
 // 3 float32 out (logits).
-#include "common.cuh"
+#include "cluster.cuh"
 
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 
@@ -61,27 +61,6 @@ template <int MT> struct Tile {
 };
 
 __device__ __forceinline__ int swz(int r, int c) { return r * BK + ((c ^ (r & 7)) << 3); }  // element offset
-
-// ----------------------------------------------------------------------------- clusters (sm_90)
-__device__ __forceinline__ int cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return (int)r;
-}
-
-// Every thread of every block of the cluster; release/acquire orders shared-memory writes before it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The float2 at this shared-memory address in the block of cluster rank `rank`.
-__device__ __forceinline__ float2 ld_cluster_f2(u32 local, int rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    float2 v;
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
-    return v;
-}
 
 // ----------------------------------------------------------------------------- helpers
 // One warp copies k-chunk [k0, k0 + 64) of its A tile and W tile into one stage (zero-filled outside).

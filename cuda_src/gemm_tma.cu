@@ -47,18 +47,46 @@
 // A and W themselves are not read (the maps hold the addresses). Launch: grid (min(tiles, SMs)),
 // block (384), dynamic shared memory SMEM_BYTES.
 //
-// Against gemm.cu (2 warpgroups, 128 x 128 tiles, cp.async, all warps loading and multiplying,
-// __syncthreads per k-step), measured on the H200 as an A/B in one call (this kernel from an
-// experiment harness with the same launch; qwen3-4b prefill of 4,096 tokens, bench.py --profile, two
-// runs each): gate/up 340-341 -> 683-690 TFLOP/s, QKV 392-395 -> 646-651, o_proj + down_proj 380-384
-// -> 555-556 (128-wide tiles); the whole prefill 313-314 -> 420-421 TFLOP/s, 512 tokens 264-269 ->
-// 367-397. linear.gemm takes it with TILEINFER_TMA_GEMM=1 until the GPU suite has run it in the tree.
+// Against the cp.async wgmma GEMM it replaced (gemm.cu, since removed: 2 warpgroups, 128 x 128 tiles,
+// cp.async, all warps loading and multiplying, __syncthreads per k-step), measured on the H200 as an
+// A/B in one call (this kernel from an experiment harness with the same launch; qwen3-4b prefill of
+// 4,096 tokens, bench.py --profile, two runs each): gate/up 340-341 -> 683-690 TFLOP/s, QKV 392-395
+// -> 646-651, o_proj + down_proj 380-384 -> 555-556 (128-wide tiles); the whole prefill 313-314 ->
+// 420-421 TFLOP/s, 512 tokens 264-269 -> 367-397. In the tree (session 10, one call, two runs each):
+// 4,096 tokens 311-312 -> 418-419, 512 tokens 267-268 -> 394-397; the GPU suite passed with it on
+// every "gemm" product.
 //
 // Registers (ptxas, CUDA 13): 168 a thread at launch (384 threads, one block per SM), no spills; the
 // producer's code after setmaxnreg.dec uses < 24, the consumers' < 168 (232 available).
 //
+// Split K (gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*; KS = 2, 3, 4), for 65-256 rows (batched decode,
+// prefill chunks): there the tiles are too few for the SMs (qwen3-4b's QKV at M = 256: 96 tiles of
+// 128 x 128 for 132 SMs; its o_proj and down_proj 40), so KS blocks share one output tile's K range.
+// Not persistent: grid = tiles x KS, block b takes tile b / KS (the grouped order above) and is block
+// rank = b % KS of a thread-block cluster of (KS, 1, 1) (__cluster_dims__: the plain launch makes it);
+// it runs the same producer / consumer pipeline over k-steps [ktiles rank / KS, ktiles (rank + 1) / KS)
+// (a rank may get none when ktiles < KS: its partial tile is zero). Then, instead of the epilogue:
+//   1. both consumer warpgroups meet at a named barrier (bar.sync 1, 256; the producer warpgroup has
+//      exited): every stage the producer loaded has been consumed and every wgmma has completed, so the
+//      stage ring is idle; each consumer thread writes its accumulators as float2 pairs to the ring
+//      (pair p of thread tid of consumer c at float2 (c * BN/4 + p) * 128 + tid: 64 or 128 KB;
+//      conflict-free);
+//   2. cluster barrier (barrier.cluster arrive.release / wait.acquire: the partial tiles are visible
+//      cluster-wide);
+//   3. block `rank` takes the tile's 8-column blocks u = rank, rank + KS, ... (SILU_MUL: 8-output blocks,
+//      gate block u with its up block u + BN/16, so SiLU sees the fully summed gate and up), and each
+//      consumer thread loads those of its own pairs from the KS blocks' shared memory (mapa +
+//      ld.shared::cluster, as gemm_small.cu), sums them rank 0 first (the same order whichever block
+//      sums: deterministic, no atomics, no workspace), and runs the epilogue on them: every output
+//      element is stored (or, residual, added to `out`) by exactly one block, once;
+//   4. a second cluster barrier: no block exits (freeing its shared memory) while another reads it.
+// The producer and consumer code before that is the persistent kernel's (KS = 1 compiles to the same
+// SASS as before the split existed). The launcher (tileinfer/kernels/linear.py, tma_plan) picks KS and the width from (M, N, K)
+// and the number of clusters that fit at once (cuOccupancyMaxActiveClusters). Registers: 168, no spills.
+//
 // wgmma, TMA and setmaxnreg exist only on sm_90a: load_module compiles for it on
 // Hopper; a plain sm_90 build (which test_compile also checks) gets kernels that trap.
+#include "cluster.cuh"
 #include "wgmma.cuh"
 
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
@@ -138,6 +166,28 @@ template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
+// ----------------------------------------------------------------------------- split K (the cluster helpers are in cluster.cuh)
+// The 256 consumer threads (warpgroups 1 and 2) only: named barrier 1 (0 is __syncthreads').
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+// A split-K output pair of the plain epilogues: columns (col, col + 1) of `row` (col even, N % 8 == 0), as
+// the persistent kernel's epilogue stores them.
+template <int EPI>
+__device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int row, int col, float2 v) {
+    const size_t at = (size_t)row * N + col;
+    if (EPI == EPI_BF16) {
+        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + at) = pack_bf16x2(v.x, v.y);
+    } else if (EPI == EPI_RESIDUAL) {
+        float2 *o = reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at);
+        const float2 r = *o;
+        *o = make_float2(r.x + v.x, r.y + v.y);
+    } else {
+        *reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at) = v;
+    }
+}
 
 template <int BN> struct Wgmma;
 template <> struct Wgmma<128> {
@@ -151,8 +201,86 @@ template <> struct Wgmma<256> {
     }
 };
 
+// ----------------------------------------------------------------------------- split-K epilogue
+// The end of a split-K block's tile (KS > 1; see the header): its partial tile (this consumer thread's
+// accumulators d) goes to its own shared memory, and after a cluster barrier the block sums its share
+// of the tile over the cluster's KS partial tiles, rank 0 first (the same order whichever block sums),
+// and stores it through the epilogue. Shares: column blocks u = rank, rank + KS, ... of the tile's 8-column
+// blocks (SILU_MUL: 8-output blocks, gate block u with its up block u + BN / 16), all rows.
+template <int EPI, int BN, int KS>
+__device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *__restrict__ out, u32 base, int M,
+                                               int N, int mt, int nt, int c, int rank) {
+    constexpr int PAIRS = BN / 4;                   // float2 pairs a thread: pair p = (d[2p], d[2p + 1])
+    constexpr bool SILU = EPI == EPI_SILU_MUL;
+    constexpr int U = SILU ? BN / 16 : BN / 8;      // column blocks of the tile
+    constexpr int PU = SILU ? 4 : 2;                // pairs per column block: (gate, up) x (row g, row g + 8)
+    constexpr int ITEMS = (U + KS - 1) / KS;        // column blocks of one rank's share, at most
+    const int tid = threadIdx.x & 127;
+    // Pair p of thread tid of consumer c at float2 (c * PAIRS + p) * 128 + tid from the ring's start: 64 KB
+    // (BN = 128) or 128 KB (BN = 256), conflict-free (a warp writes 256 contiguous bytes). The ring is idle
+    // once both consumer warpgroups have waited for their last wgmma (every stage the producer loaded has
+    // been consumed: one tile per block).
+    consumers_sync();
+    const u32 mine = base + (u32)((c * PAIRS * 128 + tid) * 8);   // pair p at mine + 1024 p
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) st_shared_f2(mine + p * 1024, d[2 * p], d[2 * p + 1]);
+    cluster_sync();
+
+    // Pair p = 2j + h holds columns 8j + 2t, + 1 of row g + 8h (d[4j + 2h + e], the accumulator layout).
+    // Items i of the share (column block u = rank + i KS) in chunks of CH, at most 16 pairs: v[i][e] = rank 0's
+    // pair + rank 1's + ..., in that order. Branch-free, so that a chunk's loads are in flight together; an
+    // item past the share's end (u >= U) repeats the last column block's loads and is not stored.
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_base = mt * BM + c * 64 + warp * 16 + g;
+    constexpr int CH = 16 / PU < ITEMS ? 16 / PU : ITEMS;
+#pragma unroll
+    for (int i0 = 0; i0 < ITEMS; i0 += CH) {
+        float2 v[CH][PU];
+#pragma unroll
+        for (int q = 0; q < KS; ++q) {
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int u = min(rank + (i0 + i) * KS, U - 1);
+#pragma unroll
+                for (int e = 0; e < PU; ++e) {
+                    const int p = 2 * u + (e & 1) + (e >> 1) * (BN / 8);   // e >> 1: the up half (SILU_MUL)
+                    const float2 x = ld_cluster_f2(mine + p * 1024, q);
+                    if (q == 0) {
+                        v[i][e] = x;
+                    } else {
+                        v[i][e].x += x.x;
+                        v[i][e].y += x.y;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+            const int u = rank + (i0 + i) * KS;
+            if (i0 + i >= ITEMS || u >= U) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row_base + 8 * h;
+                if (row >= M) continue;
+                if (SILU) {
+                    const int half = N / 2, col = nt * (BN / 2) + 8 * u + 2 * t;   // even; half is even
+                    if (col >= half) continue;
+                    const float2 gt = v[i][h], up = v[i][2 + h];
+                    *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
+                            pack_bf16x2(gt.x / (1.f + __expf(-gt.x)) * up.x, gt.y / (1.f + __expf(-gt.y)) * up.y);
+                } else {
+                    const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
+                    if (col < N) store_pair<EPI>(out, N, row, col, v[i][h]);
+                }
+            }
+        }
+    }
+    cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
+}
+
 // ----------------------------------------------------------------------------- the kernel body
-template <int EPI, int BN>
+template <int EPI, int BN, int KS>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
                                         int M, int N, int K) {
     constexpr int WBOX = BN / 2;                      // rows of one W box
@@ -161,6 +289,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     constexpr int R = BN / 2;                         // accumulators a consumer thread
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     static_assert(2 * STAGES * 8 <= 256, "mbarriers exceed their space");
+    static_assert(KS == 1 || 2 * (R / 2) * 128 * 8 <= STAGES * (TILE_A + TILE_B), "the partial tile fits the ring");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -173,6 +302,13 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     const int tiles_m = ceil_div(M, BM);
     const int tiles_n = SILU ? ceil_div(half, WBOX) : ceil_div(N, BN);
     const int tiles = tiles_m * tiles_n, ktiles = ceil_div(K, BK);
+    // KS == 1: persistent, tiles blockIdx.x, + gridDim.x, ... over all k-steps. KS > 1: one tile per cluster
+    // (tile blockIdx.x / KS, grid = tiles * KS), block `rank` of the cluster over k-steps [kbeg, kend).
+#define FIRST_TILE (KS > 1 ? (int)blockIdx.x / KS : (int)blockIdx.x)
+#define TILE_STRIDE (KS > 1 ? tiles : (int)gridDim.x)
+    const int rank = KS > 1 ? cluster_rank() : 0;
+    const int kbeg = KS > 1 ? ktiles * rank / KS : 0;
+    const int kend = KS > 1 ? ktiles * (rank + 1) / KS : ktiles;
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -193,7 +329,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
             tma_prefetch_desc(tmW);
             int s = 0;
             u32 phase = 0;
-            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            for (int tile = FIRST_TILE; tile < tiles; tile += TILE_STRIDE) {
                 int mt, nt;
                 tile_coords(tile, tiles_m, tiles_n, mt, nt);
                 const int m0 = mt * BM;
@@ -201,7 +337,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                 const int r1 = SILU ? half + nt * WBOX : nt * BN + WBOX;  // second: up rows, or the second half
                 const bool second = r1 < N;                           // always with SILU (r0 < half)
                 const u32 bytes = TILE_A + (second ? 2 : 1) * WBOX * BK * 2;
-                for (int kt = 0; kt < ktiles; ++kt) {
+                for (int kt = kbeg; kt < kend; ++kt) {
                     mbar_wait(empty + 8 * s, phase ^ 1);              // the consumers are done with stage s
                     mbar_arrive_expect_tx(full + 8 * s, bytes);
                     const int k0 = kt * BK;
@@ -229,20 +365,20 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 
     int s = 0;
     u32 phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = FIRST_TILE; tile < tiles; tile += TILE_STRIDE) {
         int mt, nt;
         tile_coords(tile, tiles_m, tiles_n, mt, nt);
         int prev = 0;
-        for (int kt = 0; kt < ktiles; ++kt) {
+        for (int kt = kbeg; kt < kend; ++kt) {
             mbar_wait(full + 8 * s, phase);                   // stage s has landed
             const u32 a = sA + s * TILE_A + c * 64 * BK * 2, b = sB + s * TILE_B;
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks)
-                Wgmma<BN>::run(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), (kt | ks) != 0);
+                Wgmma<BN>::run(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ((kt - kbeg) | ks) != 0);
             wgmma_commit();
             wgmma_wait<1>();                                  // k-step kt - 1's group has completed ...
-            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * prev);  // ... so its stage can be refilled
+            if (kt > kbeg && lane == 0) mbar_arrive(empty + 8 * prev);  // ... so its stage can be refilled
             prev = s;
             if (++s == STAGES) {
                 s = 0;
@@ -251,7 +387,11 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         }
         wgmma_wait<0>();
         fence_regs(d);
-        if (lane == 0) mbar_arrive(empty + 8 * prev);
+        if (KS == 1 && lane == 0) mbar_arrive(empty + 8 * prev);
+        if constexpr (KS > 1) {
+            split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank);
+            continue;  // the last (only) tile of this block
+        }
 
         // Accumulators: warp w of the warpgroup holds rows 16 w + g and + 8; d[4j + e] is column
         // 8j + 2t + (e & 1) of row g + 8 (e >> 1) (the mma.m16n8 fragment layout, BN / 8 blocks of 8 columns).
@@ -298,8 +438,10 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     }
 }
 
+#undef FIRST_TILE
+#undef TILE_STRIDE
 #else
-template <int EPI, int BN>
+template <int EPI, int BN, int KS>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int) { __trap(); }
 #endif
 
@@ -312,7 +454,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW) {                     \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN>(&tmA, &tmW, out, M, N, K);                                                          \
+        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K);                                                       \
     }
 GEMM_KERNEL(gemm_tma_e0, 0, 256)
 GEMM_KERNEL(gemm_tma_e1, 1, 256)
@@ -322,3 +464,27 @@ GEMM_KERNEL(gemm_tma_n128_e0, 0, 128)
 GEMM_KERNEL(gemm_tma_n128_e1, 1, 128)
 GEMM_KERNEL(gemm_tma_n128_e2, 2, 128)
 GEMM_KERNEL(gemm_tma_n128_e3, 3, 128)
+
+// Split K (batched decode, prefill chunks of 65-512 rows): gemm_tma_s{KS}_e{EPI} (BN = 256) and
+// gemm_tma_n128_s{KS}_e{EPI} (BN = 128), KS = 2, 3, 4 blocks per cluster. Same arguments; grid
+// (tiles * KS) exactly, block (384), dynamic shared memory SMEM_BYTES; clusters of (KS, 1, 1) blocks, fixed at
+// compile time (__cluster_dims__), so the plain launch makes them.
+#define GEMM_SPLIT_KERNEL(NAME, EPI, BN, KS)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(KS, 1, 1) NAME(               \
+            const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW) {                     \
+        pdl_start();                                                                                        \
+        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K);                                                      \
+    }
+#define GEMM_SPLITS(KS)                                                                                     \
+    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e0, 0, 256, KS)                                                      \
+    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e1, 1, 256, KS)                                                      \
+    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e2, 2, 256, KS)                                                      \
+    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e3, 3, 256, KS)                                                      \
+    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e0, 0, 128, KS)                                                 \
+    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e1, 1, 128, KS)                                                 \
+    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e2, 2, 128, KS)                                                 \
+    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e3, 3, 128, KS)
+GEMM_SPLITS(2)
+GEMM_SPLITS(3)
+GEMM_SPLITS(4)

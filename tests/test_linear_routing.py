@@ -3,7 +3,11 @@ The choices come from H200 measurements (scripts/bench_gemm_small.py, quoted in 
 this pins them so a change to the routing is deliberate."""
 import pytest
 
-from tileinfer.kernels.linear import default_path, gemv_ksplit, norm_kernel_name, tma_tiles, tma_width
+import re
+
+from tileinfer.cuda.compiler import cuda_src_dir
+from tileinfer.kernels.linear import (SWAP_BATCHES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE, default_path, gemv_ksplit,
+                                      norm_kernel_name, swap_config, tma_plan, tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
 
@@ -30,16 +34,16 @@ def test_verify_sized_batches_split_between_tensor_core_gemv_and_small_gemm():
         assert got == paths, model
 
 
-@pytest.mark.parametrize("M", [9, 16, 64])
-def test_batches_take_the_small_gemm_except_the_lm_head_at_64(M):
-    got = {m: default_path(M, n) for m, n in layer_matrices("qwen3-0.6b").items()}
-    assert got == {"qkv": "small", "o": "small", "gate_up": "small", "down": "small",
-                   "lm_head": "gemm" if M == 64 else "small"}
+@pytest.mark.parametrize("M", [9, 16, 33, 64])
+def test_batches_of_9_to_64_take_the_swap_gemm(M):
+    for model in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b"):
+        assert {default_path(M, n) for n in layer_matrices(model).values()} == {"swap"}, model
 
 
-def test_prefill_takes_the_128x128_gemm():
-    assert default_path(4096, 6144) == "gemm"
-    assert default_path(512, 151936) == "gemm"
+@pytest.mark.parametrize("M", [65, 128, 256, 4096])
+def test_batches_past_64_and_prefill_take_the_tma_gemm(M):
+    for model in ("qwen3-0.6b", "qwen3-4b"):
+        assert {default_path(M, n) for n in layer_matrices(model).values()} == {"gemm"}, model
 
 
 def test_gemv_split_keeps_the_grid_within_one_wave():
@@ -79,3 +83,61 @@ def test_tma_tma_width():
     assert tma_tiles(4096, c.hidden_size, False, 256) == 32 * 10
     assert tma_tiles(4096, 2 * c.intermediate_size, True, 256) == 32 * 76
     assert tma_tiles(1, 8, False, 128) == 1
+
+
+H200_SLOTS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200 (session 10)
+
+
+def test_tma_plan_splits_only_within_one_wave():
+    # qwen3-4b at 256 rows: down_proj (40 narrow tiles of 152 k-steps) on 4 blocks a tile of 256-wide tiles
+    # (80 blocks), o_proj on 2 a tile (80); at 512 rows down_proj's 80 narrow tiles would need 3 waves of
+    # 4-block clusters (measured slower) and stay unsplit; prefill never splits.
+    c = preset("qwen3-4b")
+    assert tma_plan(256, c.hidden_size, c.intermediate_size, False, 132, H200_SLOTS) == (256, 4)
+    assert tma_plan(256, c.hidden_size, c.num_attention_heads * c.head_dim, False, 132, H200_SLOTS) == (128, 2)
+    assert tma_plan(512, c.hidden_size, c.intermediate_size, False, 132, H200_SLOTS) == (128, 1)
+    assert tma_plan(4096, c.qkv_size, c.hidden_size, False, 132, H200_SLOTS) == (256, 1)
+    for M in (65, 128, 256, 300, 512, 1000):
+        for n, k, silu in ((c.qkv_size, c.hidden_size, False), (2 * c.intermediate_size, c.hidden_size, True),
+                           (c.hidden_size, c.intermediate_size, False), (1024, 8, False)):
+            width, split = tma_plan(M, n, k, silu, 132, H200_SLOTS)
+            assert width in (128, 256)
+            assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
+            assert split == 1 or -(-k // 64) >= 2 * split
+
+
+def test_swap_config_matches_the_kernels():
+    """Launch arithmetic against gemm_swap.cu: STAGES per batch width, the kernels built, grids that cover N."""
+    src = (cuda_src_dir() / "gemm_swap.cu").read_text()
+    m = re.search(r"STAGES = WG == 1 \? \(B == 16 \? (\d+) : B == 32 \? (\d+) : (\d+)\)", src)
+    assert m, "Cfg::STAGES not found in gemm_swap.cu"
+    assert dict(zip(SWAP_BATCHES, map(int, m.groups()))) == SWAP_STAGES
+    for B in SWAP_BATCHES:
+        assert f"SWAP_SPLITS({B}, 1)" in src
+    c4, c06 = preset("qwen3-4b"), preset("qwen3-0.6b")
+    for N, K, epilogue in [(c4.qkv_size, 2560, "bf16"), (2560, 9728, "residual"), (19456, 2560, "silu_mul"),
+                           (151936, 1024, "f32"), (8, 8, "silu_mul"), (136, 1000, "bf16"), (c06.hidden_size, 2048, "residual")]:
+        for M in (0, 1, 9, 16, 17, 32, 33, 64):
+            cfg = swap_config(M, N, K, epilogue)
+            ks, tiles = cfg.grid
+            assert cfg.B >= M and cfg.B in SWAP_BATCHES and ks in SWAP_SPLITS and cfg.smem <= 227 * 1024
+            assert ks == 1 or -(-K // 64) >= 2 * ks
+            if epilogue == "silu_mul":
+                assert tiles * SWAP_TILE // 2 >= N // 2 > (tiles - 1) * SWAP_TILE // 2
+            else:
+                assert tiles * SWAP_TILE >= N > (tiles - 1) * SWAP_TILE
+    with pytest.raises(ValueError, match="0 <= M <= 64"):
+        swap_config(65, 1024, 1024, "bf16")
+    with pytest.raises(ValueError, match="ksplit"):
+        swap_config(16, 1024, 1024, "bf16", ksplit=3)
+
+
+def test_swap_split_is_the_fewest_that_fill_the_gpu():
+    # The H200 sweep's best splits (session 10): qwen3-4b at M = 16: QKV (96 tiles) 2, o_proj and down_proj
+    # (40 tiles) 4, gate/up (304 tiles) 1; qwen3-0.6b's o_proj and down_proj (16 tiles) 8.
+    assert swap_config(16, 6144, 2560, "bf16").ksplit == 2
+    assert swap_config(16, 2560, 4096, "residual").ksplit == 4
+    assert swap_config(16, 2560, 9728, "residual").ksplit == 4
+    assert swap_config(16, 19456, 2560, "silu_mul").ksplit == 1
+    assert swap_config(64, 1024, 3072, "residual").ksplit == 8
+    assert swap_config(64, 1024, 8, "residual").ksplit == 1  # one k-chunk: nothing to split

@@ -1,18 +1,30 @@
-"""cuda_src/gemm_tma.cu (the prefill GEMM fed by TMA, warp-specialized, persistent; linear's "gemm" path
-with TILEINFER_TMA_GEMM=1) at both tile widths and with a capped grid, against the float64 numpy
-reference, and against gemm.cu. tests/gpu/test_kernels.py covers the `linear(force="gemm")`
-route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every product on this path)."""
+"""cuda_src/gemm_tma.cu (linear's "gemm" path: prefill and batches of 65 rows or more; TMA-fed,
+warp-specialized wgmma) against the float64 numpy reference: the persistent kernel at both tile widths
+and with a capped grid, and the split-K kernels (2, 3, 4 blocks of a cluster per tile, partial tiles
+summed in rank order) at both widths, all four epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b
+matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
+`linear(force="gemm")` route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every
+product on this path)."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 
-from tileinfer.kernels.linear import gemm
+import test_kernels
+from tileinfer.cuda import get_device
+from tileinfer.kernels.linear import TMA_SPLITS, cluster_slots, gemm, tma_plan
 
 from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
-from test_kernels import EPILOGUES, F32, check_linear  # noqa: E402
+from test_kernels import BF16, EPILOGUES, F32, check_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+# check_linear draws a shape's (read-only) weights anew for every case, ~1 s for qwen3-4b's gate/up: keep
+# the last two (the cases of one shape run one after another).
+if not hasattr(test_kernels.linear_weight, "cache_info"):
+    test_kernels.linear_weight = functools.lru_cache(maxsize=2)(test_kernels.linear_weight)
 
 # Partial tiles in every dimension (M not a multiple of 128; N not a multiple of 128 or 256, gate/up
 # halves not multiples of 64 or 128; K not a multiple of the 64-wide k-step), one k-step, many, a W box
@@ -22,26 +34,106 @@ SHAPES = [(128, 128, 64), (33, 8, 8), (129, 264, 136), (1000, 136, 1000), (77, 5
 # (tile width, cap on the persistent grid): both kernels on a full grid, and a few blocks each walking
 # many tiles (the stage ring's barrier phases carry across tiles).
 VARIANTS = [(256, None), (128, None), (256, 3), (128, 5)]
+WIDTHS = [128, 256]
+# Split-K shapes: partial tiles everywhere, a single k-step (K = 8: splits leave ranks with no k-step,
+# whose partial tile is zero), a W box wholly past N, uneven k-step counts (K = 136: 3 k-steps; 4104: 65),
+# and one M past 512.
+SPLIT_SHAPES = [(65, 8, 8), (100, 264, 136), (128, 520, 4104), (256, 1032, 1000), (300, 136, 2056),
+                (512, 776, 520), (1000, 392, 328)]
+# The layer matrices (N, K, the model's epilogue) of qwen3-0.6b and qwen3-4b.
+MODEL = {"0.6b-qkv": (4096, 1024, "bf16"), "0.6b-o": (1024, 2048, "residual"),
+         "0.6b-gu": (6144, 1024, "silu_mul"), "0.6b-down": (1024, 3072, "residual"),
+         "4b-qkv": (6144, 2560, "bf16"), "4b-o": (2560, 4096, "residual"),
+         "4b-gu": (19456, 2560, "silu_mul"), "4b-down": (2560, 9728, "residual")}
+
+
+def run(epilogue, stream, **kw):
+    return lambda x, w, out: gemm(x, w, out, epilogue, stream, **kw)
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("M, N, K", SHAPES)
 def test_gemm_tma(M, N, K, epilogue, buf, stream):
-    # The big shapes take the launcher's own tile width (as the model does), the rest every variant.
+    # The big shapes take the launcher's own choice (as the model does), the rest every variant.
     for width, blocks in (VARIANTS if M * N * K <= 2 ** 33 else [(None, None)]):
         check_linear(buf, stream, M, N, K, epilogue, "gemm",
-                     launch=lambda x, w, out: gemm(x, w, out, epilogue, stream, tma=True, width=width, blocks=blocks),
+                     launch=run(epilogue, stream, width=width, split=1 if width else None, blocks=blocks),
                      label=f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks={blocks}")
 
 
-def test_gemm_tma_equals_gemm_up_to_summation_order(buf, stream):
-    rng = np.random.default_rng(7)
-    M, N, K = 640, 2048, 2560
+# Smoke (first, under a short timeout in a device call: a hang means a cluster-barrier deadlock): every
+# split and width, every epilogue, one small shape of two row tiles and uneven k-step counts.
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("split", TMA_SPLITS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_gemm_tma_split_smoke(epilogue, split, width, buf, stream):
+    M, N, K = 200, 264, 456
+    check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream, split=split, width=width),
+                 label=f"gemm_tma split smoke {epilogue} M={M} N={N} K={K} split={split} width={width}")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("split", TMA_SPLITS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("M, N, K", SPLIT_SHAPES)
+def test_gemm_tma_every_split(M, N, K, epilogue, split, width, buf, stream):
+    check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream, split=split, width=width),
+                 label=f"gemm_tma {epilogue} M={M} N={N} K={K} split={split} width={width}")
+
+
+@pytest.mark.parametrize("M", [65, 128, 256, 300, 512])
+@pytest.mark.parametrize("matrix", list(MODEL))
+def test_gemm_tma_model_shapes_as_planned(matrix, M, buf, stream):
+    # The launcher's own choice (what the engine runs), at the model's epilogue.
+    N, K, epilogue = MODEL[matrix]
+    plan = tma_plan(M, N, K, epilogue == "silu_mul", get_device().info.num_sms, cluster_slots())
+    check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream),
+                 label=f"gemm_tma {matrix} {epilogue} M={M} planned (width, split) {plan}")
+
+
+@pytest.mark.parametrize("split", TMA_SPLITS)
+@pytest.mark.parametrize("matrix", list(MODEL))
+def test_gemm_tma_model_shapes_every_split(matrix, split, buf, stream):
+    N, K, epilogue = MODEL[matrix]
+    check_linear(buf, stream, 256, N, K, epilogue, "gemm", launch=run(epilogue, stream, split=split),
+                 label=f"gemm_tma {matrix} {epilogue} M=256 split={split}")
+
+
+@pytest.mark.parametrize("split", TMA_SPLITS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_gemm_tma_split_is_deterministic(epilogue, split, buf, stream):
+    # The rank-ordered sum: two launches give the same bits (residual: from the same starting values).
+    rng = np.random.default_rng(11)
+    M, N, K = 300, 1032, 2056
     x, w = buf.upload(rand_bf16(rng, (M, K))), buf.upload(linear_weight(N, K))
-    outs = [buf.poisoned((M, N), F32) for _ in range(3)]
-    gemm(x, w, outs[0], "f32", stream, tma=False)
-    gemm(x, w, outs[1], "f32", stream, tma=True, width=256)
-    gemm(x, w, outs[2], "f32", stream, tma=True, width=128, blocks=7)
-    ref, wide, narrow = (o.to_host(stream) for o in outs)
-    for got in (wide, narrow):
-        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    shape = (M, N // 2) if epilogue == "silu_mul" else (M, N)
+    dtype = BF16 if epilogue in ("bf16", "silu_mul") else F32
+    old = rng.standard_normal(shape, dtype=np.float32)
+    outs = []
+    for _ in range(2):
+        out = buf.upload(old) if epilogue == "residual" else buf.poisoned(shape, dtype)
+        gemm(x, w, out, epilogue, stream, split=split, width=128)
+        outs.append(out.to_host(stream))
+    assert outs[0].tobytes() == outs[1].tobytes(), f"gemm_tma {epilogue} split={split}: two launches differ"
+
+
+def test_gemm_tma_variants_agree_up_to_summation_order(buf, stream):
+    rng = np.random.default_rng(7)
+    M, N, K = 256, 2048, 2560
+    x, w = buf.upload(rand_bf16(rng, (M, K))), buf.upload(linear_weight(N, K))
+    kws = [dict(width=256, split=1), dict(width=128, split=1, blocks=7)] + [dict(width=128, split=s) for s in TMA_SPLITS]
+    got = []
+    for kw in kws:
+        out = buf.poisoned((M, N), F32)
+        gemm(x, w, out, "f32", stream, **kw)
+        got.append(out.to_host(stream))
+    for kw, g in zip(kws[1:], got[1:]):
+        assert np.abs(g - got[0]).max() <= 1e-4 * np.abs(got[0]).max(), kw
+
+
+def test_cluster_slots_come_from_the_driver():
+    slots = cluster_slots()
+    sms = get_device().info.num_sms
+    assert set(slots) == set(TMA_SPLITS)
+    for split, n in slots.items():
+        assert n % split == 0 and 0 < n <= sms, (split, n)

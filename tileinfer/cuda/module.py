@@ -71,6 +71,19 @@ class Kernel:
     def attribute(self, attr) -> int:
         return call(driver.cuFuncGetAttribute, attr, self.function)
 
+    def max_active_clusters(self, cluster: int, threads: int, smem: int) -> int:
+        """Thread-block clusters of this kernel (compiled with __cluster_dims__(cluster, 1, 1)) that the GPU
+        holds at once with `threads` threads and `smem` bytes of dynamic shared memory a block
+        (cuOccupancyMaxActiveClusters: a cluster's blocks must share one GPC)."""
+        if smem > 48 * 1024:
+            self.set_max_dynamic_smem(smem)
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.sharedMemBytes = smem
+        cfg.numAttrs = 0
+        return call(driver.cuOccupancyMaxActiveClusters, self.function, cfg, detail=self.name)
+
     def launch(self, grid, block, args, stream, smem: int = 0) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))

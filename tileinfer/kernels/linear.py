@@ -1,28 +1,27 @@
-"""Launchers for cuda_src/gemm.cu and gemm_tma.cu (wgmma tensor cores, prefill), cuda_src/gemv.cu (decode),
-cuda_src/gemv_tc.cu (tensor cores, a few rows: small batches, verify steps) and
-cuda_src/gemm_small.cu (tensor cores, batched decode: M ~ 3..256).
+"""Launchers for cuda_src/gemm_tma.cu (wgmma tensor cores fed by TMA: prefill, and batches of 65 rows or
+more), cuda_src/gemv.cu (decode, 1-2 rows), cuda_src/gemv_tc.cu (tensor cores, a few rows: small
+batches, verify steps), cuda_src/gemm_swap.cu (swap-AB wgmma weight streaming: batches of 9-64 rows)
+and cuda_src/gemm_small.cu (tensor cores, the rest of 3-8 rows).
 
 `linear` computes y = x W^T for x [M, K] bf16 and W [N, K] bf16 with a fused epilogue:
   "bf16"      out [M, N] bf16
   "residual"  out [M, N] float32, out += x W^T (the residual stream)
   "silu_mul"  W is [gate; up] ([2I, K]); out [M, I] bf16 = silu(x gate^T) * (x up^T)
   "f32"       out [M, N] float32 (logits)
-Which kernel (`default_path`), from scripts/bench_gemm_small.py on the H200:
+Which kernel (`default_path`), from scripts/bench_gemm_small.py and A/B runs on the H200:
   - M in (1, 2): the bandwidth-bound GEMV.
   - 3 <= M <= 8 and 4096 <= N <= 20480 (QKV, and gate/up but qwen3-8b's; o_proj and down_proj of
     qwen3-8b): the tensor-core GEMV. At M = 5 it beat the small GEMM on all of these (qwen3-8b: QKV
     16.5 vs 17.2 us, o_proj 14.7 vs 17.2, down_proj 34.6 vs 41.4 with 8 loads per k-block; qwen3-4b
     gate/up 33.9 vs 35.5) and lost on qwen3-8b's gate/up (N = 24576: 59.6 vs 57.0) and on the narrower
     o_proj and down_proj of the smaller models.
-  - Otherwise the small-M GEMM where the 128x128 GEMM would leave most SMs idle: M <= 16 (the LM head
-    included: at M = 4-16 it took 180-293 us where the 128x128 GEMM took 276-443), M <= 64 for all but
-    very wide matrices, or at most 40 of the 128x128 tiles. At M = 64 the small GEMM takes 6-9 us on
-    Qwen3-0.6B's layer matrices where the 128x128 GEMM takes 16-49 us; the LM head stays on the 128x128
-    GEMM there (120 vs 137 us); at M = 256 the small GEMM wins only for N = 1024 and 2560.
-  - Everything else (prefill) takes the 128x128 GEMM.
-The 128x128 figures above are the mma.sync GEMM's; session 9 replaced it with a wgmma kernel of the
-same tile (prefill 512 tokens 153 -> 242 TFLOP/s) and the crossovers were not re-measured. With
-TILEINFER_TMA_GEMM=1 the "gemm" path runs gemm_tma.cu (tma_gemm_default).
+  - 9 <= M <= 64: the swap-AB GEMM (every weight byte read once for all rows; swap_config). Against the
+    small GEMM in the engine (session 10, one call): qwen3-0.6b batch 16 10,747 -> 11,675 tok/s, batch
+    64 26,409 -> 27,313; qwen3-4b batch 64 10,449 -> 12,244.
+  - The rest of M <= 8 (the narrower matrices, qwen3-8b's gate/up): the small GEMM.
+  - Everything else takes gemm_tma.cu, split along K by a cluster of blocks when its tiles are too few
+    for the SMs (tma_plan). Against the small GEMM at 65-256 rows (session 10, one call): qwen3-4b batch
+    128 14,972 -> 17,789 tok/s, batch 256 18,101 -> 22,341; qwen3-0.6b batch 128 32,873 -> 34,088.
 """
 import os
 from dataclasses import dataclass
@@ -34,13 +33,13 @@ from .rmsnorm import rmsnorm
 
 EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}
 GEMV_ROWS = (1, 2, 4, 8)
-GEMM_TILE = 128
-GEMM_SMEM = 4 * (128 + 128) * 64 * 2 + 1024  # STAGES * (BM + BN) * BK * sizeof(bf16) + alignment, as gemm.cu
 TMA_BM = 128
+TMA_BK = 64
 TMA_WIDTHS = (256, 128)  # gemm_tma.cu: gemm_tma_e* and gemm_tma_n128_e*
 TMA_WIDE_COST = 0.92  # a 128 x 256 tile's time over two 128 x 128 tiles': an estimate, not fitted
 TMA_THREADS = 384
 TMA_SMEM = 192 * 1024 + 256 + 1024  # as gemm_tma.cu's SMEM_BYTES: the stage ring, mbarriers, alignment
+TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 GEMV_WARPS = 8
 TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8_* (M <= 8) and gemv_tc_m16_* (M <= 16), 8 warps a block
 TC_DEEP_K = 8192   # rows at least this long take 8 loads per k-block (gemv_tc_*_l8_*), shorter ones 4
@@ -64,10 +63,20 @@ SMALL_GEMM_SMEM = {r: SMALL_WARPS * SMALL_STAGES[r] * (r + SMALL_BN) * SMALL_BK 
 SMALL_BLOCK_LATENCY = 2      # cost model: a block's fixed cost (first loads, reduction) in k-chunks
 
 
+# gemm_swap.cu: blocks of 64 W rows (one warpgroup) against the whole batch padded to B rows, k-chunks of
+# 64, `ksplit` blocks per cluster splitting K; STAGES chunks in flight (Cfg<B, 1>::STAGES).
+SWAP_BATCHES = (16, 32, 64)
+SWAP_TILE = 64
+SWAP_BK = 64
+SWAP_SPLITS = (1, 2, 4, 8)
+SWAP_STAGES = {16: 10, 32: 8, 64: 6}
+SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
+
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 go to the tensor-core GEMV or the small GEMM
 TC_DEFAULT_ROWS = range(3, 9)  # M the tensor-core GEMV takes by default, for N in [TC_MIN_N, TC_MAX_N]
 TC_MIN_N, TC_MAX_N = 4096, 20480
-WIDE_N = 32768  # wider than any layer matrix: the LM head
+SWAP_DEFAULT_ROWS = range(9, 65)  # M the swap-AB GEMM takes by default
+SMALL_MAX_ROWS = 8  # the small GEMM takes what is left up to here; the TMA GEMM takes the rest
 
 
 def default_path(M: int, N: int) -> str:
@@ -76,7 +85,9 @@ def default_path(M: int, N: int) -> str:
         return "gemv"
     if M in TC_DEFAULT_ROWS and TC_MIN_N <= N <= TC_MAX_N:
         return "tc"
-    if M <= 16 or (M <= 64 and N <= WIDE_N) or cdiv(N, GEMM_TILE) * cdiv(M, GEMM_TILE) <= 40:
+    if M in SWAP_DEFAULT_ROWS:
+        return "swap"
+    if M <= SMALL_MAX_ROWS:
         return "small"
     return "gemm"
 
@@ -170,13 +181,6 @@ def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows
     return SmallGemmConfig(rows, ksplit, (ksplit, m_tiles, n_blocks), SMALL_GEMM_SMEM[rows])
 
 
-def tma_gemm_default() -> bool:
-    """Whether the "gemm" path runs gemm_tma.cu (TILEINFER_TMA_GEMM=1) instead of gemm.cu. Off until the
-    GPU suite has run it in the tree: as an experiment it passed its 43 tests and took qwen3-4b's prefill
-    of 4,096 tokens from 314 to 421 TFLOP/s (docs/benchmarks.md, session 9)."""
-    return os.environ.get("TILEINFER_TMA_GEMM", "0") == "1"
-
-
 def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
     """gemm_tma.cu's output tiles: 128 rows x `width` columns of W (width / 2 outputs for SiLU)."""
     return cdiv(M, TMA_BM) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
@@ -191,41 +195,141 @@ def tma_width(M: int, N: int, silu: bool, sms: int = 132) -> int:
     return min(TMA_WIDTHS, key=cost)
 
 
-def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, tma: bool | None = None,
-         width: int | None = None, blocks: int | None = None) -> None:
-    """The "gemm" path of `linear` (shapes already checked). gemm.cu: one 128 x 128 tile a block. With
-    `tma` (default tma_gemm_default()) gemm_tma.cu: persistent, one block per SM walking its tiles, fed
-    by TMA through tensor maps of x and w; `width` (128 or 256) forces its tile width, `blocks` caps its
-    grid (tests: many tiles a block)."""
+# tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a split block's
+# fixed cost (its first TMA loads, the epilogue), and its cluster reduction per rank and 128 columns (the
+# persistent kernel hides its fills behind the previous tile). Estimates, not fitted; a split must beat
+# the unsplit launch by TMA_SPLIT_MARGIN.
+TMA_SPLIT_FILL = 3.0
+TMA_SPLIT_REDUCE = 0.5
+TMA_SPLIT_MARGIN = 0.9
+TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
+
+
+def tma_split_cost(M: int, N: int, K: int, silu: bool, width: int, split: int) -> float:
+    """Estimated time of one split launch that fits in one wave: a block's share of the k-steps, its
+    fill and its share of the reduction."""
+    unit = 2 * TMA_WIDE_COST if width == 256 else 1.0
+    return cdiv(cdiv(K, TMA_BK), split) * unit + TMA_SPLIT_FILL + TMA_SPLIT_REDUCE * split * width / 128
+
+
+def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]) -> tuple[int, int]:
+    """(tile width, blocks per tile) for gemm_tma.cu. Unsplit: the persistent kernel at tma_width. A split
+    (KS blocks of a cluster share a tile's K range) is considered only when its whole grid is resident at
+    once (tiles x KS <= slots[KS], the blocks of KS-clusters the GPU holds: cluster_slots) and it must
+    beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the model did not hold past it: at
+    M = 512 a split of qwen3-4b's down_proj into 320 blocks (3 waves of 4-block clusters) took 80 us
+    where the persistent kernel took ~63 (H200, session 10); within one wave the splits won (prefill
+    of 256 tokens 209 -> 254 TFLOP/s; batch 256 decode above)."""
+    width = tma_width(M, N, silu, sms)
+    unit = 2 * TMA_WIDE_COST if width == 256 else 1.0
+    best = (cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * unit + TMA_SPLIT_FILL, width, 1)
+    unsplit = best[0]
+    for split in TMA_SPLITS:
+        if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
+            continue
+        for w in TMA_WIDTHS:
+            if tma_tiles(M, N, silu, w) * split <= slots.get(split, 0):
+                c = tma_split_cost(M, N, K, silu, w, split)
+                if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
+                    best = (c, w, split)
+    return best[1], best[2]
+
+
+_cluster_slots: dict[int, int] = {}
+
+
+def cluster_slots() -> dict[int, int]:
+    """Blocks of gemm_tma.cu's split kernels resident at once, by split: the driver's count of clusters
+    that fit (one block per SM; a cluster's blocks share a GPC) times the split. The H200 said
+    {2: 132, 3: 117, 4: 120} (session 10)."""
+    if not _cluster_slots:
+        for split in TMA_SPLITS:
+            k = kernel("gemm_tma.cu", f"gemm_tma_n128_s{split}_e0")
+            _cluster_slots[split] = k.max_active_clusters(split, TMA_THREADS, TMA_SMEM) * split
+    return _cluster_slots
+
+
+def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
+         split: int | None = None, blocks: int | None = None) -> None:
+    """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
+    of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256)
+    forces its tile width, `blocks` caps its grid (tests: many tiles a block). `split` (2-4 blocks per
+    tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one; by default
+    tma_plan decides."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
         return
     epi = EPILOGUES[epilogue]
-    if not (tma_gemm_default() if tma is None else tma):
-        grid = (cdiv(N, GEMM_TILE), cdiv(M, GEMM_TILE))
-        kernel("gemm.cu", f"gemm_e{epi}").launch(grid, (256,), [x, w, out, I32(M), I32(N), I32(K)], stream,
-                                                smem=GEMM_SMEM)
-        return
     silu = epilogue == "silu_mul"
     sms = get_device().info.num_sms
-    width = width or tma_width(M, N, silu, sms)
-    if width not in TMA_WIDTHS:
+    if split not in (None, 1) + TMA_SPLITS:
+        raise ValueError(f"gemm: split must be 1 or one of {TMA_SPLITS}, got {split}")
+    if width not in (None,) + TMA_WIDTHS:
         raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
-    grid = min(tma_tiles(M, N, silu, width), blocks or sms)
-    name = f"gemm_tma_e{epi}" if width == 256 else f"gemm_tma_n128_e{epi}"
+    if split is None and width is None and blocks is None:
+        width, split = tma_plan(M, N, K, silu, sms, cluster_slots())
+    width = width or tma_width(M, N, silu, sms)
+    split = split or 1
+    tiles = tma_tiles(M, N, silu, width)
+    if split == 1:
+        grid = min(tiles, blocks or sms)
+        name = f"gemm_tma{'_n128' if width == 128 else ''}_e{epi}"
+    else:
+        if blocks is not None:
+            raise ValueError("gemm: `blocks` caps the persistent (unsplit) kernel only")
+        grid = tiles * split
+        name = f"gemm_tma{'_n128' if width == 128 else ''}_s{split}_e{epi}"
     kernel("gemm_tma.cu", name).launch(
         (grid,), (TMA_THREADS,),
         [x, w, out, I32(M), I32(N), I32(K), bf16_tensor_map(x.ptr, M, K, TMA_BM),
          bf16_tensor_map(w.ptr, N, K, width // 2)], stream, smem=TMA_SMEM)
 
 
+@dataclass(slots=True, frozen=True)
+class SwapConfig:
+    """One launch of gemm_swap.cu: the batch padded to B rows, `ksplit` blocks per cluster, grid (ksplit, tiles)."""
+    B: int
+    ksplit: int
+    grid: tuple[int, int]
+    smem: int
+
+    @property
+    def kernel_name(self) -> str:
+        return f"gemm_swap_b{self.B}_w1_c{self.ksplit}"
+
+
+def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = None, sms: int = 132) -> SwapConfig:
+    """The gemm_swap.cu launch for x [M, K] @ W [N, K]^T, M <= 64. Blocks per cluster: the fewest
+    (1, 2, 4, 8) whose grid reaches SWAP_WAVE of the SMs, while each block keeps two k-chunks. Fitted to
+    the H200 sweep of qwen3-0.6b's and qwen3-4b's layer matrices at M = 16 and 64 (session 10, us per
+    call, one warpgroup a block): the rule's choice was the fastest split in 13 of 16 cases and within
+    4% in two more (0.6b gate/up at M = 16 took 5.9 us with 2 splits against 5.3 with none); e.g.
+    qwen3-4b at M = 16: QKV 9.7 (the small GEMM 11.9), o_proj 7.9 (10.0), gate/up 30.8 (36.0),
+    down_proj 16.3 (18.1). `ksplit` overrides."""
+    if not 0 <= M <= SWAP_BATCHES[-1]:
+        raise ValueError(f"swap_config: the swap-AB GEMM takes 0 <= M <= {SWAP_BATCHES[-1]} rows, got M={M}")
+    B = next(b for b in SWAP_BATCHES if M <= b)
+    tiles = cdiv(N // 2, SWAP_TILE // 2) if epilogue == "silu_mul" else cdiv(N, SWAP_TILE)
+    if tiles > 65535:
+        raise ValueError(f"swap_config: N={N} needs {tiles} tiles, more than grid.y allows (65535)")
+    if ksplit is None:
+        chunks = cdiv(K, SWAP_BK)
+        ksplit = next((ks for ks in SWAP_SPLITS if tiles * ks >= SWAP_WAVE * sms), SWAP_SPLITS[-1])
+        while ksplit > 1 and chunks < 2 * ksplit:
+            ksplit //= 2
+    elif ksplit not in SWAP_SPLITS:
+        raise ValueError(f"swap_config: ksplit must be one of {SWAP_SPLITS}, got {ksplit}")
+    smem = SWAP_STAGES[B] * (SWAP_TILE + B) * SWAP_BK * 2 + 1024  # Cfg<B, 1>::SMEM: the stages + alignment
+    return SwapConfig(B, ksplit, (ksplit, tiles), smem)
+
+
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
            ksplit: int | None = None, rows: int | None = None, pipe: bool | None = None,
            head_keys: DeviceArray | None = None) -> None:
-    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv", "tc" or "small") and `ksplit` override the choices:
-    for the GEMVs the warps per row pair or 16-row tile, for the small GEMM the blocks per cluster splitting
-    K (1, 2, 4 or 8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one
+    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv", "tc", "swap" or "small") and `ksplit` override the
+    choices: for the GEMVs the warps per row pair or 16-row tile, for the small and swap-AB GEMMs the
+    blocks per cluster splitting K (1, 2, 4 or 8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one
     row, the f32 epilogue, the GEMV): also each block's largest logit as a key, in head_keys[:blocks]
     with blocks = head_key_count(N, K) (gemv.cu, ARGMAX), for sample()."""
     if epilogue not in EPILOGUES:
@@ -276,15 +380,24 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             (cdiv(tiles * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(ksplit)],
             stream)
     elif path == "gemm":
-        # Forced (the batch-invariant mode forces every product here): one tile width whatever M is, so
-        # that a row's sums never depend on the rows beside it.
-        gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0] if force else None)
+        # Forced (the batch-invariant mode forces every product here): one tile width and no split whatever
+        # M is, so that a row's sums never depend on the rows beside it.
+        if force:
+            gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0], split=1)
+        else:
+            gemm(x, w, out, epilogue, stream)
+    elif path == "swap":
+        cfg = swap_config(M, N, K, epilogue, ksplit=ksplit, sms=get_device().info.num_sms)
+        if M == 0:
+            return
+        kernel("gemm_swap.cu", cfg.kernel_name).launch(
+            cfg.grid, (128,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
     elif path == "small":
         cfg = small_gemm_config(M, N, K, ksplit=ksplit, rows=rows, sms=get_device().info.num_sms)
         kernel("gemm_small.cu", cfg.kernel_name).launch(
             cfg.grid, (SMALL_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
     else:
-        raise ValueError(f"linear: force must be 'gemm', 'gemv', 'tc' or 'small', got {force!r}")
+        raise ValueError(f"linear: force must be 'gemm', 'gemv', 'tc', 'swap' or 'small', got {force!r}")
 
 
 NORM_EPILOGUES = ("bf16", "silu_mul")  # the products that follow a norm: QKV and gate/up

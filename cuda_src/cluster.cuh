@@ -1,0 +1,37 @@
+// Thread-block cluster helpers (sm_90) shared by the split-K GEMMs (gemm_small.cu, gemm_swap.cu,
+// gemm_tma.cu): the block's rank in its cluster, a cluster-wide barrier, and loads from another block's
+// shared memory (distributed shared memory: mapa + ld.shared::cluster).
+#pragma once
+#include "common.cuh"
+
+__device__ __forceinline__ int cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+
+// Every non-exited thread of every block of the cluster; release/acquire orders the shared-memory writes
+// before it with the reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The address, in the cluster's shared window, of this shared-memory address in the block of rank `rank`.
+__device__ __forceinline__ u32 cluster_addr(u32 local, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+
+// The float2 / float4 at this shared-memory address in the block of cluster rank `rank`.
+__device__ __forceinline__ float2 ld_cluster_f2(u32 local, int rank) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr(local, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(u32 local, int rank) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(cluster_addr(local, rank)) : "memory");
+    return v;
+}

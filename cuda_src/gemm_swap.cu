@@ -1,0 +1,332 @@
+// Batched-decode matrix products (M <= 64 rows) as a "swap-AB" weight-streaming GEMM on Hopper's
+// warpgroup tensor-core instructions (wgmma, sm_90a): every weight byte is read once for all rows.
+//
+// out[m, n] = epilogue(sum_k x[m, k] * W[n, k]); x: [M, K] bf16 activations, M <= 64; W: [N, K] bf16
+// weights (Hugging Face [out, in]); K % 8 == 0, N % 8 == 0.
+//
+// Why swap: at M <= 64 a decode step is bound by HBM (every weight read once, ~M flops per byte).
+// gemm_small.cu tiles M by 32 rows, so at M = 64 each weight tile is read by two M tiles. Here the
+// tensor cores compute the transpose D[n, m] = sum_k W[n, k] x[m, k] with wgmma.m64nBk16: the wgmma
+// "A" operand (64 rows x 16 k) is a 64-row slice of W, the "B" operand (B x 16) is the whole batch,
+// B = 16, 32 or 64 >= M (rows of x past M are zero-filled in shared memory and never stored).
+//
+// Tile. A block owns TR = 64 * WG rows of W (WG = 1 or 2 warpgroups, warpgroup wg computing tile
+// rows 64 wg .. 64 wg + 63 against the same x tile) and a share of K. Shared-memory tiles as
+// gemm_tma.cu's: rows of 64 bf16 (128 bytes), the 16-byte chunk c of row r at chunk c ^ (r % 8), tiles
+// 1024-byte aligned, read through K-major, 128-byte-swizzle matrix descriptors (both operands).
+// A k-chunk (BK = 64) is one W tile (TR x 64) and one x tile (B x 64) in one stage.
+//
+// Streaming. STAGES cp.async stages (6..12: ~96-100 KB per block for WG = 1, two blocks per SM; ~217-221 KB
+// for WG = 2, one), AHEAD = STAGES - 1 chunks requested ahead (40-72 KB of W in flight per block for
+// WG = 1, 128-176 KB for WG = 2). A cp.async pipeline with no wgmma group left in flight (the
+// tensor-core work per chunk is tiny next to its load): at the top of iteration i the block waits for
+// chunk i's copies, makes them visible to the async proxy (fence.proxy.async) and meets at a barrier,
+// then requests chunk i + AHEAD into the stage chunk i - 1 used (every warpgroup waited for its wgmma
+// group before that barrier), then runs chunk i's wgmmas and waits for them. The first AHEAD chunks of W
+// are requested (one cp.async group each) before pdl_start(): with programmatic dependent launch the
+// weight stream starts while the kernel before is finishing (no kernel writes weights). x of those
+// chunks is then copied with plain loads and shared stores (it is small and L2-resident), which keeps
+// cp.async group i = chunk i, so the first wait is for chunk 0 alone; later chunks carry their x tile
+// in their own group.
+//
+// Split K (KS, a compile-time thread-block cluster of KS in {1, 2, 4, 8} blocks, grid (KS, tiles)):
+// block `rank` of a cluster takes the k-chunks rank, rank + KS, ..., so the KS blocks read consecutive
+// 128-byte pieces of the same rows. Each block writes its partial D tile to its own shared memory
+// (transposed to P[m][r], rows of TR + 4 floats: conflict-free writes, 16-byte aligned float4 reads);
+// after a cluster barrier block `rank` finishes units rank, rank + KS, ... (in 128-thread strides) of
+// the tile, summing the KS partials over distributed shared memory in rank order 0, 1, ..., KS - 1.
+// No workspace, no atomics, and the same bits on every run; KS = 1 goes through the same shared-memory
+// path (a block barrier instead), which makes every store a 8- or 16-byte vector of 4 consecutive columns.
+//
+// Fragments (PTX ISA, wgmma .m64nNk16 D): warp w of a warpgroup holds D rows 16 w + g and 16 w + g + 8
+// (g = lane / 4, t = lane % 4); d[4 j + e] is row 16 w + g + 8 (e >> 1), column (batch row m)
+// 8 j + 2 t + (e & 1): the same as gemm_tma.cu's accumulators, with rows = weight rows and columns = batch.
+//
+// Epilogues as in gemm_tma.cu / gemm_small.cu: 0 bf16 out [M, N]; 1 float32 out [M, N] += result (the
+// residual stream); 2 SiLU(gate) * up with W = [gate; up] (N = 2 I, out [M, I] bf16); 3 float32 out.
+// For SILU_MUL each 16-row slab s of a tile holds gate rows j .. j + 7 in its rows 0-7 and up rows
+// j .. j + 7 in rows 8-15 (j = tile * TR / 2 + 8 s), so D rows g and g + 8 of a warp pair up; the
+// reduction reads gate at P[m][16 s + q] and up at P[m][16 s + 8 + q].
+//
+// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi): grid (KS, tiles), block 128 * WG,
+// dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py computes the same numbers);
+// tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (as in
+// gemm_small.cu: 12 kernels, not 48; only WG = 1 is built, see the end of the file).
+//
+// wgmma exists only on sm_90a: a plain sm_90 build (which test_compile also checks) gets kernels
+// that trap.
+#include "cluster.cuh"
+#include "wgmma.cuh"
+
+enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+
+#define BK 64  // k per chunk: one 128-byte shared-memory row
+
+template <int B, int WG> struct Cfg {
+    static constexpr int THREADS = 128 * WG;
+    static constexpr int TR = 64 * WG;                 // W rows per block
+    static constexpr int TILE_W = TR * BK * 2;         // bytes: 8 or 16 KB
+    static constexpr int TILE_X = B * BK * 2;          // bytes: 2, 4 or 8 KB
+    static constexpr int STAGE = TILE_W + TILE_X;      // a multiple of 1024: every tile stays 1024-aligned
+    static constexpr int STAGES = WG == 1 ? (B == 16 ? 10 : B == 32 ? 8 : 6) : (B == 16 ? 12 : B == 32 ? 11 : 9);
+    static constexpr int AHEAD = STAGES - 1;           // chunks requested ahead of the one computed
+    static constexpr int SMEM = STAGES * STAGE + 1024; // + alignment slack
+    static constexpr int PS = TR + 4;                  // floats per row of the partial tile P[m][r]
+    static constexpr int WP = TR * 8 / THREADS;        // 16-byte W pieces per thread per chunk (4)
+    static constexpr int XP = (B * 8 + THREADS - 1) / THREADS;  // 16-byte x pieces per thread per chunk
+    static_assert(STAGE % 1024 == 0, "tiles must stay 1024-byte aligned (128-byte swizzle atoms)");
+    static_assert(STAGES >= 2, "the pipeline refills the stage read one chunk ago");
+    static_assert(B * PS * 4 <= STAGES * STAGE, "the partial tile reuses the pipeline's shared memory");
+    static_assert(SMEM <= 227 * 1024, "more dynamic shared memory than an H200 block may have");
+};
+
+// Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile.
+__device__ __forceinline__ u32 swz_bytes(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+// ----------------------------------------------------------------------------- split K (the cluster helpers are in cluster.cuh)
+// Sum of the float4 at P + offset over the KS blocks of the cluster, in rank order (the local one when KS == 1).
+template <int KS> __device__ __forceinline__ float4 sum_ranks(const float *p) {
+    if (KS == 1) return *reinterpret_cast<const float4 *>(p);
+    const u32 at = smem_addr(p);
+    float4 v = ld_cluster_f4(at, 0);
+#pragma unroll
+    for (int r = 1; r < KS; ++r) {
+        const float4 u = ld_cluster_f4(at, r);
+        v.x += u.x;
+        v.y += u.y;
+        v.z += u.z;
+        v.w += u.w;
+    }
+    return v;
+}
+
+// ----------------------------------------------------------------------------- wgmma (sm_90a): the products of the batch widths (the basics are in wgmma.cuh)
+// d (64 W rows x n batch rows per warpgroup, n / 2 floats a thread) += A (64 x 16, W) * B (16 x n, x^T).
+// Both operands K-major in shared memory (transpose flags 0), scale-d on (d is zeroed first).
+__device__ __forceinline__ void wgmma_n16(float (&d)[8], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <int B> struct Mma;
+template <> struct Mma<16> { static __device__ __forceinline__ void run(float (&d)[8], u64 a, u64 b) { wgmma_n16(d, a, b); } };
+template <> struct Mma<32> { static __device__ __forceinline__ void run(float (&d)[16], u64 a, u64 b) { wgmma_n32(d, a, b); } };
+template <> struct Mma<64> { static __device__ __forceinline__ void run(float (&d)[32], u64 a, u64 b) { wgmma_n64(d, a, b); } };
+
+// ----------------------------------------------------------------------------- tile rows
+// The W row that row r of tile `tile` (TR rows) loads (gn); false past the end. With SILU_MUL (W = [gate;
+// up], N = 2 I) the tile covers outputs j0 = tile * TR / 2 .. j0 + TR / 2 - 1 in 16-row slabs: slab
+// s = r / 16 holds gate rows j0 + 8 s + (r % 8) in its rows 0-7 and the matching up rows in rows 8-15.
+template <int TR>
+__device__ __forceinline__ bool swap_weight_row(int r, int tile, int N, bool silu, int &gn) {
+    if (silu) {
+        const int half = N >> 1, j = tile * (TR / 2) + (r >> 4) * 8 + (r & 7);
+        gn = (r & 8) ? half + j : j;
+        return j < half;
+    }
+    gn = tile * TR + r;
+    return gn < N;
+}
+
+// Store 4 consecutive output columns n .. n + 3 of row m (n % 4 == 0, N % 8 == 0: all in range or none).
+__device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, int m, int n, float4 v) {
+    const size_t at = (size_t)m * N + n;
+    if (epi == EPI_BF16) {
+        *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + at) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    } else if (epi == EPI_RESIDUAL) {
+        float4 *o = reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at);
+        const float4 r = *o;
+        *o = make_float4(r.x + v.x, r.y + v.y, r.z + v.z, r.w + v.w);
+    } else {
+        *reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at) = v;
+    }
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int B, int WG, int KS>
+__device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
+                                           void *__restrict__ out, int M, int N, int K, int epi) {
+    using C = Cfg<B, WG>;
+    constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char *smem = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);
+    const u32 smem0 = smem_addr(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int rank = KS > 1 ? cluster_rank() : 0;  // == blockIdx.x: this block's k-chunks
+    const int tile = blockIdx.y;
+    const bool silu = epi == EPI_SILU_MUL;
+    const int chunks = ceil_div(K, BK);
+    const int mine = rank < chunks ? ceil_div(chunks - rank, KS) : 0;  // chunks rank, rank + KS, ...
+    const int c = tid & 7;  // this thread's 16-byte piece of every 128-byte row it copies
+
+    // Thread piece p copies row (tid / 8) + p * THREADS / 8 of a tile, chunk c; (row % 8) == (tid / 8) % 8.
+    const bf16 *wsrc[C::WP];
+    bool wok[C::WP];
+#pragma unroll
+    for (int p = 0; p < C::WP; ++p) {
+        const int r = (tid >> 3) + p * (THREADS / 8);
+        int gn;
+        wok[p] = swap_weight_row<TR>(r, tile, N, silu, gn);
+        wsrc[p] = W + (size_t)(wok[p] ? gn : 0) * K + c * 8;
+    }
+    auto load_w = [&](int s, int i) {  // W part of local chunk i into stage s (zero past N and K)
+        const int k0 = (rank + i * KS) * BK;
+        const bool kin = k0 + c * 8 < K;
+        const u32 base = smem0 + s * C::STAGE;
+#pragma unroll
+        for (int p = 0; p < C::WP; ++p) {
+            const int r = (tid >> 3) + p * (THREADS / 8);
+            const bool ok = wok[p] && kin;
+            cp_async16(base + swz_bytes(r, c), ok ? wsrc[p] + k0 : W, ok);
+        }
+    };
+    // x piece p of a chunk: row r = (tid / 8) + p * THREADS / 8 (those past B skipped), zero past M and K.
+    auto x_row = [&](int p) { return (tid >> 3) + p * (THREADS / 8); };
+    auto x_here = [&](int p) { return B * 8 % THREADS == 0 || x_row(p) < B; };
+    auto load_x = [&](int s, int i) {  // x part of local chunk i into stage s, by cp.async
+        const int gk = (rank + i * KS) * BK + c * 8;
+        const u32 base = smem0 + s * C::STAGE + C::TILE_W;
+#pragma unroll
+        for (int p = 0; p < C::XP; ++p) {
+            const int r = x_row(p);
+            const bool ok = r < M && gk < K;
+            if (x_here(p)) cp_async16(base + swz_bytes(r, c), ok ? X + (size_t)r * K + gk : X, ok);
+        }
+    };
+
+    // Weights first, one cp.async group per chunk (no kernel writes them: this may run before the kernel
+    // before has finished). Then wait for that kernel and copy the same chunks' x synchronously (plain
+    // loads, all in flight at once, then shared stores), so that group i still holds chunk i alone and
+    // the first wait below is for chunk 0's weights only. Chunks from AHEAD on carry their x in their group.
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+        if (s < mine) load_w(s, s);
+        cp_async_commit();
+    }
+    pdl_start();
+    {
+        vec16 xv[AHEAD][C::XP];
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s) {
+            const int gk = (rank + s * KS) * BK + c * 8;
+#pragma unroll
+            for (int p = 0; p < C::XP; ++p) {
+                const int r = x_row(p);
+                xv[s][p] = vec16{{0u, 0u, 0u, 0u}};
+                if (s < mine && x_here(p) && r < M && gk < K) xv[s][p] = ld16(X + (size_t)r * K + gk);
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s)
+#pragma unroll
+            for (int p = 0; p < C::XP; ++p)
+                if (s < mine && x_here(p)) st16(smem + s * C::STAGE + C::TILE_W + swz_bytes(x_row(p), c), xv[s][p]);
+    }
+
+    float d[B / 2];
+#pragma unroll
+    for (int i = 0; i < B / 2; ++i) d[i] = 0.f;
+
+    for (int i = 0; i < mine; ++i) {
+        cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk i have landed (group i)
+        fence_async_smem();          // ... and they and the prologue's x stores are visible to the tensor cores
+        __syncthreads();             // everyone's; and every warpgroup is done with chunk i - 1
+        const int next = i + AHEAD;
+        if (next < mine) {
+            load_w(next % STAGES, next);
+            load_x(next % STAGES, next);
+        }
+        cp_async_commit();
+
+        const u32 st = smem0 + (i % STAGES) * C::STAGE;
+        const u32 a_base = st + wg * 64 * 128, b_base = st + C::TILE_W;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks) Mma<B>::run(d, smem_desc(a_base + ks * 32), smem_desc(b_base + ks * 32));
+        wgmma_commit();
+        wgmma_wait<0>();  // the stage is refilled at the next iteration (a few hundred cycles: the loads are what take time)
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // no tensor-core read or copy into the pipeline's shared memory is left: reuse it
+
+    // Partial tile, transposed: P[m][r] = d of tile row r, batch row m (see the header for the fragments).
+    float *P = reinterpret_cast<float *>(smem);
+    {
+        const int g = lane >> 2, t = lane & 3, r0 = wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+        for (int j = 0; j < B / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) P[(8 * j + 2 * t + (e & 1)) * C::PS + r0 + 8 * (e >> 1)] = d[4 * j + e];
+    }
+    if (KS > 1) cluster_sync();
+    else __syncthreads();
+
+    // Units of 4 outputs: (m, 4 consecutive tile rows) or, for SILU_MUL, (m, 4 gate rows and their 4 up rows).
+    const int per_m = silu ? TR / 8 : TR / 4;
+    for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
+        const int m = u / per_m, q = u % per_m;
+        if (m >= M) break;  // u only grows
+        if (silu) {
+            const int half = N >> 1, r = (q >> 1) * 16 + (q & 1) * 4, j = tile * (TR / 2) + (q >> 1) * 8 + (q & 1) * 4;
+            if (j >= half) continue;
+            const float4 g = sum_ranks<KS>(P + m * C::PS + r), v = sum_ranks<KS>(P + m * C::PS + r + 8);
+            *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + (size_t)m * half + j) =
+                    make_uint2(pack_bf16x2(silu_mul(g.x, v.x), silu_mul(g.y, v.y)),
+                               pack_bf16x2(silu_mul(g.z, v.z), silu_mul(g.w, v.w)));
+        } else {
+            const int n = tile * TR + 4 * q;
+            if (n >= N) continue;
+            store4(out, N, epi, m, n, sum_ranks<KS>(P + m * C::PS + 4 * q));
+        }
+    }
+    if (KS > 1) cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
+}
+
+#else
+template <int B, int WG, int KS>
+__device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int) {
+    pdl_start();
+    __trap();
+}
+#endif
+
+// ============================================================================= kernels
+#define SWAP_KERNEL(B, WG, KS, CLUSTER)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS(        \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi) {                                                                                      \
+        swap_block<B, WG, KS>(x, W, out, M, N, K, epi);                                                     \
+    }
+#define SWAP_SPLITS(B, WG)                                                                                  \
+    SWAP_KERNEL(B, WG, 1, )                                                                                 \
+    SWAP_KERNEL(B, WG, 2, __cluster_dims__(2, 1, 1))                                                        \
+    SWAP_KERNEL(B, WG, 4, __cluster_dims__(4, 1, 1))                                                        \
+    SWAP_KERNEL(B, WG, 8, __cluster_dims__(8, 1, 1))
+// One warpgroup a block only: in the H200 sweep of qwen3-0.6b's and qwen3-4b's layer matrices at M = 16
+// and 64 (session 10), two warpgroups were at best 3-5% faster (0.6b QKV, 4b gate/up and down_proj at
+// M = 64) and often slower; the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
+SWAP_SPLITS(16, 1)
+SWAP_SPLITS(32, 1)
+SWAP_SPLITS(64, 1)
