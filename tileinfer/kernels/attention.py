@@ -1,14 +1,25 @@
 """Launchers for cuda_src/attention.cu: paged causal attention over a BF16 or INT8 cache
-(+ the split-K combine)."""
+(+ the split-K combine), and cuda_src/attention_wg.cu, which takes attention.cu's prefill shape over
+a BF16 cache on Hopper (`kernel_name`)."""
 import math
+import os
 
-from ..cuda import F32, I32, DeviceArray, kernel
+from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 
 HEAD_DIM = 128
 KEY_TILE = 64
 MAX_SPLITS = 128  # attention_combine merges up to one split per thread
 LOG2E = 1.4426950408889634
+# attention_wg.cu: blocks of 128 rows (token, head-in-group: 2 consumer warpgroups x 64) and 384 threads (+ a
+# producer warpgroup), key tiles of 128 positions in a ring of 2 stages. Dynamic shared memory as its
+# WgSmem<2>::TOTAL: Q, the stages' K and V tiles, 4 mbarriers a stage, 1024 bytes of alignment slack (164,928).
+WG_ROWS = 128
+WG_THREADS = 384
+WG_KEY_TILE = 128
+WG_STAGES = 2
+WG_SMEM = WG_ROWS * HEAD_DIM * 2 + 2 * WG_STAGES * WG_KEY_TILE * HEAD_DIM * 2 + 4 * WG_STAGES * 8 + 1024
+WG_MAX_POOL = 1 << 32  # its producer indexes a pool with 32-bit element offsets
 
 
 def rows_per_block(keys_mode: bool) -> int:
@@ -29,6 +40,25 @@ def smem_bytes(int8: bool, keys_mode: bool) -> int:
     return q_bytes + kv + stage
 
 
+def wg_attention_default() -> bool:
+    """Whether attention.cu's prefill shape over a BF16 cache without a split runs attention_wg.cu on
+    Hopper: on, TILEINFER_FA3=0 turns it off (the A/B against attention.cu). Measured on the H200 as
+    an experiment: qwen3-4b prefill of 4,096 tokens 420 -> 512-515 TFLOP/s (attention 29.5 -> 12.2 ms),
+    512 tokens 396 -> 411-414; fa3 vs attention.cu logits on the tiny checkpoint within 0.0174 std."""
+    return os.environ.get("TILEINFER_FA3", "1") != "0"
+
+
+def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str) -> str:
+    """The entry point a launch runs: attention_wg (attention_wg.cu) for the prefill shape over a BF16
+    cache without a key split on Hopper (arch sm_90, compiled as sm_90a: wgmma), unless
+    TILEINFER_FA3=0 or the pool is too large for its 32-bit offsets; otherwise attention.cu's
+    attention / attention_int8, + "_decode" for the decode shape (keys mode)."""
+    if (not int8 and not keys_mode and num_splits == 1 and arch == "sm_90" and pool_elements < WG_MAX_POOL
+            and wg_attention_default()):
+        return "attention_wg"
+    return ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
+
+
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
               cu_q: DeviceArray, kv_lens: DeviceArray, block_tables: DeviceArray, *,
               max_q_len: int, num_splits: int = 1, partials: tuple[DeviceArray, DeviceArray] | None = None,
@@ -40,7 +70,8 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     the grid, and whether the decode shape runs: at most 16 query rows per KV head, unless
     decode_shape=False, which keeps every launch in the prefill shape for batch invariance). With
     num_splits > 1 each sequence's keys are split across blocks, whose results go to `partials`
-    = (part_o [S, T, H, 128] f32, part_ml [S, T, H, 2] f32) and are merged.
+    = (part_o [S, T, H, 128] f32, part_ml [S, T, H, 2] f32) and are merged. On Hopper the prefill
+    shape over a BF16 cache without a split runs attention_wg.cu instead of attention.cu (`kernel_name`).
 
     An INT8 cache (int8 pools) needs `scales` = (k_scale, v_scale) float32 [pages, KV, page_size];
     its queries must already carry the key-smoothing factors if the keys were stored smoothed.
@@ -81,13 +112,18 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         expect("part_ml", part_ml, (num_splits, T, H, 2), FLOAT32)
     group = H // KV
     keys_mode = decode_shape and max_q_len * group <= rows_per_block(True)
-    name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
+    name = kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits,
+                       pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch)
+    args = [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
+            I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
+            F32(LOG2E / math.sqrt(hd))]
+    if name == "attention_wg":
+        # Row tiles of 128 in the grid's y, the KV heads in x (attention.cu has them the other way round).
+        kernel("attention_wg.cu", name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
+                                               stream, smem=WG_SMEM)
+        return
     grid = (cdiv(max_q_len * group, rows_per_block(keys_mode)), KV, B * num_splits)
-    scale_log2 = LOG2E / math.sqrt(hd)
-    kernel("attention.cu", name).launch(
-        grid, (128,), [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
-                       I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
-                       F32(scale_log2)], stream, smem=smem_bytes(int8, keys_mode))
+    kernel("attention.cu", name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys_mode))
     if num_splits > 1:
         kernel("attention.cu", "attention_combine").launch(
             (T, H), (128,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)

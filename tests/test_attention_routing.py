@@ -1,0 +1,55 @@
+"""Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.attention.kernel_name),
+and that its launch constants for cuda_src/attention_wg.cu match the kernel's own. CPU only."""
+import pytest
+
+from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.kernels.attention import (WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name,
+                                         wg_attention_default)
+
+SMALL_POOL = 1000 * 8 * 16 * 128  # pages x KV heads x page size x head_dim
+
+
+def name(*, int8=False, keys_mode=False, num_splits=1, pool_elements=SMALL_POOL, arch="sm_90") -> str:
+    return kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits, pool_elements=pool_elements, arch=arch)
+
+
+@pytest.fixture(autouse=True)
+def default_switch(monkeypatch):
+    monkeypatch.delenv("TILEINFER_FA3", raising=False)
+
+
+def test_hopper_prefill_over_bf16_without_a_split_takes_attention_wg():
+    assert name() == "attention_wg"
+
+
+@pytest.mark.parametrize("value, want", [("0", "attention"), ("1", "attention_wg"), ("", "attention_wg")])
+def test_tileinfer_fa3_zero_keeps_attention_cu(monkeypatch, value, want):
+    monkeypatch.setenv("TILEINFER_FA3", value)
+    assert name() == want
+    assert wg_attention_default() == (want == "attention_wg")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100", "sm_120"])
+def test_other_gpus_keep_attention_cu(arch):
+    assert name(arch=arch) == "attention"
+    assert name(arch=arch, keys_mode=True) == "attention_decode"
+
+
+def test_everything_else_stays_on_attention_cu():
+    assert name(keys_mode=True) == "attention_decode"
+    assert name(keys_mode=True, num_splits=4) == "attention_decode"
+    assert name(num_splits=2) == "attention"                       # a split prefill-shaped launch
+    assert name(int8=True) == "attention_int8"
+    assert name(int8=True, keys_mode=True) == "attention_int8_decode"
+    assert name(pool_elements=1 << 32) == "attention"               # past attention_wg's 32-bit offsets
+    assert name(pool_elements=(1 << 32) - 128) == "attention_wg"
+
+
+def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
+    # The launcher's block size, rows per block, key tile and dynamic shared memory are attention_wg.cu's.
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    source = (f'#include "attention_wg.cu"\n'
+              f'static_assert(THREADS == {WG_THREADS} && ROWS == {WG_ROWS} && KT == {WG_KEY_TILE}, "shape");\n'
+              f'static_assert(WgSmem<{WG_STAGES}>::TOTAL == {WG_SMEM}, "shared memory");\n')
+    compile_source("attention_wg_constants.cu", source, "sm_90a", None, cuda_src_dir())
+    assert WG_SMEM <= 227 * 1024  # the opt-in maximum a block may have on Hopper
