@@ -63,7 +63,7 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
 
     def single(args, name, cfg, path, kv="bf16", peer=True):
         calls.append((name, args.context, kv, args.prefill, bool(peer and args.peer)))
-        prefill = [dict(matmul_fraction=0.4, TFLOP_s=316.0, profile=prof("gemm_e2") if args.profile else None)] \
+        prefill = [dict(matmul_fraction=0.4, TFLOP_s=316.0, profile=prof("gemm_tma_e2") if args.profile else None)] \
             if args.prefill else []
         ablation = dict(step_ms=2.9, groups=[dict(group=f"QKV {name} {args.context} {kv}", launches=36, us=480.0,
                                                   bytes=1.1e9, bound_us=263.0, GB_s=2370.0)])
@@ -101,12 +101,12 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     assert "not measured" not in g.goals_table(values)
     # --profile: the single-sequence cases carry their profiles, listed under the table in GOALS order
     md = g.profiles_md(values)
-    assert md.index("gemv qwen3-0.6b 512 bf16") < md.index("gemv qwen3-8b 512 bf16") < md.index("gemm_e2")
+    assert md.index("gemv qwen3-0.6b 512 bf16") < md.index("gemv qwen3-8b 512 bf16") < md.index("gemm_tma_e2")
     assert "gemv qwen3-4b 32768 int8" in md and "| attention_decode | 36 | 50.0 | 33.3% | - | - |" in md
     # ... the batch-64 step's profile, and each batch-1 case's in-graph cost per kernel group
-    assert md.index("gemv qwen3-4b 32768 int8") < md.index("gemm_small b64") < md.index("gemm_e2")
+    assert md.index("gemv qwen3-4b 32768 int8") < md.index("gemm_small b64") < md.index("gemm_tma_e2")
     assert "| QKV qwen3-8b 512 bf16 | 36 | 480.0 | 13.33 | 263.0 | 2370 |" in md
-    assert md.index("gemm_small b64") < md.index("matrix products b64") < md.index("gemm_e2")
+    assert md.index("gemm_small b64") < md.index("matrix products b64") < md.index("gemm_tma_e2")
     assert g.profiles_md({}) == ""
 
 

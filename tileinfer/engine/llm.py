@@ -28,8 +28,8 @@ accepted prefix plus one token of the target's: under greedy the target's argmax
 (token for token what plain decoding gives when batch_invariant; otherwise kernels of other shapes
 may break near-ties differently), under sampling by rejection sampling, so the tokens follow the
 target's distribution (engine/spec_batch.py). Steps are then not pipelined, and the verify step
-runs eagerly (with TILEINFER_VERIFY_GRAPHS=1 it replays a graph per batch bucket and k, not yet
-run on a GPU). The target's logits workspace holds max_num_seqs x (k + 1) rows for the
+runs eagerly (with TILEINFER_VERIFY_GRAPHS=1 it replays a graph per batch bucket and k: GPU-tested,
+not yet benchmarked). The target's logits workspace holds max_num_seqs x (k + 1) rows for the
 verify step (float32 over the vocabulary: 0.78 GB for 256 sequences and k = 4).
 """
 from __future__ import annotations
@@ -201,7 +201,7 @@ class LLM:
         self.model: Model | None = None
         self.num_draft_tokens = num_draft_tokens if draft_model is not None else 0
         # Verify steps replaying a graph per (batch bucket, k) (Model.verify's graph_width): off until
-        # it has run on a GPU; TILEINFER_VERIFY_GRAPHS=1 turns it on.
+        # benchmarked (its GPU tests pass); TILEINFER_VERIFY_GRAPHS=1 turns it on.
         self._verify_graphs = os.environ.get("TILEINFER_VERIFY_GRAPHS", "0") == "1"
         self.draft: Model | None = None           # the draft model (speculative decoding), on its own cache
         self.drafter: DraftRunner | None = None

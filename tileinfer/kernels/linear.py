@@ -15,13 +15,15 @@ Which kernel (`default_path`), from scripts/bench_gemm_small.py and A/B runs on 
     16.5 vs 17.2 us, o_proj 14.7 vs 17.2, down_proj 34.6 vs 41.4 with 8 loads per k-block; qwen3-4b
     gate/up 33.9 vs 35.5) and lost on qwen3-8b's gate/up (N = 24576: 59.6 vs 57.0) and on the narrower
     o_proj and down_proj of the smaller models.
-  - 9 <= M <= 64: the swap-AB GEMM (every weight byte read once for all rows; swap_config). Against the
-    small GEMM in the engine (session 10, one call): qwen3-0.6b batch 16 10,747 -> 11,675 tok/s, batch
-    64 26,409 -> 27,313; qwen3-4b batch 64 10,449 -> 12,244.
+  - 9 <= M <= 64: the swap-AB GEMM (every weight byte read once for all rows; swap_config). Engine
+    tok/s in total, the small GEMM before -> this (H200, session 10): qwen3-0.6b batch 16 10,747 ->
+    11,395, batch 64 26,409 -> 28,028; qwen3-4b batch 16 4,119 -> 4,455, batch 32 7,081 -> 7,742,
+    batch 64 10,449 -> 12,168.
   - The rest of M <= 8 (the narrower matrices, qwen3-8b's gate/up): the small GEMM.
   - Everything else takes gemm_tma.cu, split along K by a cluster of blocks when its tiles are too few
-    for the SMs (tma_plan). Against the small GEMM at 65-256 rows (session 10, one call): qwen3-4b batch
-    128 14,972 -> 17,789 tok/s, batch 256 18,101 -> 22,341; qwen3-0.6b batch 128 32,873 -> 34,088.
+    for the SMs (tma_plan). Against the small GEMM and the unsplit kernel (same session): qwen3-4b
+    batch 128 14,972 -> 18,671, batch 256 18,101 -> 22,012; qwen3-0.6b batch 128 32,873 -> 34,085,
+    batch 256 42,544 -> 42,616.
 """
 import os
 from dataclasses import dataclass
@@ -303,8 +305,8 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
     """The gemm_swap.cu launch for x [M, K] @ W [N, K]^T, M <= 64. Blocks per cluster: the fewest
     (1, 2, 4, 8) whose grid reaches SWAP_WAVE of the SMs, while each block keeps two k-chunks. Fitted to
     the H200 sweep of qwen3-0.6b's and qwen3-4b's layer matrices at M = 16 and 64 (session 10, us per
-    call, one warpgroup a block): the rule's choice was the fastest split in 13 of 16 cases and within
-    4% in two more (0.6b gate/up at M = 16 took 5.9 us with 2 splits against 5.3 with none); e.g.
+    call, one warpgroup a block): the rule's choice was the fastest split in 14 of 16 cases; at M = 16
+    qwen3-0.6b's o_proj took 3.9 us (split 8) against 3.7 (split 4), its gate/up 5.8 (2) against 5.3 (1); e.g.
     qwen3-4b at M = 16: QKV 9.7 (the small GEMM 11.9), o_proj 7.9 (10.0), gate/up 30.8 (36.0),
     down_proj 16.3 (18.1). `ksplit` overrides."""
     if not 0 <= M <= SWAP_BATCHES[-1]:
