@@ -70,6 +70,7 @@
 // sends those to attention.cu; num_splits != 1 traps here. Only sm_90a has wgmma / setmaxnreg: a
 // plain sm_90 build (and any other arch) gets a body that traps.
 #include "common.cuh"
+#include "mbarrier.cuh"
 #include "wgmma.cuh"
 
 #define HD 128
@@ -102,28 +103,8 @@ template <bool B> struct Flag { static constexpr bool value = B; };  // a compil
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ----------------------------------------------------------------------------- mbarriers, named barriers
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ void mbar_fence_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.b32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-// Until the phase of parity `parity` has completed (for a fresh barrier parity 1 counts as completed).
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 // One arrival on `bar` once every cp.async this thread issued so far has landed (counted in the
 // barrier's expected arrivals: .noinc).

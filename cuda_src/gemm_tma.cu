@@ -87,6 +87,7 @@
 // wgmma, TMA and setmaxnreg exist only on sm_90a: load_module compiles for it on
 // Hopper; a plain sm_90 build (which test_compile also checks) gets kernels that trap.
 #include "cluster.cuh"
+#include "mbarrier.cuh"
 #include "wgmma.cuh"
 
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
@@ -118,31 +119,11 @@ __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ----------------------------------------------------------------------------- mbarriers, TMA
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
 // Makes the initialized barriers visible to the other threads and to the async proxy (TMA); a
 // __syncthreads follows.
 __device__ __forceinline__ void mbar_fence_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.b32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-// Until the phase of parity `parity` has completed (for a fresh barrier parity 1 counts as completed).
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
@@ -173,8 +154,8 @@ __device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
-// A split-K output pair of the plain epilogues: columns (col, col + 1) of `row` (col even, N % 8 == 0), as
-// the persistent kernel's epilogue stores them.
+// An output pair of the plain epilogues (the persistent kernel's and the split-K one's): columns (col, col + 1)
+// of `row` (col even, N % 8 == 0).
 template <int EPI>
 __device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int row, int col, float2 v) {
     const size_t at = (size_t)row * N + col;
@@ -421,17 +402,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                 for (int h = 0; h < 2; ++h) {
                     const int row = row_base + 8 * h;
                     if (row >= M || col >= N) continue;
-                    const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-                    const size_t at = (size_t)row * N + col;
-                    if (EPI == EPI_BF16) {
-                        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + at) = pack_bf16x2(v0, v1);
-                    } else if (EPI == EPI_RESIDUAL) {
-                        float2 *o = reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at);
-                        const float2 r = *o;
-                        *o = make_float2(r.x + v0, r.y + v1);
-                    } else {
-                        *reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at) = make_float2(v0, v1);
-                    }
+                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
                 }
             }
         }
