@@ -5,8 +5,11 @@
 
 For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul, down residual, LM head
 f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per call, the
-bytes a decode step must read) for the default path (the 128x128 GEMM at these M, the GEMV at M <= 8) and
+bytes a decode step must read) for the default path (linear.default_path: the GEMVs, the swap-AB, small or
+TMA GEMM) and
 for linear(force="small") with the split small_gemm_config picks; --sweep also times every cluster split.
+--swap also times the swap-AB GEMM (force="swap") at M <= 64 with the split swap_config picks and with
+every split (the sweep its rule was fitted to; e.g. --m 5 --models qwen3-8b --tc --swap for verify steps).
 
 Timing: a Python launch costs ~9 us (GPU.md), more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
@@ -28,7 +31,8 @@ import numpy as np
 from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
-from tileinfer.kernels.linear import GEMV_ROWS, SMALL_ROWS, TC_MAX_ROWS, default_path, SMALL_SPLITS, small_gemm_config
+from tileinfer.kernels.linear import (GEMV_ROWS, SMALL_ROWS, SMALL_SPLITS, SWAP_BATCHES, SWAP_SPLITS, TC_MAX_ROWS,
+                                      default_path, small_gemm_config, swap_config)
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12  # measured read bandwidth of the H200 (../shared/GPU.md)
@@ -81,6 +85,8 @@ def main() -> None:
     ap.add_argument("--sweep-rows", action="store_true", help="also time every (M tile, split) pair")
     ap.add_argument("--gemv", action="store_true", help="also time the GEMV (force='gemv') where M <= 8")
     ap.add_argument("--tc", action="store_true", help="also time the tensor-core GEMV (force='tc') where M <= 16")
+    ap.add_argument("--swap", action="store_true", help="also time the swap-AB GEMM (force='swap'), its own "
+                    "split and every split, where M <= 64")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--graph-bytes", type=float, default=4e9, help="weight bytes one graph replay reads")
@@ -127,11 +133,20 @@ def main() -> None:
                     if args.tc and M <= TC_MAX_ROWS:
                         t_tc = time_calls(case, M, stream, calls, args.replays, force="tc")
                         print(f"  tc {model} {matrix} M={M}: {t_tc:.1f} us, {gbs(t_tc):.0f} GB/s", flush=True)
+                    swap = {}
+                    if args.swap and M <= SWAP_BATCHES[-1]:
+                        picked = swap_config(M, N, K, epilogue, sms=info.num_sms).ksplit
+                        swap = {ks: time_calls(case, M, stream, calls, args.replays, force="swap", ksplit=ks)
+                                for ks in SWAP_SPLITS}
+                        print(f"  swap {model} {matrix} M={M}: split {picked} (the rule's) {swap[picked]:.1f} us, "
+                              f"{gbs(swap[picked]):.0f} GB/s; every split: "
+                              + ", ".join(f"{ks}: {us:.1f}" for ks, us in swap.items()), flush=True)
                     row = dict(model=model, matrix=matrix, N=N, K=K, epilogue=epilogue, M=M, default=default,
                                default_us=t_default, default_GB_s=gbs(t_default), small_rows=cfg.rows,
                                small_ksplit=cfg.ksplit, small_grid=cfg.grid, small_us=t_small,
                                small_GB_s=gbs(t_small), roofline_fraction=gbs(t_small) * 1e9 / ROOFLINE_BYTES_PER_S,
                                speedup=t_default / t_small, gemv_us=t_gemv, tc_us=t_tc, sweep_us={str(k): v for k, v in sweep.items()},
+                               swap_us={str(k): v for k, v in swap.items()},
                                calls_per_graph=calls, weight_copies=len(case.weights))
                     rows.append(row)
                     line = (f"| {model} | {matrix} | {N} x {K} | {epilogue} | {M} | {default} | {t_default:.1f} "
