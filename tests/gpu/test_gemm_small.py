@@ -23,7 +23,7 @@ from tileinfer.cuda import get_device
 from tileinfer.cuda.compiler import compile_file, cuda_src_dir
 from tileinfer.kernels import linear
 from tileinfer.kernels.linear import (SMALL_BK, SMALL_BN, SMALL_GEMM_SMEM, SMALL_ROWS, SMALL_SPLITS, SMALL_WARPS,
-                                      small_gemm_config)
+                                      small_gemm_config, swap_config)
 
 from gpu_helpers import POISON, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f64  # noqa: E402
 
@@ -62,10 +62,11 @@ def assert_close(got, ref, *, atol: float, rtol: float, rel_norm: float, label: 
 
 
 def run_small(buf, stream, M: int, N: int, K: int, epilogue: str, ksplit: int | None = None,
-              w: np.ndarray | None = None, repeats: int = 1):
-    """Launch linear(force="small") `repeats` times from the same inputs; returns (outputs, reference, label,
-    dot_scale, the bytes of the guard rows as they went in). Each output is the [M + GUARD, cols] buffer read back."""
-    rng = np.random.default_rng(seed_of("gemm_small", M, N, K, epilogue, ksplit))
+              w: np.ndarray | None = None, repeats: int = 1, path: str = "small"):
+    """Launch linear(force=path) `repeats` times from the same inputs; returns (outputs, reference, label,
+    dot_scale, the bytes of the guard rows as they went in). Each output is the [M + GUARD, cols] buffer read
+    back. `path`: "small" (gemm_small.cu) or "swap" (gemm_swap.cu, tests/gpu/test_gemm_swap.py)."""
+    rng = np.random.default_rng(seed_of(f"gemm_{path}", M, N, K, epilogue, ksplit))
     w = linear_weight(N, K) if w is None else w
     x = rand_bf16(rng, (M, K))
     acc = matmul_ref(x, w)  # [M, N] float64
@@ -86,17 +87,19 @@ def run_small(buf, stream, M: int, N: int, K: int, epilogue: str, ksplit: int | 
     for _ in range(repeats):
         # out += x W^T cannot be poisoned: an unwritten element keeps `old` and fails the comparison.
         out = buf.upload(old) if old is not None else buf.poisoned((M + GUARD, cols), dtype)
-        linear(xd, wd, out.rows(0, M), epilogue, stream, force="small", ksplit=ksplit)
+        linear(xd, wd, out.rows(0, M), epilogue, stream, force=path, ksplit=ksplit)
         outs.append(out.to_host(stream))
     guard = old[M:].tobytes() if old is not None else bytes([POISON]) * (GUARD * cols * dtype.itemsize)
-    cfg = small_gemm_config(M, N, K, ksplit=ksplit, sms=get_device().info.num_sms)  # as linear() picks it
-    label = f"gemm_small {epilogue} M={M} N={N} K={K} ({cfg.kernel_name}, grid {cfg.grid})"
+    sms = get_device().info.num_sms  # the launch as linear() picks it
+    cfg = (small_gemm_config(M, N, K, ksplit=ksplit, sms=sms) if path == "small"
+           else swap_config(M, N, K, epilogue, ksplit=ksplit, sms=sms))
+    label = f"gemm_{path} {epilogue} M={M} N={N} K={K} ({cfg.kernel_name}, grid {cfg.grid})"
     return outs, ref, label, dot_scale, guard
 
 
 def check_small(buf, stream, M: int, N: int, K: int, epilogue: str, ksplit: int | None = None,
-                w: np.ndarray | None = None) -> None:
-    (got,), ref, label, dot_scale, guard = run_small(buf, stream, M, N, K, epilogue, ksplit, w)
+                w: np.ndarray | None = None, path: str = "small") -> None:
+    (got,), ref, label, dot_scale, guard = run_small(buf, stream, M, N, K, epilogue, ksplit, w, path=path)
     assert got[M:].tobytes() == guard, f"{label}: the kernel wrote past row M into the guard rows"
     got = got[:M]
     if epilogue in ("bf16", "silu_mul"):

@@ -1,74 +1,25 @@
 """cuda_src/gemm_swap.cu (linear's "swap" path: the swap-AB wgmma weight-streaming GEMM of batches of
-9-64 rows) against the float64 numpy reference. Conventions as test_gemm_small.py: bf16 inputs from fixed
-per-case seeds, outputs poisoned first (NaN) with GUARD rows past M that the kernel does not get (a view of
-the first M rows) and that must come back byte for byte."""
+9-64 rows) against the float64 numpy reference, with test_gemm_small.py's harness (linear(force="swap")):
+bf16 inputs from fixed per-case seeds, outputs poisoned first (NaN) with guard rows past M that the kernel
+does not get (a view of the first M rows) and that must come back byte for byte."""
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
-import numpy as np
 import pytest
 
-from tileinfer.kernels import linear
-from tileinfer.kernels.linear import SWAP_SPLITS, swap_config
+from tileinfer.kernels.linear import SWAP_SPLITS
 
-from gpu_helpers import POISON, linear_weight, matmul_ref, rand_bf16, rms, seed_of  # noqa: E402
-from test_kernels import BF16, F32, assert_close  # noqa: E402
+from gpu_helpers import linear_weight  # noqa: E402
+from test_gemm_small import EPILOGUES, check_small, run_small  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-GUARD = 3
-EPILOGUES = ("bf16", "residual", "silu_mul", "f32")
 
 _weight = lru_cache(maxsize=2)(linear_weight)  # consecutive cases share W (the largest is 311 MB)
 
 
-@lru_cache(maxsize=4)
-def case_data(M: int, N: int, K: int, epilogue: str):
-    """x, w, the float64 reference, the old residual stream (M + GUARD rows) or None, the dot-product scale."""
-    rng = np.random.default_rng(seed_of("swap", M, N, K, epilogue))
-    w = _weight(N, K)
-    x = rand_bf16(rng, (M, K))
-    acc = matmul_ref(x, w)
-    dot_scale = math.sqrt(K) * rms(x) * rms(w)
-    old = None
-    if epilogue == "silu_mul":
-        gate, up = acc[:, :N // 2], acc[:, N // 2:]
-        ref = gate / (1.0 + np.exp(-gate)) * up
-    elif epilogue == "residual":
-        old = rng.standard_normal((M + GUARD, N), dtype=np.float32) * np.float32(max(dot_scale, 1e-3))
-        ref = old[:M].astype(np.float64) + acc
-    else:
-        ref = acc
-    return x, w, ref, old, dot_scale
-
-
-def run_swap(buf, stream, M, N, K, epilogue, ksplit=None, repeats=1):
-    """Launch `repeats` times from the same inputs; returns (outputs [M + GUARD, cols], ref, label, dot_scale, guard)."""
-    x, w, ref, old, dot_scale = case_data(M, N, K, epilogue)
-    cols = N // 2 if epilogue == "silu_mul" else N
-    dtype = F32 if epilogue in ("residual", "f32") else BF16
-    xd, wd = buf.upload(x), buf.upload(w)
-    outs = []
-    for _ in range(repeats):
-        out = buf.upload(old) if old is not None else buf.poisoned((M + GUARD, cols), dtype)
-        linear(xd, wd, out.rows(0, M), epilogue, stream, force="swap", ksplit=ksplit)
-        outs.append(out.to_host(stream))
-    guard = old[M:].tobytes() if old is not None else bytes([POISON]) * (GUARD * cols * dtype.itemsize)
-    cfg = swap_config(M, N, K, epilogue, ksplit=ksplit)
-    label = f"swap {epilogue} M={M} N={N} K={K} ({cfg.kernel_name}, grid {cfg.grid}, asked ksplit={ksplit})"
-    return outs, ref, label, dot_scale, guard
-
-
 def check_swap(buf, stream, M, N, K, epilogue, ksplit=None) -> None:
-    (got,), ref, label, dot_scale, guard = run_swap(buf, stream, M, N, K, epilogue, ksplit)
-    assert got[M:].tobytes() == guard, f"{label}: the kernel wrote past row M into the guard rows"
-    got = got[:M]
-    if epilogue in ("bf16", "silu_mul"):
-        assert_close(got, ref, atol=2e-3 * max(rms(ref), 1e-6), rtol=1e-2, rel_norm=1e-2, label=label)
-    else:
-        assert_close(got, ref, atol=3e-4 * dot_scale, rtol=1e-5, rel_norm=1e-4, label=label)
+    check_small(buf, stream, M, N, K, epilogue, ksplit, w=_weight(N, K), path="swap")
 
 
 # Awkward shapes: N a multiple of 8 but not of 64 (N = 8: one partial tile; 136 and 264: a tile of 8 rows;
@@ -115,6 +66,7 @@ def test_swap_lm_head(M, buf, stream):
 def test_swap_is_deterministic(epilogue, ksplit, buf, stream):
     # Cluster partials meet in rank order: the same inputs give the same bits, run after run.
     N, K = (1024, 3072) if epilogue == "residual" else (6144, 1024)
-    outs, _, label, _, _ = run_swap(buf, stream, 64, N, K, epilogue, ksplit=ksplit, repeats=3)
+    outs, _, label, _, _ = run_small(buf, stream, 64, N, K, epilogue, ksplit=ksplit, w=_weight(N, K), repeats=3,
+                                     path="swap")
     for i, other in enumerate(outs[1:], 1):
         assert other.tobytes() == outs[0].tobytes(), f"{label}: run {i} differs from run 0"

@@ -188,13 +188,16 @@ def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
     return cdiv(M, TMA_BM) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
 
 
+def tma_kstep_cost(width: int) -> float:
+    """One k-step (64 deep) of a 128 x `width` tile, in k-steps of a 128 x 128 tile."""
+    return 2 * TMA_WIDE_COST if width == 256 else 1.0
+
+
 def tma_width(M: int, N: int, silu: bool, sms: int = 132) -> int:
     """gemm_tma.cu's tile width: 256 or 128, whichever gives fewer (rounds of tiles per SM) x (a tile's
     cost), 256 on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
     (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128."""
-    def cost(width: int) -> float:
-        return cdiv(tma_tiles(M, N, silu, width), sms) * width * (TMA_WIDE_COST if width == 256 else 1.0)
-    return min(TMA_WIDTHS, key=cost)
+    return min(TMA_WIDTHS, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
 
 
 # tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a split block's
@@ -207,11 +210,11 @@ TMA_SPLIT_MARGIN = 0.9
 TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 
 
-def tma_split_cost(M: int, N: int, K: int, silu: bool, width: int, split: int) -> float:
+def tma_split_cost(K: int, width: int, split: int) -> float:
     """Estimated time of one split launch that fits in one wave: a block's share of the k-steps, its
     fill and its share of the reduction."""
-    unit = 2 * TMA_WIDE_COST if width == 256 else 1.0
-    return cdiv(cdiv(K, TMA_BK), split) * unit + TMA_SPLIT_FILL + TMA_SPLIT_REDUCE * split * width / 128
+    return (cdiv(cdiv(K, TMA_BK), split) * tma_kstep_cost(width) + TMA_SPLIT_FILL
+            + TMA_SPLIT_REDUCE * split * width / 128)
 
 
 def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]) -> tuple[int, int]:
@@ -223,15 +226,15 @@ def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]
     where the persistent kernel took ~63 (H200, session 10); within one wave the splits won (prefill
     of 256 tokens 209 -> 254 TFLOP/s; batch 256 decode above)."""
     width = tma_width(M, N, silu, sms)
-    unit = 2 * TMA_WIDE_COST if width == 256 else 1.0
-    best = (cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * unit + TMA_SPLIT_FILL, width, 1)
+    best = (cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL,
+            width, 1)
     unsplit = best[0]
     for split in TMA_SPLITS:
         if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
             continue
         for w in TMA_WIDTHS:
             if tma_tiles(M, N, silu, w) * split <= slots.get(split, 0):
-                c = tma_split_cost(M, N, K, silu, w, split)
+                c = tma_split_cost(K, w, split)
                 if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
                     best = (c, w, split)
     return best[1], best[2]
@@ -273,15 +276,11 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
         width, split = tma_plan(M, N, K, silu, sms, cluster_slots())
     width = width or tma_width(M, N, silu, sms)
     split = split or 1
+    if split > 1 and blocks is not None:
+        raise ValueError("gemm: `blocks` caps the persistent (unsplit) kernel only")
     tiles = tma_tiles(M, N, silu, width)
-    if split == 1:
-        grid = min(tiles, blocks or sms)
-        name = f"gemm_tma{'_n128' if width == 128 else ''}_e{epi}"
-    else:
-        if blocks is not None:
-            raise ValueError("gemm: `blocks` caps the persistent (unsplit) kernel only")
-        grid = tiles * split
-        name = f"gemm_tma{'_n128' if width == 128 else ''}_s{split}_e{epi}"
+    grid = min(tiles, blocks or sms) if split == 1 else tiles * split
+    name = f"gemm_tma{'_n128' if width == 128 else ''}{f'_s{split}' if split > 1 else ''}_e{epi}"
     kernel("gemm_tma.cu", name).launch(
         (grid,), (TMA_THREADS,),
         [x, w, out, I32(M), I32(N), I32(K), bf16_tensor_map(x.ptr, M, K, TMA_BM),
