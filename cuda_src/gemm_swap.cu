@@ -1,12 +1,14 @@
-// Batched-decode matrix products (M <= 64 rows) as a "swap-AB" weight-streaming GEMM on Hopper's
-// warpgroup tensor-core instructions (wgmma, sm_90a): every weight byte is read once for all rows.
+// Batched-decode and verify matrix products (3 <= M <= 64 rows by default) as a "swap-AB"
+// weight-streaming GEMM on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a): every weight
+// byte is read once for all rows.
 //
 // out[m, n] = epilogue(sum_k x[m, k] * W[n, k]); x: [M, K] bf16 activations, M <= 64; W: [N, K] bf16
 // weights (Hugging Face [out, in]); K % 8 == 0, N % 8 == 0.
 //
 // Why swap: at M <= 64 a decode step is bound by HBM (every weight read once, ~M flops per byte).
-// gemm_small.cu tiles M by 32 rows, so at M = 64 each weight tile is read by two M tiles. Here the
-// tensor cores compute the transpose D[n, m] = sum_k W[n, k] x[m, k] with wgmma.m64nBk16: the wgmma
+// A GEMM that tiles M by 32 rows (the deleted gemm_small.cu) reads each weight tile twice at M = 64;
+// a GEMV's CUDA cores stop keeping up with HBM past a few rows. Here the tensor cores compute the
+// transpose D[n, m] = sum_k W[n, k] x[m, k] with wgmma.m64nBk16: the wgmma
 // "A" operand (64 rows x 16 k) is a 64-row slice of W, the "B" operand (B x 16) is the whole batch,
 // B = 16, 32 or 64 >= M (rows of x past M are zero-filled in shared memory and never stored).
 //
@@ -42,7 +44,7 @@
 // (g = lane / 4, t = lane % 4); d[4 j + e] is row 16 w + g + 8 (e >> 1), column (batch row m)
 // 8 j + 2 t + (e & 1): the same as gemm_tma.cu's accumulators, with rows = weight rows and columns = batch.
 //
-// Epilogues as in gemm_tma.cu / gemm_small.cu: 0 bf16 out [M, N]; 1 float32 out [M, N] += result (the
+// Epilogues as in gemm_tma.cu: 0 bf16 out [M, N]; 1 float32 out [M, N] += result (the
 // residual stream); 2 SiLU(gate) * up with W = [gate; up] (N = 2 I, out [M, I] bf16); 3 float32 out.
 // For SILU_MUL each 16-row slab s of a tile holds gate rows j .. j + 7 in its rows 0-7 and up rows
 // j .. j + 7 in rows 8-15 (j = tile * TR / 2 + 8 s), so D rows g and g + 8 of a warp pair up; the
@@ -50,8 +52,8 @@
 //
 // Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi): grid (KS, tiles), block 128 * WG,
 // dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py computes the same numbers);
-// tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (as in
-// gemm_small.cu: 12 kernels, not 48; only WG = 1 is built, see the end of the file).
+// tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (12
+// kernels, not 48; only WG = 1 is built, see the end of the file).
 //
 // wgmma exists only on sm_90a: a plain sm_90 build (which test_compile also checks) gets kernels
 // that trap.

@@ -76,7 +76,7 @@
 //   3. block `rank` takes the tile's 8-column blocks u = rank, rank + KS, ... (SILU_MUL: 8-output blocks,
 //      gate block u with its up block u + BN/16, so SiLU sees the fully summed gate and up), and each
 //      consumer thread loads those of its own pairs from the KS blocks' shared memory (mapa +
-//      ld.shared::cluster, as gemm_small.cu), sums them rank 0 first (the same order whichever block
+//      ld.shared::cluster, as gemm_swap.cu), sums them rank 0 first (the same order whichever block
 //      sums: deterministic, no atomics, no workspace), and runs the epilogue on them: every output
 //      element is stored (or, residual, added to `out`) by exactly one block, once;
 //   4. a second cluster barrier: no block exits (freeing its shared memory) while another reads it.

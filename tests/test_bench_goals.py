@@ -76,7 +76,7 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
         calls.append((name, "engine", args.batches, args.offline))
         return dict(batch_decode=[dict(batch=64, context=512, new=128, decode_tok_s=26000.0,
                                        peer=dict(decode_tok_s_total=21000.0),
-                                       profile=prof("gemm_small b64") if args.profile else None,
+                                       profile=prof("gemm_swap b64") if args.profile else None,
                                        ablation=dict(step_ms=2.4, groups=[dict(
                                            group="matrix products b64", launches=113, us=900.0, bytes=1.19e9,
                                            bound_us=277.0, GB_s=1322.0)]) if args.ablate else None)],
@@ -104,9 +104,9 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     assert md.index("gemv qwen3-0.6b 512 bf16") < md.index("gemv qwen3-8b 512 bf16") < md.index("gemm_tma_e2")
     assert "gemv qwen3-4b 32768 int8" in md and "| attention_decode | 36 | 50.0 | 33.3% | - | - |" in md
     # ... the batch-64 step's profile, and each batch-1 case's in-graph cost per kernel group
-    assert md.index("gemv qwen3-4b 32768 int8") < md.index("gemm_small b64") < md.index("gemm_tma_e2")
+    assert md.index("gemv qwen3-4b 32768 int8") < md.index("gemm_swap b64") < md.index("gemm_tma_e2")
     assert "| QKV qwen3-8b 512 bf16 | 36 | 480.0 | 13.33 | 263.0 | 2370 |" in md
-    assert md.index("gemm_small b64") < md.index("matrix products b64") < md.index("gemm_tma_e2")
+    assert md.index("gemm_swap b64") < md.index("matrix products b64") < md.index("gemm_tma_e2")
     assert g.profiles_md({}) == ""
 
 

@@ -33,8 +33,6 @@ ENTRY_POINTS = {
     "attention.cu": ["attention", "attention_combine"],
     "attention_wg.cu": ["attention_wg"],
     "sampling.cu": ["argmax_rows", "sample_rows", "apply_penalties"],
-    "gemm_small.cu": [f"gemm_small_m{r}_c{k}" for r in (16, 32, 64) for k in (1, 2, 4, 8)],
-    "gemv_tc.cu": [f"gemv_tc_m{r}_l{n}_e{e}" for r in (8, 16) for n in (4, 8) for e in range(4)],
 }
 
 # A small source that includes our header, so header changes must reach the key.

@@ -23,24 +23,14 @@ def test_one_or_two_rows_take_the_gemv(M):
         assert default_path(M, n) == "gemv"
 
 
-def test_verify_sized_batches_split_between_tensor_core_gemv_and_small_gemm():
-    # M = 5 (a k = 4 verify step): layer matrices 4096-20480 wide on the tensor-core GEMV; narrower and
-    # wider ones (qwen3-8b's gate/up) and the LM head on the small GEMM.
-    want = {"qwen3-8b": {"qkv": "tc", "o": "tc", "gate_up": "small", "down": "tc", "lm_head": "small"},
-            "qwen3-4b": {"qkv": "tc", "o": "small", "gate_up": "tc", "down": "small", "lm_head": "small"},
-            "qwen3-0.6b": {"qkv": "tc", "o": "small", "gate_up": "tc", "down": "small", "lm_head": "small"}}
-    for model, paths in want.items():
-        got = {m: default_path(5, n) for m, n in layer_matrices(model).items()}
-        assert got == paths, model
-
-
-@pytest.mark.parametrize("M", [9, 16, 33, 64])
-def test_batches_of_9_to_64_take_the_swap_gemm(M):
+@pytest.mark.parametrize("M", [3, 5, 8, 9, 16, 33, 64])
+def test_batches_and_verify_steps_of_3_to_64_rows_take_the_swap_gemm(M):
+    # M = 5 is a k = 4 verify step; every matrix, the LM head included.
     for model in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b"):
         assert {default_path(M, n) for n in layer_matrices(model).values()} == {"swap"}, model
 
 
-@pytest.mark.parametrize("M", [65, 128, 256, 4096])
+@pytest.mark.parametrize("M", [0, 65, 128, 256, 4096])
 def test_batches_past_64_and_prefill_take_the_tma_gemm(M):
     for model in ("qwen3-0.6b", "qwen3-4b"):
         assert {default_path(M, n) for n in layer_matrices(model).values()} == {"gemm"}, model

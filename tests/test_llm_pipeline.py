@@ -163,7 +163,7 @@ def test_a_gpu_error_stops_the_engine_with_a_clear_message():
     real_collect = llm.model.collect
 
     def failing_collect(slot, n):
-        raise CudaError("cuEventSynchronize", "CUDA_ERROR_ILLEGAL_ADDRESS", "in kernel gemm_small_m32_c4")
+        raise CudaError("cuEventSynchronize", "CUDA_ERROR_ILLEGAL_ADDRESS", "in kernel gemm_swap_b32_w1_c4")
 
     llm.model.collect = failing_collect
     with pytest.raises(CudaError):

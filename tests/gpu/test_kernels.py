@@ -186,15 +186,6 @@ GEMM_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}") for M, N, K in 
 GEMV_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
               for N, K in GEMV_NK for M in (1, 2, 4, 8) for e in EPILOGUES]
 
-# The tensor-core GEMV: every M it serves (1-16: one or two n8 tiles, partly filled), N not a multiple
-# of 16 (a partial tile; for SiLU N / 2 = 68, 8 features a tile), K not a multiple of 128 (a partial
-# k-block), the 8B-shaped residual product with its ksplit of 8, and rows long enough for 8 loads per
-# k-block (K >= 8192, tc_loads), one of them ending in a partial k-block.
-TC_NK = [(8, 64), (136, 352), (1024, 2560), (4096, 12288), (136, 8200)]
-TC_CASES = [pytest.param(M, N, K, e, id=f"M{M}-N{N}-K{K}-{e}")
-            for N, K in TC_NK for M in (1, 3, 5, 8, 9, 16) for e in EPILOGUES]
-
-
 def check_linear(buf, stream, M: int, N: int, K: int, epilogue: str, path: str, w: np.ndarray | None = None,
                  ksplit: int | None = None, pipe: bool | None = None, launch=None, label: str = "") -> np.ndarray:
     """linear(force=path) on random inputs against the float64 reference; `launch(x, w, out)` (device
@@ -242,17 +233,6 @@ def test_linear_gemm(M, N, K, epilogue, buf, stream):
 @pytest.mark.parametrize("M, N, K, epilogue", GEMV_CASES)
 def test_linear_gemv(M, N, K, epilogue, buf, stream):
     check_linear(buf, stream, M, N, K, epilogue, "gemv")
-
-
-@pytest.mark.parametrize("M, N, K, epilogue", TC_CASES)
-def test_linear_tensor_core_gemv(M, N, K, epilogue, buf, stream):
-    check_linear(buf, stream, M, N, K, epilogue, "tc")
-
-
-@pytest.mark.parametrize("ksplit", [1, 2, 4, 8])
-def test_linear_tensor_core_gemv_every_split(ksplit, buf, stream):
-    # K = 1000: 7 full k-blocks and a partial one, shared unevenly by the split's warps.
-    check_linear(buf, stream, 5, 264, 1000, "residual", "tc", ksplit=ksplit)
 
 
 # Every split of the rows' K range across warps, on row counts that leave partial blocks.
@@ -836,8 +816,8 @@ LAUNCHER_ERRORS = {
                                                         "bf16", s),
     "linear gemv with M=3": lambda B, s: linear(B((3, 64), BF16), B((128, 64), BF16), B((3, 128), BF16), "bf16", s,
                                                 force="gemv"),
-    "linear tc with M=17": lambda B, s: linear(B((17, 64), BF16), B((128, 64), BF16), B((17, 128), BF16), "bf16", s,
-                                               force="tc"),
+    "linear swap with M=65": lambda B, s: linear(B((65, 64), BF16), B((128, 64), BF16), B((65, 128), BF16), "bf16", s,
+                                                 force="swap"),
     "linear unknown path": lambda B, s: linear(B((4, 64), BF16), B((128, 64), BF16), B((4, 128), BF16), "bf16", s,
                                                force="tensor"),
     # the other launchers

@@ -1,7 +1,6 @@
 """Launchers for cuda_src/gemm_tma.cu (wgmma tensor cores fed by TMA: prefill, and batches of 65 rows or
-more), cuda_src/gemv.cu (decode, 1-2 rows), cuda_src/gemv_tc.cu (tensor cores, a few rows: small
-batches, verify steps), cuda_src/gemm_swap.cu (swap-AB wgmma weight streaming: batches of 9-64 rows)
-and cuda_src/gemm_small.cu (tensor cores, the rest of 3-8 rows).
+more), cuda_src/gemv.cu (decode, 1-2 rows) and cuda_src/gemm_swap.cu (swap-AB wgmma weight streaming:
+batches of 3-64 rows, verify steps included).
 
 `linear` computes y = x W^T for x [M, K] bf16 and W [N, K] bf16 with a fused epilogue:
   "bf16"      out [M, N] bf16
@@ -10,18 +9,18 @@ and cuda_src/gemm_small.cu (tensor cores, the rest of 3-8 rows).
   "f32"       out [M, N] float32 (logits)
 Which kernel (`default_path`), from scripts/bench_gemm_small.py and A/B runs on the H200:
   - M in (1, 2): the bandwidth-bound GEMV.
-  - 3 <= M <= 8 and 4096 <= N <= 20480 (QKV, and gate/up but qwen3-8b's; o_proj and down_proj of
-    qwen3-8b): the tensor-core GEMV. At M = 5 it beat the small GEMM on all of these (qwen3-8b: QKV
-    16.5 vs 17.2 us, o_proj 14.7 vs 17.2, down_proj 34.6 vs 41.4 with 8 loads per k-block; qwen3-4b
-    gate/up 33.9 vs 35.5) and lost on qwen3-8b's gate/up (N = 24576: 59.6 vs 57.0) and on the narrower
-    o_proj and down_proj of the smaller models.
-  - 9 <= M <= 64: the swap-AB GEMM (every weight byte read once for all rows; swap_config). Engine
-    tok/s in total, the small GEMM before -> this (H200, session 10): qwen3-0.6b batch 16 10,747 ->
-    11,395, batch 64 26,409 -> 28,028; qwen3-4b batch 16 4,119 -> 4,455, batch 32 7,081 -> 7,742,
-    batch 64 10,449 -> 12,168.
-  - The rest of M <= 8 (the narrower matrices, qwen3-8b's gate/up): the small GEMM.
+  - 3 <= M <= 64: the swap-AB GEMM (every weight byte read once for all rows; swap_config).
+    At 9-64 rows against the small tensor-core GEMM it replaced (engine tok/s in total, session 10):
+    qwen3-0.6b batch 16 10,747 -> 11,395, batch 64 26,409 -> 28,028; qwen3-4b batch 16 4,119 -> 4,455,
+    batch 32 7,081 -> 7,742, batch 64 10,449 -> 12,168.
+    At 3-8 rows it beat the tensor-core GEMV and the small GEMM (both since deleted) on every layer
+    matrix of qwen3-4b and qwen3-8b at M = 5 and 8 (session 11, us per call at M = 5, swap / tensor-core
+    GEMV / small GEMM): qwen3-8b QKV 14.0 / 16.3 / 17.2, o_proj 11.7 / 14.7 / 17.2, gate/up 51.2 / 59.8 /
+    56.0, down_proj 27.2 / 34.3 / 41.2; qwen3-4b o_proj 7.6 / 11.5 / 10.0, down_proj 15.9 / 24.8 / 17.2.
+    In the engine: batch 8 qwen3-0.6b 6,428 -> 6,602 tok/s, qwen3-4b 2,236 -> 2,439, qwen3-8b
+    1,166 -> 1,567; the qwen3-8b k = 4 verify step 5.45 -> 4.91 ms of GPU time.
   - Everything else takes gemm_tma.cu, split along K by a cluster of blocks when its tiles are too few
-    for the SMs (tma_plan). Against the small GEMM and the unsplit kernel (same session): qwen3-4b
+    for the SMs (tma_plan). Against the small GEMM and the unsplit kernel (session 10): qwen3-4b
     batch 128 14,972 -> 18,671, batch 256 18,101 -> 22,012; qwen3-0.6b batch 128 32,873 -> 34,085,
     batch 256 42,544 -> 42,616.
 """
@@ -43,27 +42,6 @@ TMA_THREADS = 384
 TMA_SMEM = 192 * 1024 + 256 + 1024  # as gemm_tma.cu's SMEM_BYTES: the stage ring, mbarriers, alignment
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 GEMV_WARPS = 8
-TC_MAX_ROWS = 16   # gemv_tc.cu: gemv_tc_m8_* (M <= 8) and gemv_tc_m16_* (M <= 16), 8 warps a block
-TC_DEEP_K = 8192   # rows at least this long take 8 loads per k-block (gemv_tc_*_l8_*), shorter ones 4
-
-
-def tc_loads(K: int) -> int:
-    """16-byte loads per row per k-block of gemv_tc.cu for rows of K elements (a k-block is 32 * loads)."""
-    return 8 if K >= TC_DEEP_K else 4
-
-# gemm_small.cu: blocks of 64 W rows x ROWS rows of A, 4 warps splitting K in 64-wide chunks, and
-# clusters of `ksplit` blocks splitting K further. Shared memory per block: 4 warps * STAGES * one
-# chunk ((ROWS + 64) x 64 bf16), as Tile<MT>::SMEM in gemm_small.cu.
-SMALL_BN = 64
-SMALL_BK = 64
-SMALL_WARPS = 4
-SMALL_ROWS = (16, 32, 64)
-SMALL_SPLITS = (1, 2, 4, 8)  # cluster sizes compiled (8 is the portable maximum)
-SMALL_STAGES = {16: 2, 32: 2, 64: 3}
-SMALL_GEMM_SMEM = {r: SMALL_WARPS * SMALL_STAGES[r] * (r + SMALL_BN) * SMALL_BK * 2 for r in SMALL_ROWS}
-# = {16: 81920, 32: 98304, 64: 196608}: two blocks per SM fit for 16 and 32 rows, one for 64.
-SMALL_BLOCK_LATENCY = 2      # cost model: a block's fixed cost (first loads, reduction) in k-chunks
-
 
 # gemm_swap.cu: blocks of 64 W rows (one warpgroup) against the whole batch padded to B rows, k-chunks of
 # 64, `ksplit` blocks per cluster splitting K; STAGES chunks in flight (Cfg<B, 1>::STAGES).
@@ -74,23 +52,16 @@ SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
 
-GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 go to the tensor-core GEMV or the small GEMM
-TC_DEFAULT_ROWS = range(3, 9)  # M the tensor-core GEMV takes by default, for N in [TC_MIN_N, TC_MAX_N]
-TC_MIN_N, TC_MAX_N = 4096, 20480
-SWAP_DEFAULT_ROWS = range(9, 65)  # M the swap-AB GEMM takes by default
-SMALL_MAX_ROWS = 8  # the small GEMM takes what is left up to here; the TMA GEMM takes the rest
+GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
+SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
 
 
 def default_path(M: int, N: int) -> str:
     """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
     if M in GEMV_DEFAULT_ROWS:
         return "gemv"
-    if M in TC_DEFAULT_ROWS and TC_MIN_N <= N <= TC_MAX_N:
-        return "tc"
     if M in SWAP_DEFAULT_ROWS:
         return "swap"
-    if M <= SMALL_MAX_ROWS:
-        return "small"
     return "gemm"
 
 
@@ -103,9 +74,9 @@ def _out_spec(epilogue: str, M: int, N: int):
 
 
 def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * 132 * GEMV_WARPS, segment: int = 512) -> int:
-    """Warps per row pair (or per 16-row tile of the tensor-core GEMV): the most (1, 2, 4 or 8) that keep
-    the grid within one wave of ~4 blocks per SM on an H200, while each warp still streams at least two
-    `segment`-element pieces of its rows (512 for gemv.cu, one k-block of 128 for gemv_tc.cu).
+    """Warps per row pair of gemv.cu: the most (1, 2, 4 or 8) that keep the grid within one wave of ~4
+    blocks per SM on an H200, while each warp still streams at least two `segment`-element pieces of its
+    rows.
 
     One wave, not the first split past it: a second, partial wave of warps leaves most SMs idle at the
     kernel's end. Measured on the H200 (bench.py batch 1, GPU ms per step, against doubling until the
@@ -135,52 +106,6 @@ def gemv_pipe(M: int, K: int, ksplit: int, epilogue: str) -> bool:
     108 -> 125; LM head 0.6b 71.1 -> 70.1, 4b 173.9 -> 171.3, 8b 283.7 -> 275.2. On the products after
     a norm (QKV, gate/up) it was slower or no faster, so those keep one loop."""
     return M == 1 and epilogue in PIPE_EPILOGUES and K // (256 * ksplit) >= PIPE_MIN_SEGMENTS
-
-
-@dataclass(slots=True, frozen=True)
-class SmallGemmConfig:
-    """One launch of gemm_small.cu: M tile `rows`, `ksplit` blocks per cluster, grid (ksplit, M tiles, N blocks)."""
-    rows: int
-    ksplit: int
-    grid: tuple[int, int, int]
-    smem: int
-
-    @property
-    def kernel_name(self) -> str:
-        return f"gemm_small_m{self.rows}_c{self.ksplit}"
-
-
-def small_gemm_ksplit(tiles: int, chunks: int, slots: int) -> int:
-    """Blocks per cluster for `tiles` (M tile, N block) pairs of `chunks` k-chunks each, with `slots` blocks
-    resident at once. Estimated time, in half k-chunks: waves of blocks times each block's time (a warp's
-    share of the chunks, a fixed latency, and the cluster reduction, which grows with the split). Small N
-    wants splits to cover the SMs; large N wants none. Fitted to the H200 sweep of Qwen3-0.6B's matrices
-    at M = 64 and 256 (scripts/bench_gemm_small.py --sweep-rows)."""
-    def cost(ks: int) -> int:
-        return cdiv(tiles * ks, slots) * (2 * cdiv(chunks, ks * SMALL_WARPS) + 2 * SMALL_BLOCK_LATENCY + ks)
-    return min(SMALL_SPLITS, key=lambda ks: (cost(ks), ks))
-
-
-def small_gemm_config(M: int, N: int, K: int, *, ksplit: int | None = None, rows: int | None = None,
-                      sms: int = 132) -> SmallGemmConfig:
-    """The gemm_small.cu launch for x [M, K] @ W[N, K]^T on a GPU with `sms` SMs (132: the H200).
-    The M tile is 16 rows for M <= 16, else 32 (fastest in the H200 sweep at M = 64 and 256: 64-row
-    tiles fit one block per SM); `rows` and `ksplit` override."""
-    if M < 0 or N <= 0 or K <= 0:
-        raise ValueError(f"small_gemm_config: need M >= 0 and N, K > 0, got M={M}, N={N}, K={K}")
-    if rows is None:
-        rows = 16 if M <= 16 else 32
-    elif rows not in SMALL_ROWS:
-        raise ValueError(f"small_gemm_config: rows must be one of {SMALL_ROWS}, got {rows}")
-    m_tiles, n_blocks = cdiv(M, rows), cdiv(N, SMALL_BN)
-    if n_blocks > 65535:
-        raise ValueError(f"small_gemm_config: N={N} needs {n_blocks} column blocks, more than grid.z allows (65535)")
-    if ksplit is None:
-        slots = sms * (2 if SMALL_GEMM_SMEM[rows] <= 113 * 1024 else 1)
-        ksplit = small_gemm_ksplit(m_tiles * n_blocks, cdiv(K, SMALL_BK), slots)
-    elif ksplit not in SMALL_SPLITS:
-        raise ValueError(f"small_gemm_config: ksplit must be one of {SMALL_SPLITS}, got {ksplit}")
-    return SmallGemmConfig(rows, ksplit, (ksplit, m_tiles, n_blocks), SMALL_GEMM_SMEM[rows])
 
 
 def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
@@ -326,12 +251,11 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
 
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
-           ksplit: int | None = None, rows: int | None = None, pipe: bool | None = None,
-           head_keys: DeviceArray | None = None) -> None:
-    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv", "tc", "swap" or "small") and `ksplit` override the
-    choices: for the GEMVs the warps per row pair or 16-row tile, for the small and swap-AB GEMMs the
-    blocks per cluster splitting K (1, 2, 4 or 8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one
-    row, the f32 epilogue, the GEMV): also each block's largest logit as a key, in head_keys[:blocks]
+           ksplit: int | None = None, pipe: bool | None = None, head_keys: DeviceArray | None = None) -> None:
+    """out <- epilogue(x @ w.T). `force` ("gemm", "gemv" or "swap") and `ksplit` override the choices: for
+    the GEMV the warps per row pair, for the swap-AB GEMM the blocks per cluster splitting K (1, 2, 4 or
+    8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one row, the f32
+    epilogue, the GEMV): also each block's largest logit as a key, in head_keys[:blocks]
     with blocks = head_key_count(N, K) (gemv.cu, ARGMAX), for sample()."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
@@ -369,17 +293,6 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             grid, (GEMV_WARPS * 32,), [x, w, out, I32(N), I32(K), I32(ksplit)], stream)
     elif head_keys is not None:
         raise ValueError(f"linear: head_keys need the GEMV, got the {path!r} path")
-    elif path == "tc":
-        if not 1 <= M <= TC_MAX_ROWS:
-            raise ValueError(f"linear: the tensor-core GEMV handles 1 <= M <= {TC_MAX_ROWS}, got M={M}")
-        tiles = cdiv(N // 2, 8) if epilogue == "silu_mul" else cdiv(N, 16)
-        loads = tc_loads(K)
-        ksplit = ksplit or gemv_ksplit(tiles, K, segment=32 * loads)
-        if ksplit not in (1, 2, 4, 8):
-            raise ValueError(f"linear: ksplit must be 1, 2, 4 or 8, got {ksplit}")
-        kernel("gemv_tc.cu", f"gemv_tc_m{8 if M <= 8 else 16}_l{loads}_e{epi}").launch(
-            (cdiv(tiles * ksplit, GEMV_WARPS),), (GEMV_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(ksplit)],
-            stream)
     elif path == "gemm":
         # Forced (the batch-invariant mode forces every product here): one tile width and no split whatever
         # M is, so that a row's sums never depend on the rows beside it.
@@ -393,12 +306,8 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             return
         kernel("gemm_swap.cu", cfg.kernel_name).launch(
             cfg.grid, (128,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
-    elif path == "small":
-        cfg = small_gemm_config(M, N, K, ksplit=ksplit, rows=rows, sms=get_device().info.num_sms)
-        kernel("gemm_small.cu", cfg.kernel_name).launch(
-            cfg.grid, (SMALL_WARPS * 32,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
     else:
-        raise ValueError(f"linear: force must be 'gemm', 'gemv', 'tc', 'swap' or 'small', got {force!r}")
+        raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'swap', got {force!r}")
 
 
 NORM_EPILOGUES = ("bf16", "silu_mul")  # the products that follow a norm: QKV and gate/up
