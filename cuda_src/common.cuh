@@ -149,6 +149,41 @@ __device__ __forceinline__ float row_inv_rms(const float *__restrict__ x, int di
     return rsqrtf(block_sum(ss, scratch) / dim + eps);
 }
 
+// The same by one warp, summed exactly as row_inv_rms does with a block of 256 threads (so bitwise
+// equal to it): lane l keeps the partial sums of threads l, l + 32, ..., l + 224 of that block, each
+// reduced across the warp as block_sum's first stage reduces a warp, then the 8 warp sums in lanes
+// 0-7 as its second stage does.
+__device__ __forceinline__ float row_inv_rms_warp(const float *__restrict__ x, int dim, float eps) {
+    const float4 *xr = reinterpret_cast<const float4 *>(x);
+    const int lane = threadIdx.x & 31;
+    float ss[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        ss[j] = 0.f;
+        for (int c = lane + 32 * j; c < dim / 4; c += 256) {
+            float4 v = xr[c];
+            ss[j] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    }
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float s = warp_sum(ss[j]);
+        if (lane == j) v = s;
+    }
+    return rsqrtf(warp_sum(v) / dim + eps);
+}
+
+// bf16(x * r * w) of 8 consecutive elements (x 16-byte aligned, w: 8 bf16), as store_normed_row rounds them.
+__device__ __forceinline__ vec16 normed8(float4 a, float4 b, float r, vec16 w) {
+    vec16 o;
+    o.w[0] = pack_bf16x2(a.x * r * bf16lo(w.w[0]), a.y * r * bf16hi(w.w[0]));
+    o.w[1] = pack_bf16x2(a.z * r * bf16lo(w.w[1]), a.w * r * bf16hi(w.w[1]));
+    o.w[2] = pack_bf16x2(b.x * r * bf16lo(w.w[2]), b.y * r * bf16hi(w.w[2]));
+    o.w[3] = pack_bf16x2(b.z * r * bf16lo(w.w[3]), b.w * r * bf16hi(w.w[3]));
+    return o;
+}
+
 // out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned).
 __device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const bf16 *__restrict__ w,
                                                  bf16 *out, int dim) {

@@ -167,10 +167,19 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int B, int WG, int KS>
-__device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
+// NORM: x is not given but computed, x = rmsnorm(R) * NW (R [M, K] float32, the residual stream), as the
+// rmsnorm kernel rounds it: after the wait for the kernel before, each warp computes the inverse RMS of
+// rows warp, warp + 4, ... (row_inv_rms_warp: bitwise the rmsnorm kernel's), then every chunk's x tile
+// is normalized on its way into shared memory (plain loads and stores instead of cp.async). In the
+// main loop, chunk i + AHEAD's R and NW pieces are loaded into registers at iteration i and normalized
+// and stored at iteration i + 1, behind the barrier that frees nothing they need (the stage is chunk
+// i - 2's, idle since iteration i - 1) and ahead of the barrier of iteration i + AHEAD that publishes them.
+template <int B, int WG, int KS, bool NORM>
+__device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const float *__restrict__ R,
+                                           const bf16 *__restrict__ NW, float eps, const bf16 *__restrict__ W,
                                            void *__restrict__ out, int M, int N, int K, int epi) {
     using C = Cfg<B, WG>;
+    static_assert(!NORM || (WG == 1 && C::XP == 1), "the norm path keeps one x piece a thread");
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char *smem = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);
@@ -207,6 +216,23 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
     // x piece p of a chunk: row r = (tid / 8) + p * THREADS / 8 (those past B skipped), zero past M and K.
     auto x_row = [&](int p) { return (tid >> 3) + p * (THREADS / 8); };
     auto x_here = [&](int p) { return B * 8 % THREADS == 0 || x_row(p) < B; };
+    __shared__ float rstd[NORM ? B : 1];  // NORM: 1 / RMS of each row m < M
+    struct Raw { float4 a, b; vec16 w; };  // NORM: one x piece before normalizing (R and NW)
+    auto load_raw = [&](int i, Raw &v) {   // this thread's piece of local chunk i (zero past M and K)
+        const int r = x_row(0), gk = (rank + i * KS) * BK + c * 8;
+        v.a = v.b = make_float4(0.f, 0.f, 0.f, 0.f);
+        v.w = vec16{{0u, 0u, 0u, 0u}};
+        if (x_here(0) && r < M && gk < K) {
+            const float4 *src = reinterpret_cast<const float4 *>(R + (size_t)r * K + gk);
+            v.a = src[0];
+            v.b = src[1];
+            v.w = ld16(NW + gk);
+        }
+    };
+    auto store_raw = [&](int s, const Raw &v) {  // normalized into stage s (rows past M stay zero)
+        const int r = x_row(0);
+        if (x_here(0)) st16(smem + s * C::STAGE + C::TILE_W + swz_bytes(r, c), normed8(v.a, v.b, r < M ? rstd[r] : 0.f, v.w));
+    };
     auto load_x = [&](int s, int i) {  // x part of local chunk i into stage s, by cp.async
         const int gk = (rank + i * KS) * BK + c * 8;
         const u32 base = smem0 + s * C::STAGE + C::TILE_W;
@@ -228,7 +254,20 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         cp_async_commit();
     }
     pdl_start();
-    {
+    if (NORM) {
+        for (int m = warp; m < M; m += THREADS / 32) {
+            const float v = row_inv_rms_warp(R + (size_t)m * K, K, eps);
+            if (lane == 0) rstd[m] = v;
+        }
+        __syncthreads();
+        Raw raw[AHEAD];
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s)
+            if (s < mine) load_raw(s, raw[s]);
+#pragma unroll
+        for (int s = 0; s < AHEAD; ++s)
+            if (s < mine) store_raw(s, raw[s]);
+    } else {
         vec16 xv[AHEAD][C::XP];
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) {
@@ -251,14 +290,17 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 #pragma unroll
     for (int i = 0; i < B / 2; ++i) d[i] = 0.f;
 
+    Raw pending;  // NORM: chunk i - 1 + AHEAD's x piece, loaded at iteration i - 1
     for (int i = 0; i < mine; ++i) {
         cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk i have landed (group i)
-        fence_async_smem();          // ... and they and the prologue's x stores are visible to the tensor cores
+        fence_async_smem();          // ... and they and the earlier x stores are visible to the tensor cores
         __syncthreads();             // everyone's; and every warpgroup is done with chunk i - 1
+        if (NORM && i > 0 && i - 1 + AHEAD < mine) store_raw((i - 1 + AHEAD) % STAGES, pending);
         const int next = i + AHEAD;
         if (next < mine) {
             load_w(next % STAGES, next);
-            load_x(next % STAGES, next);
+            if (NORM) load_raw(next, pending);
+            else load_x(next % STAGES, next);
         }
         cp_async_commit();
 
@@ -307,8 +349,9 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 }
 
 #else
-template <int B, int WG, int KS>
-__device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int) {
+template <int B, int WG, int KS, bool NORM>
+__device__ __forceinline__ void swap_block(const bf16 *, const float *, const bf16 *, float, const bf16 *, void *, int,
+                                           int, int, int) {
     pdl_start();
     __trap();
 }
@@ -319,7 +362,15 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS(        \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi) {                                                                                      \
-        swap_block<B, WG, KS>(x, W, out, M, N, K, epi);                                                     \
+        swap_block<B, WG, KS, false>(x, nullptr, nullptr, 0.f, W, out, M, N, K, epi);                       \
+    }
+// The same with the RMSNorm of the input fused in (the products after a norm: QKV, gate/up), batches of
+// at most B = 16 rows: x = rmsnorm(resid) * norm_w, see swap_block's NORM.
+#define SWAP_NORM_KERNEL(B, KS, CLUSTER)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_norm_b##B##_w1_c##KS(              \
+            const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps,                   \
+            const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, int epi) {             \
+        swap_block<B, 1, KS, true>(nullptr, resid, norm_w, eps, W, out, M, N, K, epi);                      \
     }
 #define SWAP_SPLITS(B, WG)                                                                                  \
     SWAP_KERNEL(B, WG, 1, )                                                                                 \
@@ -332,3 +383,7 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
 SWAP_SPLITS(16, 1)
 SWAP_SPLITS(32, 1)
 SWAP_SPLITS(64, 1)
+SWAP_NORM_KERNEL(16, 1, )
+SWAP_NORM_KERNEL(16, 2, __cluster_dims__(2, 1, 1))
+SWAP_NORM_KERNEL(16, 4, __cluster_dims__(4, 1, 1))
+SWAP_NORM_KERNEL(16, 8, __cluster_dims__(8, 1, 1))
