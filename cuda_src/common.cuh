@@ -149,29 +149,45 @@ __device__ __forceinline__ float row_inv_rms(const float *__restrict__ x, int di
     return rsqrtf(block_sum(ss, scratch) / dim + eps);
 }
 
-// The same by one warp, summed exactly as row_inv_rms does with a block of 256 threads (so bitwise
-// equal to it): lane l keeps the partial sums of threads l, l + 32, ..., l + 224 of that block, each
-// reduced across the warp as block_sum's first stage reduces a warp, then the 8 warp sums in lanes
-// 0-7 as its second stage does.
-__device__ __forceinline__ float row_inv_rms_warp(const float *__restrict__ x, int dim, float eps) {
-    const float4 *xr = reinterpret_cast<const float4 *>(x);
-    const int lane = threadIdx.x & 31;
-    float ss[8];
+// The same for rows 0 .. M - 1 (M <= MAXM) of x by a block of 128 threads, summed exactly as row_inv_rms
+// does with a block of 256 (so bitwise equal to it): thread t keeps the partial sums of threads t and
+// t + 128 of that block, for every row at once (each round's loads of all rows are in flight together),
+// then block_sum's two stages run on them. rstd[M] and scratch[MAXM][8] are shared memory.
+template <int MAXM>
+__device__ __forceinline__ void rows_inv_rms_128(const float *__restrict__ x, int M, int dim, float eps, float *rstd,
+                                                 float (*scratch)[8]) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, n4 = dim / 4;
+    float s0[MAXM], s1[MAXM];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        ss[j] = 0.f;
-        for (int c = lane + 32 * j; c < dim / 4; c += 256) {
+    for (int m = 0; m < MAXM; ++m) s0[m] = s1[m] = 0.f;
+    for (int c = t; c < n4; c += 256) {
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            if (m >= M) break;
+            const float4 *xr = reinterpret_cast<const float4 *>(x + (size_t)m * dim);
             float4 v = xr[c];
-            ss[j] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            s0[m] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            if (c + 128 < n4) {
+                v = xr[c + 128];
+                s1[m] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
         }
     }
-    float v = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float s = warp_sum(ss[j]);
-        if (lane == j) v = s;
+    for (int m = 0; m < MAXM; ++m) {
+        if (m >= M) break;
+        const float a = warp_sum(s0[m]), b = warp_sum(s1[m]);
+        if (lane == 0) {
+            scratch[m][warp] = a;
+            scratch[m][warp + 4] = b;
+        }
     }
-    return rsqrtf(warp_sum(v) / dim + eps);
+    __syncthreads();
+    for (int m = warp; m < M; m += 4) {
+        const float v = warp_sum(lane < 8 ? scratch[m][lane] : 0.f);
+        if (lane == 0) rstd[m] = rsqrtf(v / dim + eps);
+    }
+    __syncthreads();
 }
 
 // bf16(x * r * w) of 8 consecutive elements (x 16-byte aligned, w: 8 bf16), as store_normed_row rounds them.

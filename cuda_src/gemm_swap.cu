@@ -168,8 +168,8 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // NORM: x is not given but computed, x = rmsnorm(R) * NW (R [M, K] float32, the residual stream), as the
-// rmsnorm kernel rounds it: after the wait for the kernel before, each warp computes the inverse RMS of
-// rows warp, warp + 4, ... (row_inv_rms_warp: bitwise the rmsnorm kernel's), then every chunk's x tile
+// rmsnorm kernel rounds it: after the wait for the kernel before, the block computes the inverse RMS of
+// every row (rows_inv_rms_128: bitwise the rmsnorm kernel's), then every chunk's x tile
 // is normalized on its way into shared memory (plain loads and stores instead of cp.async). In the
 // main loop, chunk i + AHEAD's R and NW pieces are loaded into registers at iteration i and normalized
 // and stored at iteration i + 1, behind the barrier that frees nothing they need (the stage is chunk
@@ -255,11 +255,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
     }
     pdl_start();
     if (NORM) {
-        for (int m = warp; m < M; m += THREADS / 32) {
-            const float v = row_inv_rms_warp(R + (size_t)m * K, K, eps);
-            if (lane == 0) rstd[m] = v;
-        }
-        __syncthreads();
+        __shared__ float scratch[NORM ? B : 1][8];
+        rows_inv_rms_128<B>(R, M, K, eps, rstd, scratch);
         Raw raw[AHEAD];
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s)
