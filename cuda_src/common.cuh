@@ -160,6 +160,7 @@ __device__ __forceinline__ void rows_inv_rms_128(const float *__restrict__ x, in
     float s0[MAXM], s1[MAXM];
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) s0[m] = s1[m] = 0.f;
+#pragma unroll 2
     for (int c = t; c < n4; c += 256) {
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {

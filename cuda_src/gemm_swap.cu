@@ -63,6 +63,8 @@
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 
 #define BK 64  // k per chunk: one 128-byte shared-memory row
+#define NORM_DIST 3  // NORM: iterations between loading a chunk's residual piece and storing it normalized
+#define NORM_ROWS 8  // NORM: rows at most (the register sums of rows_inv_rms_128)
 
 template <int B, int WG> struct Cfg {
     static constexpr int THREADS = 128 * WG;
@@ -172,8 +174,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 // every row (rows_inv_rms_128: bitwise the rmsnorm kernel's), then every chunk's x tile
 // is normalized on its way into shared memory (plain loads and stores instead of cp.async). In the
 // main loop, chunk i + AHEAD's R and NW pieces are loaded into registers at iteration i and normalized
-// and stored at iteration i + 1, behind the barrier that frees nothing they need (the stage is chunk
-// i - 2's, idle since iteration i - 1) and ahead of the barrier of iteration i + AHEAD that publishes them.
+// and stored at iteration i + NORM_DIST (a load from L2 takes longer than one iteration while HBM is
+// busy: with NORM_DIST = 1 the qwen3-8b verify step took 6.85 ms instead of 4.98), after the barrier
+// that ends chunk i - 1 (whose stage chunk i + AHEAD uses) and before the barrier of iteration i + AHEAD
+// that publishes them. M <= NORM_ROWS.
 template <int B, int WG, int KS, bool NORM>
 __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const float *__restrict__ R,
                                            const bf16 *__restrict__ NW, float eps, const bf16 *__restrict__ W,
@@ -255,8 +259,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
     }
     pdl_start();
     if (NORM) {
-        __shared__ float scratch[NORM ? B : 1][8];
-        rows_inv_rms_128<B>(R, M, K, eps, rstd, scratch);
+        __shared__ float scratch[NORM ? NORM_ROWS : 1][8];
+        rows_inv_rms_128<NORM_ROWS>(R, M, K, eps, rstd, scratch);
         Raw raw[AHEAD];
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s)
@@ -287,16 +291,18 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
 #pragma unroll
     for (int i = 0; i < B / 2; ++i) d[i] = 0.f;
 
-    Raw pending;  // NORM: chunk i - 1 + AHEAD's x piece, loaded at iteration i - 1
-    for (int i = 0; i < mine; ++i) {
+    // NORM: slot i % NORM_DIST holds chunk i + AHEAD's x piece from iteration i until iteration
+    // i + NORM_DIST stores it (stage (i + AHEAD) % STAGES, chunk i - 1's, is idle by then).
+    Raw slots[NORM ? NORM_DIST : 1];
+    auto iteration = [&](int i, Raw &slot) {
         cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk i have landed (group i)
         fence_async_smem();          // ... and they and the earlier x stores are visible to the tensor cores
         __syncthreads();             // everyone's; and every warpgroup is done with chunk i - 1
-        if (NORM && i > 0 && i - 1 + AHEAD < mine) store_raw((i - 1 + AHEAD) % STAGES, pending);
+        if (NORM && i >= NORM_DIST && i - NORM_DIST + AHEAD < mine) store_raw((i - NORM_DIST + AHEAD) % STAGES, slot);
         const int next = i + AHEAD;
         if (next < mine) {
             load_w(next % STAGES, next);
-            if (NORM) load_raw(next, pending);
+            if (NORM) load_raw(next, slot);
             else load_x(next % STAGES, next);
         }
         cp_async_commit();
@@ -308,6 +314,14 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
         for (int ks = 0; ks < BK / 16; ++ks) Mma<B>::run(d, smem_desc(a_base + ks * 32), smem_desc(b_base + ks * 32));
         wgmma_commit();
         wgmma_wait<0>();  // the stage is refilled at the next iteration (a few hundred cycles: the loads are what take time)
+    };
+    if (NORM) {  // unrolled by NORM_DIST, so that every slot is a register set
+        for (int i = 0; i < mine; i += NORM_DIST)
+#pragma unroll
+            for (int j = 0; j < (NORM ? NORM_DIST : 1); ++j)
+                if (i + j < mine) iteration(i + j, slots[j]);
+    } else {
+        for (int i = 0; i < mine; ++i) iteration(i, slots[0]);
     }
     cp_async_wait<0>();
     __syncthreads();  // no tensor-core read or copy into the pipeline's shared memory is left: reuse it

@@ -51,7 +51,7 @@ SWAP_BK = 64
 SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
-SWAP_NORM_MAX_ROWS = 16  # norm_linear fuses the norm into the swap-AB GEMM up to here (gemm_swap_norm_b16_*)
+SWAP_NORM_MAX_ROWS = 8  # norm_linear fuses the norm into the swap-AB GEMM up to here (gemm_swap.cu's NORM_ROWS)
 
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
 SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
@@ -335,8 +335,8 @@ def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceAr
                 out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
                 fused: bool | None = None) -> None:
     """out <- epilogue(rmsnorm(resid) * norm_w @ w.T), resid [M, K] float32: a product that follows a
-    norm. Fused (`fused`, default fused_norm_default()) on the GEMV path and on the swap-AB GEMM at up
-    to SWAP_NORM_MAX_ROWS rows: the kernel normalizes its input rows itself (gemv.cu's gemv_norm_*,
+    norm. Fused (`fused`, default fused_norm_default()) on the GEMV path and on the swap-AB GEMM at 3 to
+    SWAP_NORM_MAX_ROWS rows: the kernel normalizes its input rows itself (gemv.cu's gemv_norm_*,
     gemm_swap.cu's gemm_swap_norm_*: bitwise what the rmsnorm kernel would write) and `x` is left as it
     was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs."""
     M, K = resid.shape
