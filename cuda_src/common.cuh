@@ -149,58 +149,6 @@ __device__ __forceinline__ float row_inv_rms(const float *__restrict__ x, int di
     return rsqrtf(block_sum(ss, scratch) / dim + eps);
 }
 
-// The same for rows 0 .. M - 1 (M <= MAXM) of x by a block of 128 threads, summed exactly as row_inv_rms
-// does with a block of 256 (so bitwise equal to it): thread t keeps the partial sums of threads t and
-// t + 128 of that block, for every row at once (each round's loads of all rows are in flight together),
-// then block_sum's two stages run on them. rstd[M] and scratch[MAXM][8] are shared memory.
-template <int MAXM>
-__device__ __forceinline__ void rows_inv_rms_128(const float *__restrict__ x, int M, int dim, float eps, float *rstd,
-                                                 float (*scratch)[8]) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, n4 = dim / 4;
-    float s0[MAXM], s1[MAXM];
-#pragma unroll
-    for (int m = 0; m < MAXM; ++m) s0[m] = s1[m] = 0.f;
-#pragma unroll 2
-    for (int c = t; c < n4; c += 256) {
-#pragma unroll
-        for (int m = 0; m < MAXM; ++m) {
-            if (m >= M) break;
-            const float4 *xr = reinterpret_cast<const float4 *>(x + (size_t)m * dim);
-            float4 v = xr[c];
-            s0[m] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            if (c + 128 < n4) {
-                v = xr[c + 128];
-                s1[m] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < MAXM; ++m) {
-        if (m >= M) break;
-        const float a = warp_sum(s0[m]), b = warp_sum(s1[m]);
-        if (lane == 0) {
-            scratch[m][warp] = a;
-            scratch[m][warp + 4] = b;
-        }
-    }
-    __syncthreads();
-    for (int m = warp; m < M; m += 4) {
-        const float v = warp_sum(lane < 8 ? scratch[m][lane] : 0.f);
-        if (lane == 0) rstd[m] = rsqrtf(v / dim + eps);
-    }
-    __syncthreads();
-}
-
-// bf16(x * r * w) of 8 consecutive elements (x 16-byte aligned, w: 8 bf16), as store_normed_row rounds them.
-__device__ __forceinline__ vec16 normed8(float4 a, float4 b, float r, vec16 w) {
-    vec16 o;
-    o.w[0] = pack_bf16x2(a.x * r * bf16lo(w.w[0]), a.y * r * bf16hi(w.w[0]));
-    o.w[1] = pack_bf16x2(a.z * r * bf16lo(w.w[1]), a.w * r * bf16hi(w.w[1]));
-    o.w[2] = pack_bf16x2(b.x * r * bf16lo(w.w[2]), b.y * r * bf16hi(w.w[2]));
-    o.w[3] = pack_bf16x2(b.z * r * bf16lo(w.w[3]), b.w * r * bf16hi(w.w[3]));
-    return o;
-}
-
 // out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned).
 __device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const bf16 *__restrict__ w,
                                                  bf16 *out, int dim) {

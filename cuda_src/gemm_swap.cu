@@ -63,8 +63,6 @@
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 
 #define BK 64  // k per chunk: one 128-byte shared-memory row
-#define NORM_DIST 3  // NORM: iterations between loading a chunk's residual piece and storing it normalized
-#define NORM_ROWS 8  // NORM: rows at most (the register sums of rows_inv_rms_128)
 
 template <int B, int WG> struct Cfg {
     static constexpr int THREADS = 128 * WG;
@@ -169,21 +167,10 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// NORM: x is not given but computed, x = rmsnorm(R) * NW (R [M, K] float32, the residual stream), as the
-// rmsnorm kernel rounds it: after the wait for the kernel before, the block computes the inverse RMS of
-// every row (rows_inv_rms_128: bitwise the rmsnorm kernel's), then every chunk's x tile
-// is normalized on its way into shared memory (plain loads and stores instead of cp.async). In the
-// main loop, chunk i + AHEAD's R and NW pieces are loaded into registers at iteration i and normalized
-// and stored at iteration i + NORM_DIST (a load from L2 takes longer than one iteration while HBM is
-// busy: with NORM_DIST = 1 the qwen3-8b verify step took 6.85 ms instead of 4.98), after the barrier
-// that ends chunk i - 1 (whose stage chunk i + AHEAD uses) and before the barrier of iteration i + AHEAD
-// that publishes them. M <= NORM_ROWS.
-template <int B, int WG, int KS, bool NORM>
-__device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const float *__restrict__ R,
-                                           const bf16 *__restrict__ NW, float eps, const bf16 *__restrict__ W,
+template <int B, int WG, int KS>
+__device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
                                            void *__restrict__ out, int M, int N, int K, int epi) {
     using C = Cfg<B, WG>;
-    static_assert(!NORM || (WG == 1 && C::XP == 1), "the norm path keeps one x piece a thread");
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char *smem = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);
@@ -220,23 +207,6 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
     // x piece p of a chunk: row r = (tid / 8) + p * THREADS / 8 (those past B skipped), zero past M and K.
     auto x_row = [&](int p) { return (tid >> 3) + p * (THREADS / 8); };
     auto x_here = [&](int p) { return B * 8 % THREADS == 0 || x_row(p) < B; };
-    __shared__ float rstd[NORM ? B : 1];  // NORM: 1 / RMS of each row m < M
-    struct Raw { float4 a, b; vec16 w; };  // NORM: one x piece before normalizing (R and NW)
-    auto load_raw = [&](int i, Raw &v) {   // this thread's piece of local chunk i (zero past M and K)
-        const int r = x_row(0), gk = (rank + i * KS) * BK + c * 8;
-        v.a = v.b = make_float4(0.f, 0.f, 0.f, 0.f);
-        v.w = vec16{{0u, 0u, 0u, 0u}};
-        if (x_here(0) && r < M && gk < K) {
-            const float4 *src = reinterpret_cast<const float4 *>(R + (size_t)r * K + gk);
-            v.a = src[0];
-            v.b = src[1];
-            v.w = ld16(NW + gk);
-        }
-    };
-    auto store_raw = [&](int s, const Raw &v) {  // normalized into stage s (rows past M stay zero)
-        const int r = x_row(0);
-        if (x_here(0)) st16(smem + s * C::STAGE + C::TILE_W + swz_bytes(r, c), normed8(v.a, v.b, r < M ? rstd[r] : 0.f, v.w));
-    };
     auto load_x = [&](int s, int i) {  // x part of local chunk i into stage s, by cp.async
         const int gk = (rank + i * KS) * BK + c * 8;
         const u32 base = smem0 + s * C::STAGE + C::TILE_W;
@@ -258,17 +228,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
         cp_async_commit();
     }
     pdl_start();
-    if (NORM) {
-        __shared__ float scratch[NORM ? NORM_ROWS : 1][8];
-        rows_inv_rms_128<NORM_ROWS>(R, M, K, eps, rstd, scratch);
-        Raw raw[AHEAD];
-#pragma unroll
-        for (int s = 0; s < AHEAD; ++s)
-            if (s < mine) load_raw(s, raw[s]);
-#pragma unroll
-        for (int s = 0; s < AHEAD; ++s)
-            if (s < mine) store_raw(s, raw[s]);
-    } else {
+    {
         vec16 xv[AHEAD][C::XP];
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) {
@@ -291,19 +251,14 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
 #pragma unroll
     for (int i = 0; i < B / 2; ++i) d[i] = 0.f;
 
-    // NORM: slot i % NORM_DIST holds chunk i + AHEAD's x piece from iteration i until iteration
-    // i + NORM_DIST stores it (stage (i + AHEAD) % STAGES, chunk i - 1's, is idle by then).
-    Raw slots[NORM ? NORM_DIST : 1];
-    auto iteration = [&](int i, Raw &slot) {
+    for (int i = 0; i < mine; ++i) {
         cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk i have landed (group i)
-        fence_async_smem();          // ... and they and the earlier x stores are visible to the tensor cores
+        fence_async_smem();          // ... and they and the prologue's x stores are visible to the tensor cores
         __syncthreads();             // everyone's; and every warpgroup is done with chunk i - 1
-        if (NORM && i >= NORM_DIST && i - NORM_DIST + AHEAD < mine) store_raw((i - NORM_DIST + AHEAD) % STAGES, slot);
         const int next = i + AHEAD;
         if (next < mine) {
             load_w(next % STAGES, next);
-            if (NORM) load_raw(next, slot);
-            else load_x(next % STAGES, next);
+            load_x(next % STAGES, next);
         }
         cp_async_commit();
 
@@ -314,14 +269,6 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
         for (int ks = 0; ks < BK / 16; ++ks) Mma<B>::run(d, smem_desc(a_base + ks * 32), smem_desc(b_base + ks * 32));
         wgmma_commit();
         wgmma_wait<0>();  // the stage is refilled at the next iteration (a few hundred cycles: the loads are what take time)
-    };
-    if (NORM) {  // unrolled by NORM_DIST, so that every slot is a register set
-        for (int i = 0; i < mine; i += NORM_DIST)
-#pragma unroll
-            for (int j = 0; j < (NORM ? NORM_DIST : 1); ++j)
-                if (i + j < mine) iteration(i + j, slots[j]);
-    } else {
-        for (int i = 0; i < mine; ++i) iteration(i, slots[0]);
     }
     cp_async_wait<0>();
     __syncthreads();  // no tensor-core read or copy into the pipeline's shared memory is left: reuse it
@@ -360,9 +307,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const flo
 }
 
 #else
-template <int B, int WG, int KS, bool NORM>
-__device__ __forceinline__ void swap_block(const bf16 *, const float *, const bf16 *, float, const bf16 *, void *, int,
-                                           int, int, int) {
+template <int B, int WG, int KS>
+__device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int) {
     pdl_start();
     __trap();
 }
@@ -373,15 +319,7 @@ __device__ __forceinline__ void swap_block(const bf16 *, const float *, const bf
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS(        \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi) {                                                                                      \
-        swap_block<B, WG, KS, false>(x, nullptr, nullptr, 0.f, W, out, M, N, K, epi);                       \
-    }
-// The same with the RMSNorm of the input fused in (the products after a norm: QKV, gate/up), batches of
-// at most B = 16 rows: x = rmsnorm(resid) * norm_w, see swap_block's NORM.
-#define SWAP_NORM_KERNEL(B, KS, CLUSTER)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_norm_b##B##_w1_c##KS(              \
-            const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps,                   \
-            const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, int epi) {             \
-        swap_block<B, 1, KS, true>(nullptr, resid, norm_w, eps, W, out, M, N, K, epi);                      \
+        swap_block<B, WG, KS>(x, W, out, M, N, K, epi);                                                     \
     }
 #define SWAP_SPLITS(B, WG)                                                                                  \
     SWAP_KERNEL(B, WG, 1, )                                                                                 \
@@ -394,7 +332,3 @@ __device__ __forceinline__ void swap_block(const bf16 *, const float *, const bf
 SWAP_SPLITS(16, 1)
 SWAP_SPLITS(32, 1)
 SWAP_SPLITS(64, 1)
-SWAP_NORM_KERNEL(16, 1, )
-SWAP_NORM_KERNEL(16, 2, __cluster_dims__(2, 1, 1))
-SWAP_NORM_KERNEL(16, 4, __cluster_dims__(4, 1, 1))
-SWAP_NORM_KERNEL(16, 8, __cluster_dims__(8, 1, 1))

@@ -51,7 +51,6 @@ SWAP_BK = 64
 SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
-SWAP_NORM_MAX_ROWS = 8  # norm_linear fuses the norm into the swap-AB GEMM up to here (gemm_swap.cu's NORM_ROWS)
 
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
 SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
@@ -335,17 +334,14 @@ def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceAr
                 out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
                 fused: bool | None = None) -> None:
     """out <- epilogue(rmsnorm(resid) * norm_w @ w.T), resid [M, K] float32: a product that follows a
-    norm. Fused (`fused`, default fused_norm_default()) on the GEMV path and on the swap-AB GEMM at 3 to
-    SWAP_NORM_MAX_ROWS rows: the kernel normalizes its input rows itself (gemv.cu's gemv_norm_*,
-    gemm_swap.cu's gemm_swap_norm_*: bitwise what the rmsnorm kernel would write) and `x` is left as it
-    was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs."""
+    norm. On the GEMV path (`fused`, default fused_norm_default()) each block normalizes the rows
+    itself (cuda_src/gemv.cu, gemv_norm_*: bitwise what the rmsnorm kernel would write) and `x` is
+    left as it was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs."""
     M, K = resid.shape
     if fused is None:
         fused = fused_norm_default()
     path = force or default_path(M, w.shape[0])
-    fuse_gemv = path == "gemv" and M in GEMV_DEFAULT_ROWS
-    fuse_swap = path == "swap" and 0 < M <= SWAP_NORM_MAX_ROWS
-    if not (fused and (fuse_gemv or fuse_swap) and epilogue in NORM_EPILOGUES):
+    if not (fused and path == "gemv" and M in GEMV_DEFAULT_ROWS and epilogue in NORM_EPILOGUES):
         rmsnorm(resid, norm_w, x, eps, stream)
         linear(x, w, out, epilogue, stream, force=force)
         return
@@ -357,12 +353,6 @@ def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceAr
     expect("out", out, shape, dtype)
     if K % 8 or N % 8:
         raise ValueError(f"norm_linear: K and N must be multiples of 8 (16-byte rows), got K={K}, N={N}")
-    if fuse_swap:
-        cfg = swap_config(M, N, K, epilogue, sms=get_device().info.num_sms)
-        kernel("gemm_swap.cu", f"gemm_swap_norm_b{cfg.B}_w1_c{cfg.ksplit}").launch(
-            cfg.grid, (128,), [resid, norm_w, F32(eps), w, out, I32(M), I32(N), I32(K), I32(EPILOGUES[epilogue])],
-            stream, smem=cfg.smem)
-        return
     pairs = N // 2 if epilogue == "silu_mul" else cdiv(N, 2)
     ksplit = gemv_ksplit(pairs, K)
     kernel("gemv.cu", norm_kernel_name(M, K, epilogue)).launch(
