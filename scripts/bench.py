@@ -173,9 +173,10 @@ BATCH_ABLATE_GROUPS = (
 SAMPLING_KERNELS = ("sample_rows", "argmax_rows", "apply_penalties")
 
 
-def ablate_step(model, bucket: int = 1, replays: int = 50) -> dict:
+def ablate_step(model, bucket: int = 1, replays: int = 50, *, enqueue=None, groups=None) -> dict:
     """What each kernel group costs inside the decode graph of `bucket` sequences (over the step
-    buffers' contents), kernel boundaries included.
+    buffers' contents), kernel boundaries included. `enqueue(stream)` and `groups` ((label, name
+    prefixes) pairs) replace the decode step and its groups (bench_speculative.py: the verify step).
 
     The step is captured again without the group's launches and replayed; its GPU time subtracted
     from the whole step's is the group's marginal time, which, unlike profile_graph's rows, keeps the
@@ -200,7 +201,7 @@ def ablate_step(model, bucket: int = 1, replays: int = 50) -> dict:
 
         Kernel.launch = launch
         try:
-            graph = Graph(model.stream, lambda s: model._enqueue_decode(bucket, s))
+            graph = Graph(model.stream, enqueue or (lambda s: model._enqueue_decode(bucket, s)))
         finally:
             Kernel.launch = original
         try:
@@ -210,7 +211,7 @@ def ablate_step(model, bucket: int = 1, replays: int = 50) -> dict:
 
     step_ms = timed_without(())[0]
     rows = []
-    for label, prefixes in ABLATE_GROUPS if bucket == 1 else BATCH_ABLATE_GROUPS:
+    for label, prefixes in groups or (ABLATE_GROUPS if bucket == 1 else BATCH_ABLATE_GROUPS):
         ms, launches, nbytes = timed_without(prefixes)
         saved_us = (step_ms - ms) * 1e3
         rows.append(dict(group=label, launches=launches, step_ms=ms, us=saved_us, bytes=nbytes,
@@ -219,9 +220,9 @@ def ablate_step(model, bucket: int = 1, replays: int = 50) -> dict:
     return dict(step_ms=step_ms, groups=rows)
 
 
-def render_ablation(name: str, ab: dict) -> str:
+def render_ablation(name: str, ab: dict, step: str = "decode step") -> str:
     """ablate_step's result as a table."""
-    lines = [f"{name}: decode step without sampling {ab['step_ms'] * 1e3:.0f} us of GPU time; what each group "
+    lines = [f"{name}: {step} without sampling {ab['step_ms'] * 1e3:.0f} us of GPU time; what each group "
              "costs inside it (the step without the group, subtracted)", "",
              "| group | launches | us | us a launch | weight bytes at 4.3 TB/s, us | GB/s |", "|---|---|---|---|---|---|"]
     for r in ab["groups"]:

@@ -9,8 +9,9 @@ Measures, in one process:
   * t_verify: one greedy verify step of the target, k + 1 positions through Model.extend (their
     argmaxes read back) on a sequence of --context positions, then truncated back (wall time,
     median of --repeats);
-  * the GPU time of both target steps (graph replays timed with events), and with --profile each
-    step's per-kernel GPU time;
+  * the GPU time of both target steps (graph replays timed with events), with --profile each
+    step's per-kernel GPU time, and with --ablate what each kernel group costs inside each step's
+    graph (bench.ablate_step: the graph without the group, subtracted);
   * t_draft: one decode step of the draft model (as t_decode);
   * oracle: decode tokens/s of generate() with an OracleDraft proposing the target's own greedy
     continuation (acceptance 1, drafting free), against plain decode's tokens/s, and its end-to-end
@@ -49,13 +50,22 @@ def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int]
     return 1.0 / r.decode_tokens_per_second, prompt, r.token_ids
 
 
-def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile: bool = False
-                        ) -> tuple[float, float, list | None]:
+# Kernel groups of a verify step whose in-graph cost --ablate measures (every product is a swap-AB GEMM
+# at k + 1 <= 64 rows; the RMSNorm launches are separate).
+VERIFY_ABLATE_GROUPS = (
+    ("attention: attn_input, attention, combine", ("attn_input", "attention")),
+    ("matrix products (LM head included)", ("gemm", "gemv")),
+    ("RMSNorm", ("rmsnorm",)),
+)
+
+
+def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile: bool = False,
+                        ablate: bool = False) -> tuple[float, float, list | None, dict | None]:
     """One greedy verify step: k + 1 positions appended to a sequence holding the prompt, their
     argmaxes read back (what speculative_stream asks for under greedy). Returns its wall seconds
     (median of `repeats`), its GPU seconds (replays of the captured verify graph and the argmax,
-    timed with events: bench.replay_ms, as for a decode step) and, with `profile`, its
-    per-kernel profile (bench.profile_graph)."""
+    timed with events: bench.replay_ms, as for a decode step), with `profile` its per-kernel profile
+    (bench.profile_graph) and with `ablate` each kernel group's cost inside its graph."""
     cache = model.ensure_cache(len(prompt) + k + 1)
     seq = Sequence()
     try:
@@ -73,9 +83,10 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile:
         graph = model.extend_graphs.graphs[n]
         rows, best = model.workspace.logits.rows(0, n), model.workspace.logit_argmax.rows(0, n)
         gpu = bench.replay_ms(stream, lambda s: (graph.launch(s), K.argmax(rows, best, s)), repeats) / 1e3
-        prof = bench.profile_graph(model, lambda s: (model._enqueue_extend(n, s), K.argmax(rows, best, s))) \
-            if profile else None
-        return statistics.median(times[1:]), gpu, prof
+        enqueue = lambda s: (model._enqueue_extend(n, s), K.argmax(rows, best, s))  # noqa: E731
+        prof = bench.profile_graph(model, enqueue) if profile else None
+        ablation = bench.ablate_step(model, enqueue=enqueue, groups=VERIFY_ABLATE_GROUPS) if ablate else None
+        return statistics.median(times[1:]), gpu, prof, ablation
     finally:
         cache.manager.release(seq)
 
@@ -95,6 +106,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--profile", action="store_true",
                     help="also print the per-kernel GPU time of the target's decode and verify steps")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also print what each kernel group costs inside the decode and verify graphs")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args()
     k = args.k
@@ -102,7 +115,10 @@ def main() -> None:
     with tileinfer.load_model(cached_checkpoint(args.target), progress=False) as target:
         t_decode, prompt, continuation = decode_step_seconds(target, args.context, args.new)
         gpu_decode = bench.graph_step_ms(target) / 1e3
-        t_verify, gpu_verify, verify_profile = verify_step_seconds(target, prompt, k, args.repeats, args.profile)
+        if args.ablate:  # over the last decode step's buffers, before the verify steps overwrite them
+            row["decode_ablation"] = bench.ablate_step(target)
+        t_verify, gpu_verify, verify_profile, verify_ablation = verify_step_seconds(
+            target, prompt, k, args.repeats, args.profile, args.ablate)
         row.update(gpu_decode_ms=1e3 * gpu_decode, gpu_verify_ms=1e3 * gpu_verify,
                    gpu_verify_over_decode=gpu_verify / gpu_decode)
         if args.profile:
@@ -110,8 +126,12 @@ def main() -> None:
             row["verify_profile"] = verify_profile
             print(bench.render_profile(f"{args.target} decode", row["decode_profile"]), flush=True)
             print(bench.render_profile(f"{args.target}, k={k}", verify_profile, "one verify step"), flush=True)
+        if args.ablate:
+            row["verify_ablation"] = verify_ablation
+            print(bench.render_ablation(args.target, row["decode_ablation"]), flush=True)
+            print(bench.render_ablation(f"{args.target}, k={k}", verify_ablation, "verify step"), flush=True)
         plain_tok_s = 1.0 / t_decode
-        # The oracle proposes the greedy continuation itself. A verify step (k + 1 rows on the small
+        # The oracle proposes the greedy continuation itself. A verify step (k + 1 rows on the swap-AB
         # GEMM) and a decode step (one row on the GEMV) round differently, so at a near-tie the
         # speculative greedy output can differ from the plain one; from there on a fixed proposal
         # would be rejected. So propose what speculation itself produced, until it accepts everything

@@ -18,3 +18,13 @@ def test_engine_rows_name_their_cache_and_count_its_bytes():
     cfg = bench.preset("qwen3-0.6b")
     positions = 512 + 64
     assert bench.kv_bytes(cfg, positions, "int8") / bench.kv_bytes(cfg, positions) == (128 + 4) / 256
+
+
+def test_ablation_table_names_the_step_and_divides_by_launches():
+    ab = dict(step_ms=4.9, groups=[dict(group="RMSNorm", launches=73, us=146.0, bound_us=0.0, GB_s=None),
+                                   dict(group="matrix products", launches=145, us=4000.0, bound_us=3500.0, GB_s=3760.0)])
+    text = bench.render_ablation("qwen3-8b, k=4", ab, "verify step")
+    assert text.startswith("qwen3-8b, k=4: verify step without sampling 4900 us of GPU time")
+    assert "| RMSNorm | 73 | 146.0 | 2.00 | 0.0 | - |" in text
+    assert "| matrix products | 145 | 4000.0 | 27.59 | 3500.0 | 3760 |" in text
+    assert bench.render_ablation("qwen3-8b", ab).startswith("qwen3-8b: decode step without sampling")
