@@ -40,6 +40,12 @@ template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R]) {
         "+f"(d[B + 6]), "+f"(d[B + 7]), "+f"(d[B + 8]), "+f"(d[B + 9]), "+f"(d[B + 10]), "+f"(d[B + 11]), \
         "+f"(d[B + 12]), "+f"(d[B + 13]), "+f"(d[B + 14]), "+f"(d[B + 15])
 
+// The same, write-only (a product that overwrites d without reading it).
+#define WGMMA_W16(B)                                                                                      \
+    "=f"(d[B + 0]), "=f"(d[B + 1]), "=f"(d[B + 2]), "=f"(d[B + 3]), "=f"(d[B + 4]), "=f"(d[B + 5]),       \
+        "=f"(d[B + 6]), "=f"(d[B + 7]), "=f"(d[B + 8]), "=f"(d[B + 9]), "=f"(d[B + 10]), "=f"(d[B + 11]), \
+        "=f"(d[B + 12]), "=f"(d[B + 13]), "=f"(d[B + 14]), "=f"(d[B + 15])
+
 // d (64 x 128 per warpgroup, 64 floats a thread) += A (64 x 16) * B (16 x 128), or = when !accumulate.
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long da, unsigned long long db,
                                                  int accumulate) {
