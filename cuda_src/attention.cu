@@ -277,20 +277,52 @@ __device__ __forceinline__ void attention_body(
     };
 
     // Q tile: ROWS rows x 16 chunks; rows past the sequence's are zero.
+    auto load_q = [&]() {
 #pragma unroll
-    for (int i = 0; i < ROWS * (HD / 8) / THREADS; ++i) {
-        const int idx = threadIdx.x + i * THREADS, r = idx >> 4, c = idx & 15;
-        const int R = row0 + r;
-        const bool ok = R < rows;
-        const size_t at = ok ? ((size_t)(q0 + R / G) * num_heads + kv_head * G + R % G) * HD + c * 8 : 0;
-        cp_async16(smem_addr(sQ + swz(r, c)), q + at, ok);
-    }
+        for (int i = 0; i < ROWS * (HD / 8) / THREADS; ++i) {
+            const int idx = threadIdx.x + i * THREADS, r = idx >> 4, c = idx & 15;
+            const int R = row0 + r;
+            const bool ok = R < rows;
+            const size_t at = ok ? ((size_t)(q0 + R / G) * num_heads + kv_head * G + R % G) * HD + c * 8 : 0;
+            cp_async16(smem_addr(sQ + swz(r, c)), q + at, ok);
+        }
+    };
     // Prologue: the first STAGES - 1 tiles in flight (one commit group each, empty past the end),
-    // and the rows of the next one looked up.
+    // and the rows of the next one looked up. Decode shape: the tiles that hold only positions before
+    // this step's (written by earlier steps; the kernel before this one, attn_input, writes q and this
+    // step's keys and values only) are requested before waiting for that kernel (pdl_start), so their
+    // latency overlaps it; so are their lookups (cu_q, kv_lens and the block tables come from the host).
+    // Then Q (the kernel before's output) in a commit group of its own, and the rest of the prologue.
+    // Groups: the `early` old tiles, Q, the other prologue tiles, then one per iteration. Prefill
+    // shape: Q and the first tile in group 0 (the waits below then count as if early were 0).
+    int early = 0;
+    if constexpr (KEYS) {
+        const int old_end = min(kt_end, first_pos / KT);  // tiles kt < old_end hold positions < first_pos only
+        early = max(0, min(STAGES - 1, old_end - kt_begin));
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (kt_begin + s < kt_end) load_tile(lookup(kt_begin + s), s);
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < early) {
+                load_tile(lookup(kt_begin + s), s);
+                cp_async_commit();
+            }
+        }
+        pdl_start();
+        load_q();
         cp_async_commit();
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s >= early) {
+                if (kt_begin + s < kt_end) load_tile(lookup(kt_begin + s), s);
+                cp_async_commit();
+            }
+        }
+    } else {
+        load_q();
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (kt_begin + s < kt_end) load_tile(lookup(kt_begin + s), s);
+            cp_async_commit();
+        }
     }
     TileRows<Q8> next_rows;
     if (kt_begin + STAGES - 1 < kt_end) next_rows = lookup(kt_begin + STAGES - 1);
@@ -311,7 +343,11 @@ __device__ __forceinline__ void attention_body(
 
     for (int kt = kt_begin; kt < kt_end; ++kt) {
         const int i = kt - kt_begin, cur = i % STAGES;
-        cp_async_wait<STAGES - 2>();  // tile kt has landed (this thread's copies) ...
+        // Decode shape: tile kt is group i or i + 1 (after Q), so waiting for all but the newest STAGES - 2
+        // groups covers it; Q (group `early`) too from the first iteration on, unless two or more old
+        // tiles went before it: then the first iteration waits for everything in flight.
+        if (KEYS && i == 0 && early >= 2) cp_async_wait<0>();
+        else cp_async_wait<STAGES - 2>();  // tile kt has landed (this thread's copies) ...
         __syncthreads();              // ... everyone's, and everyone is done with tile kt - 1's buffers
         // Refill the buffer tile kt - 1 used with tile kt + STAGES - 1; look up the rows of the one after.
         if (kt + STAGES - 1 < kt_end) {
@@ -544,7 +580,7 @@ __device__ __forceinline__ void attention_body(
             float *__restrict__ part_o, float *__restrict__ part_ml, const int *__restrict__ cu_q,           \
             const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int bt_stride,            \
             int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2) {  \
-        pdl_start();                                                                                         \
+        if (!KEYS) pdl_start();  /* the decode shape waits inside, after its first loads */                \
         attention_body<Q8, KEYS>(q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,  \
                                  block_tables, bt_stride, num_heads, num_kv_heads, page_size, num_splits,   \
                                  total_q, scale_log2);                                                      \
