@@ -558,6 +558,26 @@ def test_attention_small_chunks(spec, H, num_splits, buf, stream):
     check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax, batch.label(num_splits))
 
 
+KEYS_ROWS_CASES = [
+    pytest.param([(5, 512)], 32, 64, 1, False, id="verify-kv512-G4-splits1"),      # 20 rows: 2 row tiles
+    pytest.param([(5, 512)], 32, 64, 32, False, id="verify-kv512-G4-splits32"),
+    pytest.param([(9, 1000), (5, 70)], 32, 16, 16, False, id="batch-q9-q5-page16-splits16"),  # 36 rows
+    pytest.param([(16, 300), (1, 1)], 32, 24, 4, False, id="q16-G4-page24-splits4"),  # 64 rows: 4 tiles
+    pytest.param([(5, 4097)], 32, 64, 16, True, id="int8-verify-kv4097-splits16"),
+    pytest.param([(8, 200), (3, 3)], 32, 16, 1, True, id="int8-q8-q3-page16"),
+]
+
+
+@pytest.mark.parametrize("spec, H, page_size, num_splits, int8", KEYS_ROWS_CASES)
+def test_attention_keys_mode_row_tiles(spec, H, page_size, num_splits, int8, buf, stream):
+    # The decode shape (keys mode) over 2-4 row tiles of 16 (attention.KEYS_MAX_ROWS = 64), causal within
+    # each sequence's new tokens, against the oracle.
+    rng = np.random.default_rng(seed_of("keys-row-tiles", spec, H, page_size, num_splits, int8))
+    batch = PagedBatch(rng, spec, H, 8, page_size, int8=int8)
+    check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax,
+                    batch.label(num_splits) + " keys mode, row tiles")
+
+
 # INT8 cache: the same kernels' INT8 variants against the oracle that quantizes the same way
 # (tileinfer/kv/int8.py: scores times the key's scale, probabilities times the value's scale).
 INT8_CASES = [
