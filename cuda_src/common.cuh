@@ -149,6 +149,44 @@ __device__ __forceinline__ float row_inv_rms(const float *__restrict__ x, int di
     return rsqrtf(block_sum(ss, scratch) / dim + eps);
 }
 
+// The norm weights' pieces this thread will multiply in store_normed_row (chunk c = tid + i * blockDim.x
+// of 4 elements: wa = elements 4c, 4c+1, wb = 4c+2, 4c+3), for the first C chunks a thread takes. No
+// kernel writes weights, so a kernel loads them before its PDL wait and the store does not wait for them
+// after the row's reduction.
+template <int C>
+__device__ __forceinline__ void load_norm_weights(const bf16 *__restrict__ w, int dim, u32 (&wa)[C], u32 (&wb)[C]) {
+    const u32 *w2 = reinterpret_cast<const u32 *>(w);
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < dim / 4) { wa[i] = w2[2 * c]; wb[i] = w2[2 * c + 1]; }
+    }
+}
+
+// store_normed_row with the weights' first C chunks from load_norm_weights (the rest from memory).
+template <int C>
+__device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const u32 (&wa)[C],
+                                                 const u32 (&wb)[C], const bf16 *__restrict__ w, bf16 *out, int dim) {
+    const float4 *xr = reinterpret_cast<const float4 *>(x);
+    u32 *o = reinterpret_cast<u32 *>(out);
+    const u32 *w2 = reinterpret_cast<const u32 *>(w);
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < dim / 4) {
+            const float4 v = xr[c];
+            o[2 * c] = pack_bf16x2(v.x * r * bf16lo(wa[i]), v.y * r * bf16hi(wa[i]));
+            o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(wb[i]), v.w * r * bf16hi(wb[i]));
+        }
+    }
+    for (int c = threadIdx.x + C * blockDim.x; c < dim / 4; c += blockDim.x) {
+        const float4 v = xr[c];
+        const u32 a = w2[2 * c], b = w2[2 * c + 1];
+        o[2 * c] = pack_bf16x2(v.x * r * bf16lo(a), v.y * r * bf16hi(a));
+        o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(b), v.w * r * bf16hi(b));
+    }
+}
+
 // out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned).
 __device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const bf16 *__restrict__ w,
                                                  bf16 *out, int dim) {

@@ -151,7 +151,7 @@ def test_embedding(n, dim, buf, stream):
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["all-rows", "gather-rows"])
-@pytest.mark.parametrize("dim", [128, 1024, 2560, 4096], ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("dim", [128, 1024, 2560, 4096, 5128], ids=lambda d: f"dim{d}")
 @pytest.mark.parametrize("n", [1, 7, 63, 65, 1000], ids=lambda n: f"n{n}")
 def test_rmsnorm(n, dim, gather, buf, stream):
     eps = 1e-6
