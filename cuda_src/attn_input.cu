@@ -8,42 +8,26 @@
 
 #define HD 128  // head_dim: every Qwen3 model uses 128
 
-// One warp's share of a query or key head: load it (lane l holds channels 2l, 2l+1 and their
-// rotary partners 64+2l, 64+2l+1), RMSNorm it over the head's 128 channels with `norm_w`, and
-// rotate it with RoPE at position `pos` (rotate-half pairing (i, i + 64):
-// (x, y) -> (x cos - y sin, y cos + x sin)). Returns a0, a1 (channels 2l, 2l+1), b0, b1 (64+2l, 64+2l+1).
-__device__ __forceinline__ void norm_rope(const bf16 *__restrict__ src, const bf16 *__restrict__ norm_w,
-                                          const float *__restrict__ inv_freq, float pos, float eps, int lane,
-                                          float &a0, float &a1, float &b0, float &b1) {
-    const u32 lo = reinterpret_cast<const u32 *>(src)[lane];            // channels 2l, 2l+1
-    const u32 hi = reinterpret_cast<const u32 *>(src + HD / 2)[lane];   // channels 64+2l, 64+2l+1
-    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
-    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
-    const u32 *wn = reinterpret_cast<const u32 *>(norm_w);
-    const u32 wlo = wn[lane], whi = wn[HD / 4 + lane];
-    x0 *= r * bf16lo(wlo); x1 *= r * bf16hi(wlo);
-    y0 *= r * bf16lo(whi); y1 *= r * bf16hi(whi);
-    float s0, c0, s1, c1;
-    sincosf(pos * inv_freq[2 * lane], &s0, &c0);
-    sincosf(pos * inv_freq[2 * lane + 1], &s1, &c1);
-    a0 = x0 * c0 - y0 * s0; b0 = y0 * c0 + x0 * s0;
-    a1 = x1 * c1 - y1 * s1; b1 = y1 * c1 + x1 * s1;
-}
-
-// This warp's head of token blockIdx.x (grid and lanes as below): false when there is nothing to
-// do (past the last head, or a key head of a padding token); else the head, its source row in qkv,
-// the token's slot, and the head normed and rotated (norm_rope's a0, a1, b0, b1).
+// One warp's head of token blockIdx.x (grid and lanes as below). Lane l owns channels 2l, 2l+1 and
+// their rotary partners 64+2l, 64+2l+1 (rotate-half pairing (i, i + 64): (x, y) -> (x cos - y sin,
+// y cos + x sin)). prepare_head does everything that reads only what no kernel writes (the step's
+// positions and slots, the norm weights, the rotary frequencies) before the kernel waits for the QKV
+// product (pdl_start); finish_head then loads the head, RMSNorms it over its 128 channels and rotates
+// it: a0, a1 (channels 2l, 2l+1), b0, b1 (64+2l, 64+2l+1).
 struct HeadInput {
     int head, lane, slot;
     bool is_q;
+    u32 wlo, whi;          // the norm weights of channels 2l, 2l+1 and 64+2l, 64+2l+1
+    float s0, c0, s1, c1;  // sin and cos of the rotation of channel pairs 2l and 2l+1
     const bf16 *src;
     float a0, a1, b0, b1;
 };
 
-__device__ __forceinline__ bool head_input(const bf16 *__restrict__ qkv, const int *__restrict__ positions,
-                                           const int *__restrict__ slots, const bf16 *__restrict__ q_norm_w,
-                                           const bf16 *__restrict__ k_norm_w, const float *__restrict__ inv_freq,
-                                           int num_heads, int num_kv_heads, float eps, HeadInput &h) {
+// False when there is nothing to do (past the last head, or a key head of a padding token).
+__device__ __forceinline__ bool prepare_head(const int *__restrict__ positions, const int *__restrict__ slots,
+                                             const bf16 *__restrict__ q_norm_w, const bf16 *__restrict__ k_norm_w,
+                                             const float *__restrict__ inv_freq, int num_heads, int num_kv_heads,
+                                             HeadInput &h) {
     const int t = blockIdx.x;
     h.head = blockIdx.y * 4 + (threadIdx.x >> 5);
     h.lane = threadIdx.x & 31;
@@ -51,11 +35,28 @@ __device__ __forceinline__ bool head_input(const bf16 *__restrict__ qkv, const i
     h.is_q = h.head < num_heads;
     h.slot = slots[t];
     if (!h.is_q && h.slot < 0) return false;
-    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
-    h.src = qkv + (size_t)t * row_elems + (size_t)h.head * HD;
-    norm_rope(h.src, h.is_q ? q_norm_w : k_norm_w, inv_freq, (float)positions[t], eps, h.lane, h.a0, h.a1, h.b0,
-              h.b1);
+    const u32 *wn = reinterpret_cast<const u32 *>(h.is_q ? q_norm_w : k_norm_w);
+    h.wlo = wn[h.lane];
+    h.whi = wn[HD / 4 + h.lane];
+    const float pos = (float)positions[t];
+    sincosf(pos * inv_freq[2 * h.lane], &h.s0, &h.c0);
+    sincosf(pos * inv_freq[2 * h.lane + 1], &h.s1, &h.c1);
     return true;
+}
+
+// qkv's row of token blockIdx.x: the head loaded, normed and rotated (after the wait).
+__device__ __forceinline__ void finish_head(const bf16 *__restrict__ qkv, int num_heads, int num_kv_heads, float eps,
+                                            HeadInput &h) {
+    const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
+    h.src = qkv + (size_t)blockIdx.x * row_elems + (size_t)h.head * HD;
+    const u32 lo = reinterpret_cast<const u32 *>(h.src)[h.lane];            // channels 2l, 2l+1
+    const u32 hi = reinterpret_cast<const u32 *>(h.src + HD / 2)[h.lane];   // channels 64+2l, 64+2l+1
+    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
+    const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
+    x0 *= r * bf16lo(h.wlo); x1 *= r * bf16hi(h.wlo);
+    y0 *= r * bf16lo(h.whi); y1 *= r * bf16hi(h.whi);
+    h.a0 = x0 * h.c0 - y0 * h.s0; h.b0 = y0 * h.c0 + x0 * h.s0;
+    h.a1 = x1 * h.c1 - y1 * h.s1; h.b1 = y1 * h.c1 + x1 * h.s1;
 }
 
 // ============================================================================= kernels
@@ -69,10 +70,12 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
                                       const bf16 *__restrict__ k_norm_w, const float *__restrict__ inv_freq,
                                       bf16 *__restrict__ q_out, bf16 *__restrict__ k_pool, bf16 *__restrict__ v_pool,
                                       int num_heads, int num_kv_heads, int page_size, float eps) {
-    pdl_start();
-    const int t = blockIdx.x;
     HeadInput h;
-    if (!head_input(qkv, positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, eps, h)) return;
+    const bool work = prepare_head(positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, h);
+    pdl_start();
+    if (!work) return;
+    finish_head(qkv, num_heads, num_kv_heads, eps, h);
+    const int t = blockIdx.x;
     const int lane = h.lane;
     float a0 = h.a0, a1 = h.a1, b0 = h.b0, b1 = h.b1;
 
@@ -107,14 +110,17 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
                                            signed char *__restrict__ k_pool, signed char *__restrict__ v_pool,
                                            float *__restrict__ k_scale, float *__restrict__ v_scale,
                                            int num_heads, int num_kv_heads, int page_size, float eps) {
-    pdl_start();
-    const int t = blockIdx.x;
     HeadInput h;
-    if (!head_input(qkv, positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, eps, h)) return;
+    const bool work = prepare_head(positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, h);
+    // Channels 2l, 2l+1 (a) and 64+2l, 64+2l+1 (b) share the factors c[2l], c[2l+1].
+    const int l = threadIdx.x & 31;
+    const float f0 = smooth ? smooth[2 * l] : 1.f, f1 = smooth ? smooth[2 * l + 1] : 1.f;
+    pdl_start();
+    if (!work) return;
+    finish_head(qkv, num_heads, num_kv_heads, eps, h);
+    const int t = blockIdx.x;
     const int lane = h.lane;
     float a0 = h.a0, a1 = h.a1, b0 = h.b0, b1 = h.b1;
-    // Channels 2l, 2l+1 (a) and 64+2l, 64+2l+1 (b) share the factors c[2l], c[2l+1].
-    const float f0 = smooth ? smooth[2 * lane] : 1.f, f1 = smooth ? smooth[2 * lane + 1] : 1.f;
 
     if (h.is_q) {
         bf16 *dst = q_out + ((size_t)t * num_heads + h.head) * HD;
