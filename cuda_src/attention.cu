@@ -38,7 +38,8 @@ __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)
 // Pipeline depth (tiles in flight + the one being computed) and shared memory, in bytes: the Q
 // tile, then the bf16 K and V tiles (one per stage for BF16, one for INT8), then for INT8 one
 // staging buffer per stage (int8 K and V codes and their scales). Decode is bound by how many bytes
-// are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (102 KB).
+// are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (72 KB: its
+// decode shape reads the int8 tiles directly, no bf16 tiles; 3 blocks per SM).
 template <bool Q8, bool KEYS>
 struct Smem {
     static constexpr int ROWS = KEYS ? 16 : 64;
