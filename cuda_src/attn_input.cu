@@ -113,8 +113,7 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
     HeadInput h;
     const bool work = prepare_head(positions, slots, q_norm_w, k_norm_w, inv_freq, num_heads, num_kv_heads, h);
     // Channels 2l, 2l+1 (a) and 64+2l, 64+2l+1 (b) share the factors c[2l], c[2l+1].
-    const int l = threadIdx.x & 31;
-    const float f0 = smooth ? smooth[2 * l] : 1.f, f1 = smooth ? smooth[2 * l + 1] : 1.f;
+    const float f0 = smooth ? smooth[2 * h.lane] : 1.f, f1 = smooth ? smooth[2 * h.lane + 1] : 1.f;
     pdl_start();
     if (!work) return;
     finish_head(qkv, num_heads, num_kv_heads, eps, h);

@@ -1,5 +1,6 @@
-// Thread-block cluster helpers (sm_90) shared by the split-K GEMMs (gemm_swap.cu, gemm_tma.cu): the block's rank in its cluster, a cluster-wide barrier, and loads from another block's
-// shared memory (distributed shared memory: mapa + ld.shared::cluster).
+// Thread-block cluster helpers (sm_90) shared by the split-K GEMMs (gemm_swap.cu, gemm_tma.cu): the
+// block's rank in its cluster, a cluster-wide barrier, and loads from another block's shared memory
+// (distributed shared memory: mapa + ld.shared::cluster).
 #pragma once
 #include "common.cuh"
 

@@ -163,42 +163,34 @@ __device__ __forceinline__ void load_norm_weights(const bf16 *__restrict__ w, in
     }
 }
 
+// Chunk c (4 elements) of a normed row: out[4c .. 4c+3] = bf16(x * r * w), with the weights' pieces
+// wa = w[4c], w[4c+1] and wb = w[4c+2], w[4c+3].
+__device__ __forceinline__ void store_normed_chunk(const float *__restrict__ x, float r, u32 wa, u32 wb, bf16 *out,
+                                                   int c) {
+    const float4 v = reinterpret_cast<const float4 *>(x)[c];
+    u32 *o = reinterpret_cast<u32 *>(out);
+    o[2 * c] = pack_bf16x2(v.x * r * bf16lo(wa), v.y * r * bf16hi(wa));
+    o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(wb), v.w * r * bf16hi(wb));
+}
+
+// out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned), chunks from c0 on
+// (the weights read from memory).
+__device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const bf16 *__restrict__ w,
+                                                 bf16 *out, int dim, int c0 = threadIdx.x) {
+    const u32 *w2 = reinterpret_cast<const u32 *>(w);
+    for (int c = c0; c < dim / 4; c += blockDim.x) store_normed_chunk(x, r, w2[2 * c], w2[2 * c + 1], out, c);
+}
+
 // store_normed_row with the weights' first C chunks from load_norm_weights (the rest from memory).
 template <int C>
 __device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const u32 (&wa)[C],
                                                  const u32 (&wb)[C], const bf16 *__restrict__ w, bf16 *out, int dim) {
-    const float4 *xr = reinterpret_cast<const float4 *>(x);
-    u32 *o = reinterpret_cast<u32 *>(out);
-    const u32 *w2 = reinterpret_cast<const u32 *>(w);
 #pragma unroll
     for (int i = 0; i < C; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
-        if (c < dim / 4) {
-            const float4 v = xr[c];
-            o[2 * c] = pack_bf16x2(v.x * r * bf16lo(wa[i]), v.y * r * bf16hi(wa[i]));
-            o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(wb[i]), v.w * r * bf16hi(wb[i]));
-        }
+        if (c < dim / 4) store_normed_chunk(x, r, wa[i], wb[i], out, c);
     }
-    for (int c = threadIdx.x + C * blockDim.x; c < dim / 4; c += blockDim.x) {
-        const float4 v = xr[c];
-        const u32 a = w2[2 * c], b = w2[2 * c + 1];
-        o[2 * c] = pack_bf16x2(v.x * r * bf16lo(a), v.y * r * bf16hi(a));
-        o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(b), v.w * r * bf16hi(b));
-    }
-}
-
-// out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned).
-__device__ __forceinline__ void store_normed_row(const float *__restrict__ x, float r, const bf16 *__restrict__ w,
-                                                 bf16 *out, int dim) {
-    const float4 *xr = reinterpret_cast<const float4 *>(x);
-    u32 *o = reinterpret_cast<u32 *>(out);
-    const u32 *w2 = reinterpret_cast<const u32 *>(w);
-    for (int c = threadIdx.x; c < dim / 4; c += blockDim.x) {
-        float4 v = xr[c];
-        u32 wa = w2[2 * c], wb = w2[2 * c + 1];
-        o[2 * c] = pack_bf16x2(v.x * r * bf16lo(wa), v.y * r * bf16hi(wa));
-        o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(wb), v.w * r * bf16hi(wb));
-    }
+    store_normed_row(x, r, w, out, dim, threadIdx.x + C * blockDim.x);
 }
 
 // ----------------------------------------------------------------------------- tensor cores
