@@ -205,7 +205,17 @@ __device__ __forceinline__ void direct_qk(const unsigned char *k_codes, const u3
 //  - O += P V over the warp's 16 keys: ldmatrix.trans gives a lane the byte pairs (columns 2g, 2g+1)
 //    of keys 2t and 2t+1; the even bytes are the B fragment of column 2g, the odd ones of 2g + 1.
 //    So for each 16-column block b, o[2b] accumulates columns 16b + 2n and o[2b + 1] columns
-//    16b + 2n + 1 (n = the mma's column): a thread holds 16b + 4t + {0, 1, 2, 3}.
+//    16b + 2n + 1 (n = the mma's column): a thread holds 16b + 4t + {0, 1, 2, 3}. In fp16, as Q K^T:
+//    the value codes widen with two byte permutes and a packed subtraction per four (bf16 took four
+//    float32 subtractions, the kernel's extra FP32 work in ncu). P (probabilities times the values'
+//    scales) goes to fp16 in units of 2^(vexp - 126), vexp the largest exponent of a value scale the warp
+//    has seen (raised tile by tile, o rescaled by the power of two as for a new maximum): every P < 1,
+//    and fp16's 11 bits hold it down to 2^-14 of the largest; o is scaled back before the warps merge.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u32 (&a)[4], float (&o)[16][4],
                                           int wkey, int lane) {
 #pragma unroll
@@ -217,11 +227,11 @@ __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u3
 #pragma unroll
         for (int d = 0; d < 2; ++d) {
             u32 even0, odd0, even1, odd1;  // keys 0..7 (b0) and 8..15 (b1) of the slice
-            i8x4_to_bf16x4(__byte_perm(r[2 * d], 0, 0x3120), even0, odd0);
-            i8x4_to_bf16x4(__byte_perm(r[2 * d + 1], 0, 0x3120), even1, odd1);
+            i8x4_to_f16x4(__byte_perm(r[2 * d], 0, 0x3120), even0, odd0);
+            i8x4_to_f16x4(__byte_perm(r[2 * d + 1], 0, 0x3120), even1, odd1);
             const u32 be[2] = {even0, even1}, bo[2] = {odd0, odd1};
-            mma_bf16_16816(o[2 * (2 * j + d)], a, be);
-            mma_bf16_16816(o[2 * (2 * j + d) + 1], a, bo);
+            mma_f16_16816(o[2 * (2 * j + d)], a, be);
+            mma_f16_16816(o[2 * (2 * j + d) + 1], a, bo);
         }
     }
 }
@@ -337,6 +347,7 @@ __device__ __forceinline__ void attention_body(
     }
 
     float m[2] = {-TI_INF, -TI_INF}, l[2] = {0.f, 0.f};
+    int vexp = 1;  // DIRECT: the largest biased exponent of a value scale this warp has seen (see direct_pv)
     float o[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -437,6 +448,26 @@ __device__ __forceinline__ void attention_body(
             alpha[h] = exp2f(m[h] - m_use[h]);
             m[h] = m_new;
         }
+        // DIRECT: P's unit (direct_pv) from the largest value scale of the warp's 16 keys in this tile.
+        float o_alpha[2] = {alpha[0], alpha[1]}, pv_unit = 1.f;
+        if constexpr (S::DIRECT) {
+            float vm = 0.f;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; ++e1) vm = fmaxf(vm, vsc[wkey + nb * 8 + 2 * t + e1]);
+            vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+            vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));  // the same in every lane: keys depend on t
+            const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
+            if (eb > vexp) {
+                const int up = eb - vexp;
+                const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
+                o_alpha[0] *= shrink;
+                o_alpha[1] *= shrink;
+                vexp = eb;
+            }
+            pv_unit = __uint_as_float((u32)(253 - vexp) << 23);  // 2^(126 - vexp)
+        }
         float rowsum[2] = {0.f, 0.f};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
@@ -445,31 +476,34 @@ __device__ __forceinline__ void attention_body(
                 const float p = exp2f(s[nb][e] - m_use[e >> 1]);
                 rowsum[e >> 1] += p;
                 if constexpr (Q8) {
-                    s[nb][e] = p * vsc[wkey + nb * 8 + 2 * t + (e & 1)];
+                    s[nb][e] = p * (vsc[wkey + nb * 8 + 2 * t + (e & 1)] * pv_unit);
                 } else {
                     s[nb][e] = p;
                 }
             }
 #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
-        if (alpha[0] != 1.f || alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
+        if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
 #pragma unroll
             for (int nb = 0; nb < 16; ++nb) {
-                o[nb][0] *= alpha[0]; o[nb][1] *= alpha[0];
-                o[nb][2] *= alpha[1]; o[nb][3] *= alpha[1];
+                o[nb][0] *= o_alpha[0]; o[nb][1] *= o_alpha[0];
+                o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1];
             }
         }
 
-        // O += P V: P (bf16) is the A operand straight from the S accumulators.
+        // O += P V: P (bf16; fp16 for the INT8 decode shape) is the A operand straight from the S accumulators.
 #pragma unroll
         for (int kk = 0; kk < NB / 2; ++kk) {
-            const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             if constexpr (S::DIRECT) {
+                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]), pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
+                                  pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
                 direct_pv(st + KT * HD, a, o, wkey, lane);
                 continue;
             }
+            const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int dp = 0; dp < 8; ++dp) {
                 u32 vb[4];
@@ -499,12 +533,14 @@ __device__ __forceinline__ void attention_body(
         for (int h = 0; h < 2; ++h) {
             const int r = g + 8 * h;
             if constexpr (S::DIRECT) {
-                // o[2 b] holds channels 16 b + 4t and + 2, o[2 b + 1] channels 16 b + 4t + 1 and + 3 (direct_pv).
+                // o[2 b] holds channels 16 b + 4t and + 2, o[2 b + 1] channels 16 b + 4t + 1 and + 3 (direct_pv),
+                // in units of 2^(vexp - 126).
+                const float unit = __uint_as_float((u32)(vexp + 1) << 23);
                 float4 *dst = reinterpret_cast<float4 *>(sO + (warp * 16 + r) * HD);
 #pragma unroll
                 for (int b = 0; b < 8; ++b)
-                    dst[b * 4 + t] = make_float4(o[2 * b][2 * h], o[2 * b + 1][2 * h], o[2 * b][2 * h + 1],
-                                                 o[2 * b + 1][2 * h + 1]);
+                    dst[b * 4 + t] = make_float4(o[2 * b][2 * h] * unit, o[2 * b + 1][2 * h] * unit,
+                                                 o[2 * b][2 * h + 1] * unit, o[2 * b + 1][2 * h + 1] * unit);
             } else {
                 float2 *dst = reinterpret_cast<float2 *>(sO + (warp * 16 + r) * HD);
 #pragma unroll

@@ -378,9 +378,10 @@ class PagedBatch:
     pages), their queries, cu_q / kv_lens / block tables, and the numpy reference."""
 
     def __init__(self, rng: np.random.Generator, spec: list[tuple[int, int]], H: int, KV: int, page_size: int,
-                 int8: bool = False):
+                 int8: bool = False, v_scale: float | str = 1.0):
         """int8: an INT8 cache (codes + float32 scales, quantized as tileinfer/kv/int8.py does; the
-        scales of unowned slots are NaN, so reading one shows)."""
+        scales of unowned slots are NaN, so reading one shows). v_scale: the values' magnitude, or
+        "rising": position p of kv_len scaled by 10^(-3 + 5 p / kv_len) (1e-3 to 1e2 along the sequence)."""
         self.spec, self.H, self.KV, self.page_size, self.int8 = spec, H, KV, page_size, int8
         num_pages = sum(cdiv(kv_len, page_size) for _, kv_len in spec) + 3 + 2  # + dummy's 3 + 2 spare
         bm = shuffled_manager(num_pages, page_size, rng)
@@ -404,6 +405,11 @@ class PagedBatch:
         self.keys, self.values = [], []
         for s, (_, kv_len) in zip(seqs, spec):
             k, v = rand_bf16(rng, (kv_len, KV, HD)), rand_bf16(rng, (kv_len, KV, HD))
+            if v_scale == "rising":
+                v = (to_f32(v) * (10.0 ** (-3 + 5 * np.arange(kv_len) / max(kv_len, 1)))[:, None, None]
+                     .astype(np.float32)).astype(BF16)
+            elif v_scale != 1.0:
+                v = (to_f32(v) * np.float32(v_scale)).astype(BF16)
             slots = bm.slots(s, 0, kv_len)
             page, off = slots // page_size, slots % page_size
             if int8:
@@ -592,6 +598,19 @@ INT8_CASES = [
     pytest.param([(1, 1000), (37, 137)], 32, 24, 4, id="decode-and-chunk-page24"),  # 16-row strides cross pages
     pytest.param([(1, 300)], 16, 5, 1, id="decode-kv300-page5"),
 ]
+
+
+# The INT8 decode shape's P V product runs in fp16 in units of the largest value scale seen so far
+# (attention.cu, direct_pv): values of any magnitude, and magnitudes rising along the sequence (the
+# units change tile by tile), against the oracle.
+@pytest.mark.parametrize("v_scale", [1e-4, 1e3, "rising"], ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("spec, num_splits", [([(1, 4097)], 4), ([(1, 700), (5, 300)], 1), ([(1, 2000)], 32)],
+                         ids=["kv4097-splits4", "decode-verify", "kv2000-splits32"])
+def test_attention_int8_value_magnitudes(spec, num_splits, v_scale, buf, stream):
+    rng = np.random.default_rng(seed_of("int8 values", spec, num_splits, v_scale))
+    batch = PagedBatch(rng, spec, 32, 8, 64, int8=True, v_scale=v_scale)
+    check_attention(batch.run(buf, stream, num_splits), batch.reference(), batch.vmax,
+                    batch.label(num_splits) + f" values x {v_scale}")
 
 
 @pytest.mark.parametrize("spec, H, page_size, num_splits", INT8_CASES)
