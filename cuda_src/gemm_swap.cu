@@ -50,7 +50,18 @@
 // j .. j + 7 in rows 8-15 (j = tile * TR / 2 + 8 s), so D rows g and g + 8 of a warp pair up; the
 // reduction reads gate at P[m][16 s + q] and up at P[m][16 s + 8 + q].
 //
-// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi): grid (KS, tiles), block 128 * WG,
+// Norm statistics from the residual epilogue (experiment, tileinfer/model/qwen3.py EPI_NORM): a product
+// that adds into the residual stream can also write what the next RMSNorm needs, and the product after
+// that norm applies it, so no rmsnorm kernel runs between them. Producer (EPI_RESIDUAL, ss_out set): for
+// each new residual r it writes next_x = bf16(r * next_w) ([M, N], the next norm's weights, no 1/rms) and
+// for each row m its tile's sum of r^2, ss_out[m * tiles + tile] (tiles = gridDim.y; a fixed shuffle
+// tree: the same bits on every run). Consumer (ss_in set, x = that next_x): after its wait it sums row
+// m's ss_tiles partials (rows of ss_tiles floats, in a fixed order), r_m = 1 / sqrt(sum / K + eps), and
+// scales row m's sums by r_m before the epilogue: x W^T scaled by r_m is rmsnorm(r) W^T, up to where the
+// bf16 rounding falls (before the 1 / rms here, after it in the rmsnorm kernel).
+//
+// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi, next_w, next_x, ss_out, ss_in, ss_tiles,
+// eps): grid (KS, tiles), block 128 * WG,
 // dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py computes the same numbers);
 // tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (12
 // kernels, not 48; only WG = 1 is built, see the end of the file).
@@ -166,10 +177,17 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
+__device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SS_LOADS 3  // the consumer sums at most 32 * SS_LOADS = 96 partials a row (rows of up to 6,144)
+
 template <int B, int WG, int KS>
 __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
-                                           void *__restrict__ out, int M, int N, int K, int epi) {
+                                           void *__restrict__ out, int M, int N, int K, int epi,
+                                           const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x,
+                                           float *__restrict__ ss_out, const float *__restrict__ ss_in,
+                                           int ss_tiles, float eps) {
     using C = Cfg<B, WG>;
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -228,6 +246,22 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         cp_async_commit();
     }
     pdl_start();
+    // Consumer: row m's norm partials, rows warp, warp + 4, ... of this warp (requested with x, summed
+    // after x is stored).
+    constexpr int RPW = (B + C::THREADS / 32 - 1) / (C::THREADS / 32);
+    __shared__ float row_scale[B];
+    float ssv[RPW][SS_LOADS];
+    if (ss_in) {
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            const int m = warp + i * (C::THREADS / 32);
+#pragma unroll
+            for (int j = 0; j < SS_LOADS; ++j) {
+                const int t = lane + 32 * j;
+                ssv[i][j] = m < M && t < ss_tiles ? ss_in[(size_t)m * ss_tiles + t] : 0.f;
+            }
+        }
+    }
     {
         vec16 xv[AHEAD][C::XP];
 #pragma unroll
@@ -245,6 +279,17 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 #pragma unroll
             for (int p = 0; p < C::XP; ++p)
                 if (s < mine && x_here(p)) st16(smem + s * C::STAGE + C::TILE_W + swz_bytes(x_row(p), c), xv[s][p]);
+    }
+    if (ss_in) {  // row_scale is read in the epilogue, past the main loop's barriers
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            float part = ssv[i][0];
+#pragma unroll
+            for (int j = 1; j < SS_LOADS; ++j) part += ssv[i][j];
+            const float sum = warp_sum(part);
+            const int m = warp + i * (C::THREADS / 32);
+            if (lane == 0 && m < B) row_scale[m] = rsqrtf(sum / K + eps);
+        }
     }
 
     float d[B / 2];
@@ -287,20 +332,50 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 
     // Units of 4 outputs: (m, 4 consecutive tile rows) or, for SILU_MUL, (m, 4 gate rows and their 4 up rows).
     const int per_m = silu ? TR / 8 : TR / 4;
+    if (ss_out) {
+        // Producer (EPI_RESIDUAL): the TR / 4 = 16 units of row m in this tile are 16 consecutive u, the
+        // lanes of one half-warp, and B * per_m is a multiple of 32: every lane of a warp runs the same
+        // iterations and meets the shuffles (rows past M and columns past N add 0).
+        static_assert(TR / 4 == 16, "the producer's row sums take a half-warp a row");
+        for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
+            const int m = u / per_m, q = u % per_m, n = tile * TR + 4 * q;
+            float ss = 0.f;
+            if (m < M && n < N) {
+                const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
+                float4 *o = reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + (size_t)m * N + n);
+                const float4 old = *o;
+                const float4 r = make_float4(old.x + v.x, old.y + v.y, old.z + v.z, old.w + v.w);
+                *o = r;
+                const uint2 w = *reinterpret_cast<const uint2 *>(next_w + n);
+                *reinterpret_cast<uint2 *>(next_x + (size_t)m * N + n) =
+                        make_uint2(pack_bf16x2(r.x * bf16lo(w.x), r.y * bf16hi(w.x)),
+                                   pack_bf16x2(r.z * bf16lo(w.y), r.w * bf16hi(w.y)));
+                ss = (r.x * r.x + r.y * r.y) + (r.z * r.z + r.w * r.w);
+            }
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+            if (q == 0 && m < M) ss_out[(size_t)m * gridDim.y + tile] = ss;
+        }
+        if (KS > 1) cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
+        return;
+    }
     for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
         const int m = u / per_m, q = u % per_m;
         if (m >= M) break;  // u only grows
+        const float rs = ss_in ? row_scale[m] : 1.f;  // consumer: 1 / rms of row m
         if (silu) {
             const int half = N >> 1, r = (q >> 1) * 16 + (q & 1) * 4, j = tile * (TR / 2) + (q >> 1) * 8 + (q & 1) * 4;
             if (j >= half) continue;
-            const float4 g = sum_ranks<KS>(P + m * C::PS + r), v = sum_ranks<KS>(P + m * C::PS + r + 8);
+            float4 g = sum_ranks<KS>(P + m * C::PS + r), v = sum_ranks<KS>(P + m * C::PS + r + 8);
+            if (ss_in) { g = scale4(g, rs); v = scale4(v, rs); }
             *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + (size_t)m * half + j) =
                     make_uint2(pack_bf16x2(silu_mul(g.x, v.x), silu_mul(g.y, v.y)),
                                pack_bf16x2(silu_mul(g.z, v.z), silu_mul(g.w, v.w)));
         } else {
             const int n = tile * TR + 4 * q;
             if (n >= N) continue;
-            store4(out, N, epi, m, n, sum_ranks<KS>(P + m * C::PS + 4 * q));
+            const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
+            store4(out, N, epi, m, n, ss_in ? scale4(v, rs) : v);
         }
     }
     if (KS > 1) cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
@@ -308,7 +383,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 
 #else
 template <int B, int WG, int KS>
-__device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int) {
+__device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int, const bf16 *,
+                                           bf16 *, float *, const float *, int, float) {
     pdl_start();
     __trap();
 }
@@ -318,8 +394,9 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
 #define SWAP_KERNEL(B, WG, KS, CLUSTER)                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS(        \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int epi) {                                                                                      \
-        swap_block<B, WG, KS>(x, W, out, M, N, K, epi);                                                     \
+            int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out,     \
+            const float *__restrict__ ss_in, int ss_tiles, float eps) {                                     \
+        swap_block<B, WG, KS>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, ss_in, ss_tiles, eps);      \
     }
 #define SWAP_SPLITS(B, WG)                                                                                  \
     SWAP_KERNEL(B, WG, 1, )                                                                                 \

@@ -22,7 +22,7 @@ from tileinfer.cuda import get_device
 from tileinfer.kernels import linear
 from tileinfer.kernels.linear import SWAP_SPLITS, swap_config
 
-from gpu_helpers import POISON, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f64  # noqa: E402
+from gpu_helpers import POISON, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +167,93 @@ def test_swap_is_deterministic(epilogue, ksplit, buf, stream):
     outs, _, label, _, _ = run_swap(buf, stream, 64, N, K, epilogue, ksplit=ksplit, repeats=3)
     for i, other in enumerate(outs[1:], 1):
         assert other.tobytes() == outs[0].tobytes(), f"{label}: run {i} differs from run 0"
+
+
+# ============================================================================= norm statistics (EPI_NORM)
+# linear(norm_out=) on the residual epilogue: the residual stream as without it (bitwise), next_x =
+# bf16(r * next_w) (bitwise: one float32 product, rounded to nearest even), and each row's sum of r^2 per
+# 64-column tile. linear(row_norm=) on x = such a next_x: each row scaled by 1 / sqrt(sum / K + eps).
+
+def norm_weight(rng, n: int) -> np.ndarray:
+    """RMSNorm weights around 1, a few channels large (as Qwen3's norms have)."""
+    w = rand_bf16(rng, (n,), scale=0.1, mean=1.0)
+    w[::97] = BF16.type(8.0)
+    return w
+
+
+def tile_sums(r: np.ndarray) -> np.ndarray:
+    """[M, N] float32 -> [M, ceil(N / 64)]: float64 sums of r^2 over each 64-column tile."""
+    M, N = r.shape
+    r64 = np.zeros((M, -(-N // 64) * 64))
+    r64[:, :N] = r.astype(np.float64) ** 2
+    return r64.reshape(M, -1, 64).sum(axis=2)
+
+
+@pytest.mark.parametrize("M, N, K, ksplit", [(5, 4096, 4096, None), (5, 4096, 12288, None), (3, 136, 72, 8),
+                                             (17, 520, 1000, 2), (64, 2560, 9728, None), (33, 1024, 3072, 1)],
+                         ids=lambda v: str(v))
+def test_swap_norm_out(M, N, K, ksplit, buf, stream):
+    rng = np.random.default_rng(seed_of("swap norm_out", M, N, K, ksplit))
+    w, x, next_w = _weight(N, K), rand_bf16(rng, (M, K)), norm_weight(rng, N)
+    old = rng.standard_normal((M + GUARD, N), dtype=np.float32) * np.float32(3.0)
+    tiles = -(-N // 64)
+    xd, wd = buf.upload(x), buf.upload(w)
+    plain = buf.upload(old)
+    linear(xd, wd, plain.rows(0, M), "residual", stream, force="swap", ksplit=ksplit)
+    resid, next_x, ss = buf.upload(old), buf.poisoned((M + GUARD, N), BF16), buf.poisoned((M + GUARD, tiles), F32)
+    linear(xd, wd, resid.rows(0, M), "residual", stream, force="swap", ksplit=ksplit,
+           norm_out=(buf.upload(next_w), next_x.rows(0, M), ss.rows(0, M)))
+    label = f"gemm_swap residual + norm_out M={M} N={N} K={K} ksplit={ksplit}"
+    r = resid.to_host(stream)
+    assert r.tobytes() == plain.to_host(stream).tobytes(), f"{label}: the residual stream differs from plain linear"
+    nx = next_x.to_host(stream)
+    assert nx[M:].tobytes() == bytes([POISON]) * (GUARD * N * 2), f"{label}: next_x written past row M"
+    want = (r[:M] * to_f32(next_w)).astype(BF16)
+    assert nx[:M].tobytes() == want.tobytes(), f"{label}: next_x is not bf16(resid * next_w)"
+    got_ss = ss.to_host(stream)
+    assert got_ss[M:].tobytes() == bytes([POISON]) * (GUARD * tiles * 4), f"{label}: ss written past row M"
+    # 64 float32 squares summed in a fixed tree: relative error ~1e-7 each, 1e-5 allowed.
+    np.testing.assert_allclose(got_ss[:M].astype(np.float64), tile_sums(r[:M]), rtol=1e-5, atol=0, err_msg=label)
+
+
+@pytest.mark.parametrize("M, N, K, epilogue, ksplit", [
+    (5, 6144, 4096, "bf16", None), (5, 24576, 4096, "silu_mul", None), (5, 1024, 4096, "f32", None),
+    (3, 136, 1000, "bf16", 8), (9, 4096, 1024, "bf16", 2), (33, 6144, 1024, "silu_mul", None),
+    (64, 19456, 2560, "silu_mul", None), (17, 264, 72, "f32", 1)], ids=lambda v: str(v))
+def test_swap_row_norm(M, N, K, epilogue, ksplit, buf, stream):
+    rng = np.random.default_rng(seed_of("swap row_norm", M, N, K, epilogue, ksplit))
+    eps = 1e-6
+    w, norm_w = _weight(N, K), norm_weight(rng, K)
+    r = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
+    r[:, 7] *= np.float32(40.0)  # one large channel, as Qwen3's residual stream has
+    x = (r * to_f32(norm_w)).astype(BF16)  # what norm_out writes
+    ss = tile_sums(r).astype(np.float32)  # what norm_out writes (up to its summation order)
+    inv = 1.0 / np.sqrt(ss.astype(np.float64).sum(axis=1, keepdims=True) / K + eps)  # [M, 1]
+    cols = N // 2 if epilogue == "silu_mul" else N
+    dtype = F32 if epilogue == "f32" else BF16
+    out = buf.poisoned((M + GUARD, cols), dtype)
+    linear(buf.upload(x), buf.upload(w), out.rows(0, M), epilogue, stream, force="swap", ksplit=ksplit,
+           row_norm=(buf.upload(ss), eps))
+    got = out.to_host(stream)
+    label = f"gemm_swap {epilogue} + row_norm M={M} N={N} K={K} ksplit={ksplit}"
+    assert got[M:].tobytes() == bytes([POISON]) * (GUARD * cols * dtype.itemsize), f"{label}: wrote past row M"
+
+    def finish(acc):
+        if epilogue == "silu_mul":
+            gate, up = acc[:, :N // 2], acc[:, N // 2:]
+            return gate / (1.0 + np.exp(-gate)) * up
+        return acc
+
+    # The kernel's arithmetic: the product of the bf16 x it was given, scaled by each row's 1 / rms.
+    ref = finish(matmul_ref(x, w) * inv)
+    dot_scale = math.sqrt(K) * rms(x) * rms(w) * float(inv.max())
+    if epilogue == "f32":
+        assert_close(got[:M], ref, atol=3e-4 * dot_scale, rtol=1e-5, rel_norm=1e-4, label=label)
+    else:
+        assert_close(got[:M], ref, atol=2e-3 * max(rms(ref), 1e-6), rtol=1e-2, rel_norm=1e-2, label=label)
+    # Against the norm as the rmsnorm kernel defines it (x rounded after the 1 / rms, not before): the
+    # difference is bf16 rounding of x, ||err|| / ||ref|| ~ 2e-3.
+    exact = finish(matmul_ref((r.astype(np.float64) * inv * to_f64(norm_w)), w))
+    err = np.linalg.norm(to_f64(got[:M]) - exact) / np.linalg.norm(exact)
+    print(f"{label}: against rmsnorm(r) W^T, ||err|| / ||ref|| {err:.2e}")
+    assert err <= 1e-2, f"{label}: {err:.2e} from rmsnorm(r) W^T"

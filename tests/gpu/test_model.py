@@ -14,6 +14,8 @@ a near tie (gap < 0.05 std); and top-1 agreement over 4 prompts x 64 teacher-for
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -242,6 +244,31 @@ def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):
     finally:
         tiny_model.use_graphs = True
     assert fused == plain
+
+
+def test_epi_norm_step_matches_reference(tiny_model, tiny_reference, monkeypatch):
+    # TILEINFER_EPI_NORM=1 (experiment): a 5-token step (swap-AB products) takes its norms' statistics from
+    # the residual products' epilogue; its logits against the reference and against the rmsnorm kernels.
+    Q = sys.modules["tileinfer.model.qwen3"]
+    model = tiny_model
+    cache = model.ensure_cache(700)
+    prompt = random_prompt(60, seed=31)
+    got = {}
+    model.use_graphs = False
+    try:
+        for on in (False, True):
+            monkeypatch.setattr(Q, "EPI_NORM", on)
+            seq = Sequence()
+            try:
+                model.extend(seq, prompt[:55])
+                got[on] = model.extend(seq, prompt[55:])
+            finally:
+                cache.manager.release(seq)
+    finally:
+        model.use_graphs = True
+    ref = tiny_reference.forward(prompt)[55:]
+    compare_logits(got[True], ref, "EPI_NORM 5-token step vs reference")
+    compare_logits(got[True], got[False], "EPI_NORM vs the rmsnorm kernels")
 
 
 def test_generation_across_page_boundaries_matches_reference(tiny_model, tiny_reference):

@@ -51,6 +51,12 @@ SWAP_BK = 64
 SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
+NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
+
+
+def norm_tiles(n: int) -> int:
+    """Partial sums of squares a row that linear(norm_out=) writes for an N = n residual (one per 64 columns)."""
+    return cdiv(n, SWAP_TILE)
 
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
 SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
@@ -251,12 +257,19 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
 
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
-           ksplit: int | None = None, pipe: bool | None = None, head_keys: DeviceArray | None = None) -> None:
+           ksplit: int | None = None, pipe: bool | None = None, head_keys: DeviceArray | None = None,
+           norm_out: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None,
+           row_norm: tuple[DeviceArray, float] | None = None) -> None:
     """out <- epilogue(x @ w.T). `force` ("gemm", "gemv" or "swap") and `ksplit` override the choices: for
     the GEMV the warps per row pair, for the swap-AB GEMM the blocks per cluster splitting K (1, 2, 4 or
     8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one row, the f32
     epilogue, the GEMV): also each block's largest logit as a key, in head_keys[:blocks]
-    with blocks = head_key_count(N, K) (gemv.cu, ARGMAX), for sample()."""
+    with blocks = head_key_count(N, K) (gemv.cu, ARGMAX), for sample().
+
+    Norm statistics, swap-AB path only (gemm_swap.cu's header): norm_out = (next_w [N] bf16, next_x [M, N]
+    bf16, ss [M, norm_tiles(N)] float32) with the residual epilogue also writes next_x = bf16(out * next_w)
+    and each row's sums of squares a tile; row_norm = (ss [M, norm_tiles(K)], eps), with x = such a
+    next_x, scales row m of the result by 1 / sqrt(sum(ss[m]) / K + eps) before the epilogue."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"linear: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
     M, K = x.shape
@@ -269,6 +282,8 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         raise ValueError(f"linear: K and N must be multiples of 8 (16-byte rows), got K={K}, N={N}")
     path = force or default_path(M, N)
     epi = EPILOGUES[epilogue]
+    if (norm_out is not None or row_norm is not None) and path != "swap":
+        raise ValueError(f"linear: norm_out and row_norm need the swap-AB path (3-64 rows), got the {path!r} path")
     if path == "gemv":
         if M not in GEMV_ROWS:
             raise ValueError(f"linear: the GEMV handles M in {GEMV_ROWS}, got M={M}")
@@ -302,10 +317,27 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             gemm(x, w, out, epilogue, stream)
     elif path == "swap":
         cfg = swap_config(M, N, K, epilogue, ksplit=ksplit, sms=get_device().info.num_sms)
+        next_w = next_x = ss_out = ss_in = None
+        ss_tiles, eps = 0, 0.0
+        if norm_out is not None:
+            if epilogue != "residual":
+                raise ValueError(f"linear: norm_out needs the residual epilogue, got {epilogue!r}")
+            next_w, next_x, ss_out = norm_out
+            expect("next_w", next_w, (N,), BF16)
+            expect("next_x", next_x, (M, N), BF16)
+            expect("ss (norm_out)", ss_out, (M, norm_tiles(N)), FLOAT32)
+        if row_norm is not None:
+            ss_in, eps = row_norm
+            ss_tiles = norm_tiles(K)
+            expect("ss (row_norm)", ss_in, (M, ss_tiles), FLOAT32)
+            if ss_tiles > NORM_MAX_TILES:
+                raise ValueError(f"linear: row_norm sums at most {NORM_MAX_TILES} partials a row "
+                                 f"(K <= {NORM_MAX_TILES * SWAP_TILE}), got K={K}")
         if M == 0:
             return
         kernel("gemm_swap.cu", cfg.kernel_name).launch(
-            cfg.grid, (128,), [x, w, out, I32(M), I32(N), I32(K), I32(epi)], stream, smem=cfg.smem)
+            cfg.grid, (128,), [x, w, out, I32(M), I32(N), I32(K), I32(epi), next_w, next_x, ss_out, ss_in,
+                               I32(ss_tiles), F32(eps)], stream, smem=cfg.smem)
     else:
         raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'swap', got {force!r}")
 

@@ -21,7 +21,7 @@ import numpy as np
 from .. import kernels as K
 from ..cuda import DeviceArray
 from ..engine.step import StepBuffers, StepShape
-from ..kernels.linear import head_key_count
+from ..kernels.linear import SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
 from .reference import rope_inv_freq
 from .weights import DeviceWeights
@@ -55,8 +55,13 @@ class Workspace:
         self.part_o = DeviceArray((P, c.num_attention_heads, c.head_dim), np.float32)
         self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
         self.inv_freq = DeviceArray.from_host(rope_inv_freq(c.head_dim, c.rope_theta).astype(np.float32))
+        # EPI_NORM: the residual products' per-tile sums of squares for the norm after them (before the MLP,
+        # before the next layer's attention), at most SWAP_DEFAULT_ROWS rows.
+        ss_shape = (SWAP_DEFAULT_ROWS[-1], norm_tiles(c.hidden_size))
+        self.ss_post, self.ss_input = DeviceArray(ss_shape, np.float32), DeviceArray(ss_shape, np.float32)
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.logits,
-                       self.logit_argmax, self.head_keys, self.part_o, self.part_ml, self.inv_freq]
+                       self.logit_argmax, self.head_keys, self.part_o, self.part_ml, self.inv_freq, self.ss_post,
+                       self.ss_input]
 
     @property
     def nbytes(self) -> int:
@@ -91,10 +96,20 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
             raise ValueError(f"split attention for {n} rows x {num_splits} splits exceeds the workspace")
         partials = (_prefix_view(ws.part_o, (num_splits, n)), _prefix_view(ws.part_ml, (num_splits, n)))
 
+    # EPI_NORM (steps of 3-64 rows, on the swap-AB GEMM): o_proj and down_proj also write the next norm's
+    # input and row statistics, and the product after the norm scales its rows (no rmsnorm launches but the
+    # first layer's and the final one).
+    epi_norm = EPI_NORM and not batch_invariant and n in SWAP_DEFAULT_ROWS
+    eps = c.rms_norm_eps
+    ss_post, ss_input = (ws.ss_post.rows(0, n), ws.ss_input.rows(0, n)) if epi_norm else (None, None)
+    layers = weights.layers
     K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
     K.embedding(tokens, weights.embed, resid, stream)
-    for i, lw in enumerate(weights.layers):
-        K.norm_linear(resid, lw.input_norm, c.rms_norm_eps, x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
+    for i, lw in enumerate(layers):
+        if epi_norm and i > 0:
+            K.linear(x, lw.w_qkv, qkv, "bf16", stream, row_norm=(ss_input, eps))
+        else:
+            K.norm_linear(resid, lw.input_norm, eps, x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
         scales = cache.layer_scales(i)
         if scales is None:
             K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, cache.k_pool(i),
@@ -106,20 +121,31 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
         K.attention(q, cache.k_pool(i), cache.v_pool(i), attn, cu_q, kv_lens, tables, max_q_len=shape.max_q_len,
                     num_splits=num_splits, partials=partials, scales=scales, decode_shape=not batch_invariant,
                     stream=stream)
+        if epi_norm:
+            K.linear(attn_flat, lw.w_o, resid, "residual", stream, norm_out=(lw.post_norm, x, ss_post))
+            K.linear(x, lw.w_gu, act, "silu_mul", stream, row_norm=(ss_post, eps))
+            last = i == len(layers) - 1
+            K.linear(act, lw.w_down, resid, "residual", stream,
+                     norm_out=None if last else (layers[i + 1].input_norm, x, ss_input))
+            continue
         K.linear(attn_flat, lw.w_o, resid, "residual", stream, force=linear_path)
-        K.norm_linear(resid, lw.post_norm, c.rms_norm_eps, x, lw.w_gu, act, "silu_mul", stream, force=linear_path)
+        K.norm_linear(resid, lw.post_norm, eps, x, lw.w_gu, act, "silu_mul", stream, force=linear_path)
         K.linear(act, lw.w_down, resid, "residual", stream, force=linear_path)
 
     rows = n if all_logits else b
     if rows > ws.max_logit_rows:
         raise ValueError(f"{rows} logits rows exceed the workspace ({ws.max_logit_rows})")
     final_x, logits = ws.final_x.rows(0, rows), ws.logits.rows(0, rows)
-    K.rmsnorm(resid, weights.final_norm, final_x, c.rms_norm_eps, stream,
+    K.rmsnorm(resid, weights.final_norm, final_x, eps, stream,
               rows=None if all_logits else d["last_rows"].rows(0, b))
     K.linear(final_x, weights.lm_head, logits, "f32", stream, force=linear_path,
              head_keys=ws.head_keys if head_keys_written(logits, batch_invariant) else None)
     return logits
 
+
+# TILEINFER_EPI_NORM=1 (experiment): steps of 3-64 rows take the norm statistics from the residual
+# products' epilogue (gemm_swap.cu) instead of launching the rmsnorm kernel before QKV and gate/up.
+EPI_NORM = os.environ.get("TILEINFER_EPI_NORM", "0") == "1"
 
 # TILEINFER_HEAD_KEYS=0 turns the LM head's keys off (greedy decoding scans the logits again): for A/B runs.
 HEAD_KEYS = os.environ.get("TILEINFER_HEAD_KEYS", "1") != "0"
