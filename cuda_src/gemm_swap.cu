@@ -60,11 +60,11 @@
 // scales row m's sums by r_m before the epilogue: x W^T scaled by r_m is rmsnorm(r) W^T, up to where the
 // bf16 rounding falls (before the 1 / rms here, after it in the rmsnorm kernel).
 //
-// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi, next_w, next_x, ss_out, ss_in, ss_tiles,
-// eps): grid (KS, tiles), block 128 * WG,
+// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi), the producer ..._np(..., epi, next_w, next_x,
+// ss_out) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps): grid (KS, tiles), block 128 * WG,
 // dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py computes the same numbers);
 // tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (12
-// kernels, not 48; only WG = 1 is built, see the end of the file).
+// kernels a norm role, not 48; only WG = 1 is built, see the end of the file).
 //
 // wgmma exists only on sm_90a: a plain sm_90 build (which test_compile also checks) gets kernels
 // that trap.
@@ -72,6 +72,10 @@
 #include "wgmma.cuh"
 
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+// Builds of the swap-AB GEMM: the plain one, and the norm statistics' producer (_np) and consumer (_nc), so
+// that the plain build carries none of their code (one build taking both as arguments made every product
+// slower: qwen3-8b verify 4.81 -> 5.02 ms on the H200, session 14).
+enum NormRole { NORM_NONE = 0, NORM_PRODUCER = 1, NORM_CONSUMER = 2 };
 
 #define BK 64  // k per chunk: one 128-byte shared-memory row
 
@@ -182,7 +186,14 @@ __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SS_LOADS 3  // the consumer sums at most 32 * SS_LOADS = 96 partials a row (rows of up to 6,144)
 
-template <int B, int WG, int KS>
+// The consumer's 1 / rms a row, from the prologue to the epilogue (a function so that only the consumer
+// builds have the static shared array).
+template <int B> __device__ __forceinline__ float *row_scale_smem() {
+    __shared__ float row_scale[B];
+    return row_scale;
+}
+
+template <int B, int WG, int KS, int NORM>
 __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
                                            void *__restrict__ out, int M, int N, int K, int epi,
                                            const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x,
@@ -249,9 +260,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
     // Consumer: row m's norm partials, rows warp, warp + 4, ... of this warp (requested with x, summed
     // after x is stored).
     constexpr int RPW = (B + C::THREADS / 32 - 1) / (C::THREADS / 32);
-    __shared__ float row_scale[B];
     float ssv[RPW][SS_LOADS];
-    if (ss_in) {
+    if constexpr (NORM == NORM_CONSUMER) {
 #pragma unroll
         for (int i = 0; i < RPW; ++i) {
             const int m = warp + i * (C::THREADS / 32);
@@ -280,7 +290,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             for (int p = 0; p < C::XP; ++p)
                 if (s < mine && x_here(p)) st16(smem + s * C::STAGE + C::TILE_W + swz_bytes(x_row(p), c), xv[s][p]);
     }
-    if (ss_in) {  // row_scale is read in the epilogue, past the main loop's barriers
+    if constexpr (NORM == NORM_CONSUMER) {  // row_scale is read in the epilogue, past the main loop's barriers
 #pragma unroll
         for (int i = 0; i < RPW; ++i) {
             float part = ssv[i][0];
@@ -288,7 +298,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             for (int j = 1; j < SS_LOADS; ++j) part += ssv[i][j];
             const float sum = warp_sum(part);
             const int m = warp + i * (C::THREADS / 32);
-            if (lane == 0 && m < B) row_scale[m] = rsqrtf(sum / K + eps);
+            if (lane == 0 && m < B) row_scale_smem<B>()[m] = rsqrtf(sum / K + eps);
         }
     }
 
@@ -332,7 +342,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 
     // Units of 4 outputs: (m, 4 consecutive tile rows) or, for SILU_MUL, (m, 4 gate rows and their 4 up rows).
     const int per_m = silu ? TR / 8 : TR / 4;
-    if (ss_out) {
+    if constexpr (NORM == NORM_PRODUCER) {
         // Producer (EPI_RESIDUAL): the TR / 4 = 16 units of row m in this tile are 16 consecutive u, the
         // lanes of one half-warp, and B * per_m is a multiple of 32: every lane of a warp runs the same
         // iterations and meets the shuffles (rows past M and columns past N add 0).
@@ -356,33 +366,35 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             for (int off = 8; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
             if (q == 0 && m < M) ss_out[(size_t)m * gridDim.y + tile] = ss;
         }
-        if (KS > 1) cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
-        return;
-    }
-    for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
-        const int m = u / per_m, q = u % per_m;
-        if (m >= M) break;  // u only grows
-        const float rs = ss_in ? row_scale[m] : 1.f;  // consumer: 1 / rms of row m
-        if (silu) {
-            const int half = N >> 1, r = (q >> 1) * 16 + (q & 1) * 4, j = tile * (TR / 2) + (q >> 1) * 8 + (q & 1) * 4;
-            if (j >= half) continue;
-            float4 g = sum_ranks<KS>(P + m * C::PS + r), v = sum_ranks<KS>(P + m * C::PS + r + 8);
-            if (ss_in) { g = scale4(g, rs); v = scale4(v, rs); }
-            *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + (size_t)m * half + j) =
-                    make_uint2(pack_bf16x2(silu_mul(g.x, v.x), silu_mul(g.y, v.y)),
-                               pack_bf16x2(silu_mul(g.z, v.z), silu_mul(g.w, v.w)));
-        } else {
-            const int n = tile * TR + 4 * q;
-            if (n >= N) continue;
-            const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
-            store4(out, N, epi, m, n, ss_in ? scale4(v, rs) : v);
+    } else {
+        for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
+            const int m = u / per_m, q = u % per_m;
+            if (m >= M) break;  // u only grows
+            const float rs = NORM == NORM_CONSUMER ? row_scale_smem<B>()[m] : 1.f;  // consumer: 1 / rms of row m
+            if (silu) {
+                const int half = N >> 1, r = (q >> 1) * 16 + (q & 1) * 4, j = tile * (TR / 2) + (q >> 1) * 8 + (q & 1) * 4;
+                if (j >= half) continue;
+                float4 g = sum_ranks<KS>(P + m * C::PS + r), v = sum_ranks<KS>(P + m * C::PS + r + 8);
+                if constexpr (NORM == NORM_CONSUMER) {
+                    g = scale4(g, rs);
+                    v = scale4(v, rs);
+                }
+                *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + (size_t)m * half + j) =
+                        make_uint2(pack_bf16x2(silu_mul(g.x, v.x), silu_mul(g.y, v.y)),
+                                   pack_bf16x2(silu_mul(g.z, v.z), silu_mul(g.w, v.w)));
+            } else {
+                const int n = tile * TR + 4 * q;
+                if (n >= N) continue;
+                const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
+                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v);
+            }
         }
     }
     if (KS > 1) cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
 }
 
 #else
-template <int B, int WG, int KS>
+template <int B, int WG, int KS, int NORM>
 __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int, const bf16 *,
                                            bf16 *, float *, const float *, int, float) {
     pdl_start();
@@ -394,9 +406,18 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
 #define SWAP_KERNEL(B, WG, KS, CLUSTER)                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS(        \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out,     \
-            const float *__restrict__ ss_in, int ss_tiles, float eps) {                                     \
-        swap_block<B, WG, KS>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, ss_in, ss_tiles, eps);      \
+            int epi) {                                                                                      \
+        swap_block<B, WG, KS, NORM_NONE>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f); \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS##_np(   \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out) {   \
+        swap_block<B, WG, KS, NORM_PRODUCER>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, nullptr, 0, 0.f); \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS##_nc(   \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi, const float *__restrict__ ss_in, int ss_tiles, float eps) {                           \
+        swap_block<B, WG, KS, NORM_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps); \
     }
 #define SWAP_SPLITS(B, WG)                                                                                  \
     SWAP_KERNEL(B, WG, 1, )                                                                                 \

@@ -284,6 +284,9 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
     epi = EPILOGUES[epilogue]
     if (norm_out is not None or row_norm is not None) and path != "swap":
         raise ValueError(f"linear: norm_out and row_norm need the swap-AB path (3-64 rows), got the {path!r} path")
+    if norm_out is not None and row_norm is not None:
+        raise ValueError("linear: one product either writes the norm statistics (norm_out) or applies them "
+                         "(row_norm), not both")
     if path == "gemv":
         if M not in GEMV_ROWS:
             raise ValueError(f"linear: the GEMV handles M in {GEMV_ROWS}, got M={M}")
@@ -335,9 +338,12 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
                                  f"(K <= {NORM_MAX_TILES * SWAP_TILE}), got K={K}")
         if M == 0:
             return
-        kernel("gemm_swap.cu", cfg.kernel_name).launch(
-            cfg.grid, (128,), [x, w, out, I32(M), I32(N), I32(K), I32(epi), next_w, next_x, ss_out, ss_in,
-                               I32(ss_tiles), F32(eps)], stream, smem=cfg.smem)
+        args, name = [x, w, out, I32(M), I32(N), I32(K), I32(epi)], cfg.kernel_name
+        if norm_out is not None:
+            args, name = args + [next_w, next_x, ss_out], name + "_np"
+        elif row_norm is not None:
+            args, name = args + [ss_in, I32(ss_tiles), F32(eps)], name + "_nc"
+        kernel("gemm_swap.cu", name).launch(cfg.grid, (128,), args, stream, smem=cfg.smem)
     else:
         raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'swap', got {force!r}")
 
