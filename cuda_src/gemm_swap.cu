@@ -50,7 +50,7 @@
 // j .. j + 7 in rows 8-15 (j = tile * TR / 2 + 8 s), so D rows g and g + 8 of a warp pair up; the
 // reduction reads gate at P[m][16 s + q] and up at P[m][16 s + 8 + q].
 //
-// Norm statistics from the residual epilogue (experiment, tileinfer/model/qwen3.py EPI_NORM): a product
+// Norm statistics from the residual epilogue (tileinfer/model/qwen3.py EPI_NORM, steps of 3-32 rows): a product
 // that adds into the residual stream can also write what the next RMSNorm needs, and the product after
 // that norm applies it, so no rmsnorm kernel runs between them. Producer (EPI_RESIDUAL, ss_out set): for
 // each new residual r it writes next_x = bf16(r * next_w) ([M, N], the next norm's weights, no 1/rms) and

@@ -247,7 +247,7 @@ def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):
 
 
 def test_epi_norm_step_matches_reference(tiny_model, tiny_reference, monkeypatch):
-    # TILEINFER_EPI_NORM=1 (experiment): a 5-token step (swap-AB products) takes its norms' statistics from
+    # EPI_NORM (the default for 3-32 rows): a 5-token step (swap-AB products) takes its norms' statistics from
     # the residual products' epilogue; its logits against the reference and against the rmsnorm kernels.
     Q = sys.modules["tileinfer.model.qwen3"]
     model = tiny_model

@@ -56,8 +56,8 @@ class Workspace:
         self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
         self.inv_freq = DeviceArray.from_host(rope_inv_freq(c.head_dim, c.rope_theta).astype(np.float32))
         # EPI_NORM: the residual products' per-tile sums of squares for the norm after them (before the MLP,
-        # before the next layer's attention), at most SWAP_DEFAULT_ROWS rows.
-        ss_shape = (SWAP_DEFAULT_ROWS[-1], norm_tiles(c.hidden_size))
+        # before the next layer's attention), at most EPI_NORM_MAX_ROWS rows.
+        ss_shape = (EPI_NORM_MAX_ROWS, norm_tiles(c.hidden_size))
         self.ss_post, self.ss_input = DeviceArray(ss_shape, np.float32), DeviceArray(ss_shape, np.float32)
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.logits,
                        self.logit_argmax, self.head_keys, self.part_o, self.part_ml, self.inv_freq, self.ss_post,
@@ -96,10 +96,10 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
             raise ValueError(f"split attention for {n} rows x {num_splits} splits exceeds the workspace")
         partials = (_prefix_view(ws.part_o, (num_splits, n)), _prefix_view(ws.part_ml, (num_splits, n)))
 
-    # EPI_NORM (steps of 3-64 rows, on the swap-AB GEMM): o_proj and down_proj also write the next norm's
+    # EPI_NORM (steps of 3-32 rows, on the swap-AB GEMM): o_proj and down_proj also write the next norm's
     # input and row statistics, and the product after the norm scales its rows (no rmsnorm launches but the
     # first layer's and the final one).
-    epi_norm = EPI_NORM and not batch_invariant and n in SWAP_DEFAULT_ROWS
+    epi_norm = EPI_NORM and not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
     eps = c.rms_norm_eps
     ss_post, ss_input = (ws.ss_post.rows(0, n), ws.ss_input.rows(0, n)) if epi_norm else (None, None)
     layers = weights.layers
@@ -143,9 +143,12 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     return logits
 
 
-# TILEINFER_EPI_NORM=1 (experiment): steps of 3-64 rows take the norm statistics from the residual
-# products' epilogue (gemm_swap.cu) instead of launching the rmsnorm kernel before QKV and gate/up.
-EPI_NORM = os.environ.get("TILEINFER_EPI_NORM", "0") == "1"
+# Steps of 3-32 rows take the norm statistics from the residual products' epilogue (gemm_swap.cu) instead
+# of launching the rmsnorm kernel before QKV and gate/up. H200, session 14, against the rmsnorm launches:
+# qwen3-8b verify (k = 4) 4.81 -> 4.72 ms; qwen3-0.6b batch 4 / 8 / 16 +5.5 / +7.3 / +9.8%, qwen3-4b +3%;
+# at batch 64 qwen3-4b lost 1% (0.6b even), hence the 32. TILEINFER_EPI_NORM=0 turns it off (A/B runs).
+EPI_NORM = os.environ.get("TILEINFER_EPI_NORM", "1") != "0"
+EPI_NORM_MAX_ROWS = 32
 
 # TILEINFER_HEAD_KEYS=0 turns the LM head's keys off (greedy decoding scans the logits again): for A/B runs.
 HEAD_KEYS = os.environ.get("TILEINFER_HEAD_KEYS", "1") != "0"
