@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tileinfer.cuda import PinnedBuffer
 from tileinfer.engine import sampler
 from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, norm_linear, rmsnorm, sample
 from tileinfer.kernels.linear import head_key_count
@@ -739,6 +740,38 @@ def launch_sample(buf, stream, logits, temperature, top_k, top_p, seeds, counter
     assert not bad.any(), (f"sample: {int(bad.sum())} of {rows} rows out of [0, {logits.shape[1]}) "
                            f"(-1 = never written); first row {int(np.argmax(bad))}: {got[bad][0]}")
     return got
+
+
+def test_sample_writes_the_mapped_host_row(buf, stream):
+    # host_out: the sampling kernel also writes each row's token into row host_slot[0] of mapped page-locked
+    # memory (what the engine reads instead of copying the ids back); the other row and the columns past
+    # the step's rows stay as they were.
+    rng = np.random.default_rng(seed_of("sample mapped"))
+    rows, vocab, stride = 5, 1003, 8
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(3)
+    temperature = np.array([0.0, 0.7, 0.0, 1.3, 0.9], np.float32)
+    host = PinnedBuffer(2 * stride * 4, mapped=True)
+    try:
+        view = host.array((2, stride), np.int32)
+        view[:] = -7
+        out = buf.poisoned((rows,), I32)
+        sample(buf.upload(logits), buf.upload(temperature), buf.upload(np.zeros(rows, np.int32)),
+               buf.upload(np.ones(rows, np.float32)), buf.upload(np.zeros(rows, np.float32)),
+               buf.upload(rng.integers(0, 2**64, rows, dtype=np.uint64)), buf.upload(np.arange(rows, dtype=np.int32)),
+               out, stream, host_out=host.device_array((2, stride), np.int32),
+               host_slot=buf.upload(np.array([1], np.int32)))
+        got = out.to_host(stream)  # synchronizes the stream
+        assert ((got >= 0) & (got < vocab)).all(), got
+        assert got[0] == np.argmax(logits[0]) and got[2] == np.argmax(logits[2])
+        np.testing.assert_array_equal(view[1, :rows], got)
+        assert (view[1, rows:] == -7).all() and (view[0] == -7).all(), view
+        with pytest.raises(ValueError, match="host_out rows hold 4 tokens"):
+            sample(buf.upload(logits), buf.upload(temperature), buf.upload(np.zeros(rows, np.int32)),
+                   buf.upload(np.ones(rows, np.float32)), buf.upload(np.zeros(rows, np.float32)),
+                   buf.upload(np.zeros(rows, np.uint64)), buf.upload(np.zeros(rows, np.int32)), out, stream,
+                   host_out=host.device_array((2, 4), np.int32), host_slot=buf.upload(np.array([0], np.int32)))
+    finally:
+        host.free()
 
 
 def top_p_boundary_excuse(logits: np.ndarray, temperature: float, top_k: int, top_p: float, choice: int):

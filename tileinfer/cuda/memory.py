@@ -128,11 +128,14 @@ class DeviceArray:
 
 
 class PinnedBuffer:
-    """Page-locked host memory viewed as a numpy array (for asynchronous copies)."""
+    """Page-locked host memory viewed as a numpy array (for asynchronous copies). mapped=True also maps
+    it into the device's address space: kernels write it directly at `device_ptr` (device_array())."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, *, mapped: bool = False):
         self.nbytes = int(nbytes)
-        self.ptr = int(call(driver.cuMemHostAlloc, max(self.nbytes, 1), 0, detail=f"{self.nbytes} bytes"))
+        flags = int(driver.CU_MEMHOSTALLOC_DEVICEMAP) if mapped else 0
+        self.ptr = int(call(driver.cuMemHostAlloc, max(self.nbytes, 1), flags, detail=f"{self.nbytes} bytes"))
+        self.device_ptr = int(call(driver.cuMemHostGetDevicePointer, self.ptr, 0)) if mapped else 0
         raw = (ctypes.c_uint8 * max(self.nbytes, 1)).from_address(self.ptr)
         self.bytes = np.ctypeslib.as_array(raw)[: self.nbytes]
 
@@ -142,6 +145,14 @@ class PinnedBuffer:
         if offset + n > self.nbytes:
             raise ValueError(f"pinned view of {n} bytes at {offset} exceeds {self.nbytes}")
         return self.bytes[offset: offset + n].view(dtype).reshape(shape)
+
+    def device_array(self, shape, dtype) -> DeviceArray:
+        """The mapped buffer as kernels address it (mapped=True only; the array does not own it)."""
+        if not self.device_ptr:
+            raise ValueError("device_array needs a PinnedBuffer(mapped=True)")
+        if _nbytes(shape, dtype) > self.nbytes:
+            raise ValueError(f"device view of {_nbytes(shape, dtype)} bytes exceeds {self.nbytes}")
+        return DeviceArray(shape, dtype, ptr=self.device_ptr)
 
     def free(self) -> None:
         if self.ptr:

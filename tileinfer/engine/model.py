@@ -94,7 +94,7 @@ class Model:
         self.verify_graphs: dict[tuple[int, str], DecodeGraphs] = {}  # (tokens a row, logits) -> graph per bucket
         self.use_graphs = True
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
-        self._slot = 0           # pinned slot the next sampled step downloads into
+        self._slot = 0           # row of the mapped sampled_host the next sampled step writes
         self.batch_invariant = batch_invariant
         self._tokenizer = None
         self._smoothing: np.ndarray | None = None
@@ -186,7 +186,8 @@ class Model:
             K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                      d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
                      self.steps.sampled.rows(0, b), stream, head_keys=self.workspace.head_keys if keyed else None,
-                     pen_offsets=d["pen_offsets"].rows(0, 2) if keyed else None)
+                     pen_offsets=d["pen_offsets"].rows(0, 2) if keyed else None, host_out=self.steps.sampled_out,
+                     host_slot=d["sample_slot"])
 
     def extend_splits(self, n: int) -> int:
         """Key-range splits of a one-sequence step of n query tokens: a decode step's, as far as the
@@ -228,6 +229,7 @@ class Model:
             bucket = bucket_for(len(batch), self.buckets)
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
                          token_src=token_src)
+            self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
             if self.use_graphs:
                 self.graphs.run(bucket, self.stream)
@@ -236,13 +238,14 @@ class Model:
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
                                  token_src=token_src)
+            self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
             self._enqueue(shape, all_logits=False, sample=sample, num_splits=1, stream=self.stream)
         if not sample:
             return None
-        slot = self._slot
+        slot = self._slot  # the sampling kernel writes the ids into this row of the mapped sampled_host
         self._slot ^= 1
-        self.steps.start_download(len(batch), slot, self.stream)
+        self.steps.mark_sampled(slot, self.stream)
         return slot
 
     def collect(self, slot: int | None, n: int) -> np.ndarray | None:
@@ -252,7 +255,7 @@ class Model:
             self.stream.synchronize()
             out = None
         else:
-            out = self.steps.finish_download(n, slot)
+            out = self.steps.read_sampled(n, slot)
         self.wait_seconds += time.perf_counter() - t
         return out
 

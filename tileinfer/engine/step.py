@@ -65,6 +65,7 @@ class StepBuffers:
             ("presence", (max_seqs,), np.float32),
             ("frequency", (max_seqs,), np.float32),
             ("pen_offsets", (max_seqs + 1,), np.int32),  # each row's range of penalty entries
+            ("sample_slot", (1,), np.int32),           # the row of sampled_host the step's tokens go to
         ]
         offsets, offset = {}, 0
         for name, shape, dtype in fields:
@@ -82,10 +83,13 @@ class StepBuffers:
         self.pinned.bytes[:] = 0
         self.host["token_src"][:] = -1
         self.src_dirty = 0  # leading token_src entries a step set (reset to -1 by the next)
-        # Sampled token ids come back through their own small buffers: one pinned slot per step in
-        # flight (two), so a step's ids can be read while the next step runs.
+        # Sampled token ids: on the device in `sampled` (the next step's token_src reads them there), and
+        # written by the sampling kernel straight into mapped page-locked memory, one row per step in
+        # flight (two, row sample_slot), so a step's ids can be read while the next step runs and no copy
+        # follows the step in the stream.
         self.sampled = DeviceArray((max_seqs,), np.int32)
-        self.sampled_host = PinnedBuffer(2 * max_seqs * 4)
+        self.sampled_host = PinnedBuffer(2 * max_seqs * 4, mapped=True)
+        self.sampled_out = self.sampled_host.device_array((2, max_seqs), np.int32)
         self.sampled_ready = [Event(), Event()]
         self.uploaded = Event()  # recorded after each upload: the mirror may be rewritten once it completes
         self._upload_pending = False
@@ -124,21 +128,18 @@ class StepBuffers:
         self.uploaded.record(stream)
         self._upload_pending = True
 
-    def start_download(self, n: int, slot: int, stream) -> None:
-        """Enqueue the copy of the first n sampled ids into pinned slot 0 or 1 (read with finish_download)."""
-        call(driver.cuMemcpyDtoHAsync, self.sampled_host.ptr + slot * self.max_seqs * 4, self.sampled.ptr, n * 4,
-             stream.handle)
+    def set_sample_slot(self, slot: int) -> None:
+        """The row of sampled_host (0 or 1) the next uploaded step's sampling kernel writes."""
+        self.host["sample_slot"][0] = slot
+
+    def mark_sampled(self, slot: int, stream) -> None:
+        """Record that slot's event after the step's launches (read the ids with read_sampled)."""
         self.sampled_ready[slot].record(stream)
 
-    def finish_download(self, n: int, slot: int) -> np.ndarray:
-        """Wait for a slot's copy; the step's sampled ids."""
+    def read_sampled(self, n: int, slot: int) -> np.ndarray:
+        """Wait for the step that wrote `slot`; its first n sampled ids."""
         self.sampled_ready[slot].synchronize()
         return self.sampled_host.array((n,), np.int32, slot * self.max_seqs * 4).copy()
-
-    def download_sampled(self, n: int, stream) -> np.ndarray:
-        """Copy the first n sampled ids back and wait for them (the step's one host sync)."""
-        self.start_download(n, 0, stream)
-        return self.finish_download(n, 0)
 
     def free(self) -> None:
         self.device.free()

@@ -14,14 +14,19 @@ def argmax(logits: DeviceArray, out: DeviceArray, stream) -> None:
 
 def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray,
            min_p: DeviceArray, seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream, *,
-           head_keys: DeviceArray | None = None, pen_offsets: DeviceArray | None = None) -> None:
+           head_keys: DeviceArray | None = None, pen_offsets: DeviceArray | None = None,
+           host_out: DeviceArray | None = None, host_slot: DeviceArray | None = None) -> None:
     """Per row r: greedy if temperature[r] <= 0, else a Gumbel-max sample from the min-p, then top-k,
     then top-p filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r]).
     min_p[r] <= 0 disables min-p (it keeps probabilities >= min_p[r] * the largest).
 
     head_keys: the per-block keys the batch-1 LM head wrote with the logits (linear(head_keys=)), for
     one row only; row 0's largest logit is then read from them (a few KB instead of the vocabulary)
-    unless apply_penalties changed the row since, which pen_offsets (apply_penalties' offsets) tells."""
+    unless apply_penalties changed the row since, which pen_offsets (apply_penalties' offsets) tells.
+
+    host_out: mapped page-locked memory [slots, stride] (PinnedBuffer(mapped=True).device_array) that
+    also receives the tokens, in row host_slot[0] (an int32 on the device): read by the host after the
+    step's event, with no copy enqueued."""
     rows, vocab = logits.shape
     expect("logits", logits, (rows, vocab), FLOAT32)
     for name, arr, dtype in (("temperature", temperature, FLOAT32), ("top_k", top_k, INT32),
@@ -35,9 +40,16 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
         expect("head_keys", head_keys, (None,), UINT64)
         expect("pen_offsets", pen_offsets, (2,), INT32)
         num_keys = head_keys.shape[0]
+    stride = 0
+    if host_out is not None:
+        expect("host_out", host_out, (None, None), INT32)
+        expect("host_slot", host_slot, (1,), INT32)
+        stride = host_out.shape[1]
+        if stride < rows:
+            raise ValueError(f"sample: host_out rows hold {stride} tokens, the step samples {rows}")
     kernel("sampling.cu", "sample_rows").launch(
         (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out, head_keys,
-                           I32(num_keys), pen_offsets], stream)
+                           I32(num_keys), pen_offsets, host_out, host_slot, I32(stride)], stream)
 
 
 def apply_penalties(logits: DeviceArray, offsets: DeviceArray, tokens: DeviceArray, counts: DeviceArray,
