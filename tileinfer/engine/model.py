@@ -245,7 +245,7 @@ class Model:
             return None
         slot = self._slot  # the sampling kernel writes the ids into this row of the mapped sampled_host
         self._slot ^= 1
-        self.steps.mark_sampled(slot, self.stream)
+        self.steps.mark_sampled(slot, len(batch), self.stream)
         return slot
 
     def collect(self, slot: int | None, n: int) -> np.ndarray | None:

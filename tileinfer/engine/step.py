@@ -8,6 +8,7 @@ addresses, so a graph captured at one length stays valid as sequences grow.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,9 @@ from ..cuda import DeviceArray, Event, PinnedBuffer, call
 from ..kv import BlockManager
 
 _ALIGN = 16
+# TILEINFER_COPY_SAMPLES=1: also copy the sampled ids back after each step (what the engine did before the
+# sampling kernel wrote them into mapped memory), for A/B runs.
+COPY_SAMPLES = os.environ.get("TILEINFER_COPY_SAMPLES", "0") == "1"
 
 
 @dataclass(eq=False)
@@ -132,8 +136,11 @@ class StepBuffers:
         """The row of sampled_host (0 or 1) the next uploaded step's sampling kernel writes."""
         self.host["sample_slot"][0] = slot
 
-    def mark_sampled(self, slot: int, stream) -> None:
+    def mark_sampled(self, slot: int, n: int, stream) -> None:
         """Record that slot's event after the step's launches (read the ids with read_sampled)."""
+        if COPY_SAMPLES:  # the former way, for A/B runs: copy the ids back after the step
+            call(driver.cuMemcpyDtoHAsync, self.sampled_host.ptr + slot * self.max_seqs * 4, self.sampled.ptr,
+                 n * 4, stream.handle)
         self.sampled_ready[slot].record(stream)
 
     def read_sampled(self, n: int, slot: int) -> np.ndarray:
