@@ -53,11 +53,6 @@ SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
 NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
 
-
-def norm_tiles(n: int) -> int:
-    """Partial sums of squares a row that linear(norm_out=) writes for an N = n residual (one per 64 columns)."""
-    return cdiv(n, SWAP_TILE)
-
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
 SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
 
@@ -231,6 +226,11 @@ class SwapConfig:
         return f"gemm_swap_b{self.B}_w1_c{self.ksplit}"
 
 
+def norm_tiles(n: int) -> int:
+    """Partial sums of squares a row that linear(norm_out=) writes for an N = n residual (one per 64 columns)."""
+    return cdiv(n, SWAP_TILE)
+
+
 def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = None, sms: int = 132) -> SwapConfig:
     """The gemm_swap.cu launch for x [M, K] @ W [N, K]^T, M <= 64. Blocks per cluster: the fewest
     (1, 2, 4, 8) whose grid reaches SWAP_WAVE of the SMs, while each block keeps two k-chunks. Fitted to
@@ -320,29 +320,25 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
             gemm(x, w, out, epilogue, stream)
     elif path == "swap":
         cfg = swap_config(M, N, K, epilogue, ksplit=ksplit, sms=get_device().info.num_sms)
-        next_w = next_x = ss_out = ss_in = None
-        ss_tiles, eps = 0, 0.0
-        if norm_out is not None:
+        args, name = [x, w, out, I32(M), I32(N), I32(K), I32(epi)], cfg.kernel_name
+        if norm_out is not None:  # the producer build
             if epilogue != "residual":
                 raise ValueError(f"linear: norm_out needs the residual epilogue, got {epilogue!r}")
             next_w, next_x, ss_out = norm_out
             expect("next_w", next_w, (N,), BF16)
             expect("next_x", next_x, (M, N), BF16)
             expect("ss (norm_out)", ss_out, (M, norm_tiles(N)), FLOAT32)
-        if row_norm is not None:
+            args, name = args + [next_w, next_x, ss_out], name + "_np"
+        elif row_norm is not None:  # the consumer build
             ss_in, eps = row_norm
             ss_tiles = norm_tiles(K)
             expect("ss (row_norm)", ss_in, (M, ss_tiles), FLOAT32)
             if ss_tiles > NORM_MAX_TILES:
                 raise ValueError(f"linear: row_norm sums at most {NORM_MAX_TILES} partials a row "
                                  f"(K <= {NORM_MAX_TILES * SWAP_TILE}), got K={K}")
+            args, name = args + [ss_in, I32(ss_tiles), F32(eps)], name + "_nc"
         if M == 0:
             return
-        args, name = [x, w, out, I32(M), I32(N), I32(K), I32(epi)], cfg.kernel_name
-        if norm_out is not None:
-            args, name = args + [next_w, next_x, ss_out], name + "_np"
-        elif row_norm is not None:
-            args, name = args + [ss_in, I32(ss_tiles), F32(eps)], name + "_nc"
         kernel("gemm_swap.cu", name).launch(cfg.grid, (128,), args, stream, smem=cfg.smem)
     else:
         raise ValueError(f"linear: force must be 'gemm', 'gemv' or 'swap', got {force!r}")

@@ -9,7 +9,9 @@ once into a CUDA graph and replayed as the sequence grows.
     paged attention -> O GEMM (+= residual) -> rmsnorm -> gate/up GEMM with SiLU*mul ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
 
-The residual stream is float32; activations between kernels are bf16.
+The residual stream is float32; activations between kernels are bf16. In steps of 3-32 rows (EPI_NORM)
+the two residual products also write the next norm's input and each row's sums of squares, and the
+product after the norm scales its rows by 1 / rms: only layer 0's input norm and the final norm launch.
 """
 from __future__ import annotations
 
