@@ -52,10 +52,10 @@
 //
 // Norm statistics from the residual epilogue (tileinfer/model/qwen3.py EPI_NORM, steps of 3-32 rows): a product
 // that adds into the residual stream can also write what the next RMSNorm needs, and the product after
-// that norm applies it, so no rmsnorm kernel runs between them. Producer (EPI_RESIDUAL, ss_out set): for
+// that norm applies it, so no rmsnorm kernel runs between them. Producer (the _np builds, EPI_RESIDUAL): for
 // each new residual r it writes next_x = bf16(r * next_w) ([M, N], the next norm's weights, no 1/rms) and
 // for each row m its tile's sum of r^2, ss_out[m * tiles + tile] (tiles = gridDim.y; a fixed shuffle
-// tree: the same bits on every run). Consumer (ss_in set, x = that next_x): after its wait it sums row
+// tree: the same bits on every run). Consumer (the _nc builds, x = that next_x): after its wait it sums row
 // m's ss_tiles partials (rows of ss_tiles floats, in a fixed order), r_m = 1 / sqrt(sum / K + eps), and
 // scales row m's sums by r_m before the epilogue: x W^T scaled by r_m is rmsnorm(r) W^T, up to where the
 // bf16 rounding falls (before the 1 / rms here, after it in the rmsnorm kernel).
