@@ -19,13 +19,13 @@ import pytest
 
 from tileinfer.cuda import PinnedBuffer
 from tileinfer.engine import sampler
-from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, norm_linear, rmsnorm, sample
+from tileinfer.kernels import argmax, attention, attn_input, embedding, fetch_step, linear, norm_linear, rmsnorm, sample
 from tileinfer.kernels.linear import head_key_count
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize
 from tileinfer.model import reference
 
-from gpu_helpers import Buffers, attn_input_tensors, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
+from gpu_helpers import POISON, Buffers, attn_input_tensors, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -124,6 +124,26 @@ def chi2_sf(x: float, dof: int) -> float:
 
 
 # ============================================================================= embedding
+
+
+@pytest.mark.parametrize("nbytes", [16, 4096, 33760], ids=lambda n: f"bytes{n}")
+def test_fetch_step_copies_the_mapped_mirror(nbytes, buf, stream):
+    # fetch_step: a decode step's first kernel reads the step buffers' mapped host mirror into the device
+    # buffers (every byte, nothing past the end: the guard bytes after dst stay poisoned).
+    rng = np.random.default_rng(seed_of("fetch_step", nbytes))
+    host = PinnedBuffer(nbytes, mapped=True)
+    try:
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        host.bytes[:] = data
+        out = buf.poisoned((nbytes + 16,), np.uint8)
+        fetch_step(host.device_array((nbytes,), np.uint8), out.rows(0, nbytes), stream)
+        got = out.to_host(stream)
+        np.testing.assert_array_equal(got[:nbytes], data)
+        assert (got[nbytes:] == POISON).all(), got[nbytes:]
+        with pytest.raises(ValueError, match="multiples of 16"):
+            fetch_step(host.device_array((8,), np.uint8), out.rows(0, 8), stream)
+    finally:
+        host.free()
 
 
 @pytest.mark.parametrize("dim", [8, 1024, 2568], ids=lambda d: f"dim{d}")
