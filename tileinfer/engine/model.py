@@ -178,9 +178,11 @@ class Model:
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
-    def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream) -> None:
+    def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream,
+                 tokens_resolved: bool = False) -> None:
         logits = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=all_logits,
-                         num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant)
+                         num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant,
+                         tokens_resolved=tokens_resolved)
         if sample:
             d, b = self.steps.dev, shape.num_seqs
             K.apply_penalties(logits, d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens,
@@ -209,9 +211,12 @@ class Model:
     def _enqueue_decode(self, bucket: int, stream) -> None:
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
         if FETCH_STEP:  # the step reads its inputs from the mapped mirror itself (no copy before it)
-            K.fetch_step(self.steps.mirror, self.steps.device, stream)
+            d = self.steps.dev
+            K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
+                         stream)
             self.steps.record_fetched(stream)
-        self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream)
+        self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream,
+                      tokens_resolved=FETCH_STEP)
 
     # ------------------------------------------------------------------ steps
     def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
