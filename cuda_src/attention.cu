@@ -167,6 +167,15 @@ __device__ __forceinline__ void i8x4_to_f16x4(u32 w, u32 &lo, u32 &hi) {
     asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(a), "r"(bias));
     asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(bias));
 }
+// The same for the bytes of w taken as (0, 2) and (1, 3): lo holds bytes 0 and 2, hi bytes 1 and 3 (the
+// even and odd columns direct_pv needs), the split folded into the two permutes.
+__device__ __forceinline__ void i8x4_to_f16x4_split(u32 w, u32 &lo, u32 &hi) {
+    const u32 u = w ^ 0x80808080u;
+    const u32 a = __byte_perm(u, 0x64646464u, 0x4240), b = __byte_perm(u, 0x64646464u, 0x4341);
+    const u32 bias = 0x64806480u;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(a), "r"(bias));
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(bias));
+}
 __device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v, float scale) {  // times scale, saturated
     u32 r;
     asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(bf16hi(v) * scale), "f"(bf16lo(v) * scale));
@@ -227,14 +236,17 @@ __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u3
 #pragma unroll
         for (int d = 0; d < 2; ++d) {
             u32 even0, odd0, even1, odd1;  // keys 0..7 (b0) and 8..15 (b1) of the slice
-            i8x4_to_f16x4(__byte_perm(r[2 * d], 0, 0x3120), even0, odd0);
-            i8x4_to_f16x4(__byte_perm(r[2 * d + 1], 0, 0x3120), even1, odd1);
+            i8x4_to_f16x4_split(r[2 * d], even0, odd0);
+            i8x4_to_f16x4_split(r[2 * d + 1], even1, odd1);
             const u32 be[2] = {even0, even1}, bo[2] = {odd0, odd1};
             mma_f16_16816(o[2 * (2 * j + d)], a, be);
             mma_f16_16816(o[2 * (2 * j + d) + 1], a, bo);
         }
     }
 }
+
+// A compile-time flag for a generic lambda's argument (decltype(arg)::value).
+template <bool V> struct Flag { static constexpr bool value = V; };
 
 // ============================================================================= the kernel body
 // grid (row_tiles, num_kv_heads, num_seqs * num_splits), block (128), dynamic smem Smem::TOTAL.
@@ -345,6 +357,8 @@ __device__ __forceinline__ void attention_body(
         const int R = row0 + wrow + g + 8 * h;
         qpos[h] = R < rows ? first_pos + R / G : max_qpos;
     }
+    // Keys before vis_end are visible to both of this thread's rows: tiles below it skip the mask.
+    const int vis_end = min(kv_len, min(qpos[0], qpos[1]) + 1);
 
     float m[2] = {-TI_INF, -TI_INF}, l[2] = {0.f, 0.f};
     int vexp = 1;  // DIRECT: the largest biased exponent of a value scale this warp has seen (see direct_pv)
@@ -424,20 +438,27 @@ __device__ __forceinline__ void attention_body(
         }
         }
 
-        // Scale into base 2 (times the key's scale for INT8), mask (causal and past the end),
-        // online softmax.
+        // Scale into base 2 (times the key's scale for INT8), mask (causal and past the end; in the decode
+        // shape only in tiles that reach vis_end, the last of a sequence), online softmax.
         float mx[2] = {-TI_INF, -TI_INF};
+        auto scores = [&](auto masked) {
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+            for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int kl = wkey + nb * 8 + 2 * t + (e & 1), key = kt * KT + kl, h = e >> 1;
-                float x = S::DIRECT ? s[nb][e] : s[nb][e] * scale_log2;  // DIRECT: scaled in the queries
-                if constexpr (Q8) x *= ksc[kl];
-                x = (key > qpos[h] || key >= kv_len) ? -TI_INF : x;
-                s[nb][e] = x;
-                mx[h] = fmaxf(mx[h], x);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int kl = wkey + nb * 8 + 2 * t + (e & 1), h = e >> 1;
+                    float x = S::DIRECT ? s[nb][e] : s[nb][e] * scale_log2;  // DIRECT: scaled in the queries
+                    if constexpr (Q8) x *= ksc[kl];
+                    if constexpr (decltype(masked)::value) {
+                        const int key = kt * KT + kl;
+                        x = (key > qpos[h] || key >= kv_len) ? -TI_INF : x;
+                    }
+                    s[nb][e] = x;
+                    mx[h] = fmaxf(mx[h], x);
+                }
+        };
+        if (KEYS && (kt + 1) * KT <= vis_end) scores(Flag<false>{});  // the prefill shape: always masked
+        else scores(Flag<true>{});                                       // (unmasked tiles cost it registers)
         float alpha[2], m_use[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

@@ -21,7 +21,7 @@ ELF_MAGIC = b"\x7fELF"
 
 # The entry points tileinfer/kernels/*.py launch, by file (a new file simply has no entry here).
 ENTRY_POINTS = {
-    "embedding.cu": ["embedding", "resolve_tokens"],
+    "embedding.cu": ["embedding", "resolve_tokens", "fetch_step"],
     "rmsnorm.cu": ["rmsnorm"],
     "attn_input.cu": ["attn_input", "attn_input_int8"],
     "gemm_tma.cu": [f"gemm_tma{w}{s}_e{e}" for w in ("", "_n128") for s in ("", "_s2", "_s3", "_s4") for e in range(4)],

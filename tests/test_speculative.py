@@ -20,6 +20,8 @@ from tileinfer.engine.speculative import (ModelDraft, OracleDraft, ReferenceDeco
 from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.reference import ReferenceModel
 
+from stats_helpers import chi2_critical, chi2_statistic  # noqa: E402  (tests/ is on sys.path)
+
 PERIOD = 7
 
 
@@ -168,28 +170,6 @@ def exact_joint(table: np.ndarray, prompt: list[int], n: int, sampling: Sampling
         if prob > 0:
             out[seq] = prob
     return out
-
-
-def chi2_critical(dof: int, z: float = 3.719) -> float:
-    """The chi-square quantile at 1 - 1e-4 (z = that normal quantile), by Wilson-Hilferty."""
-    a = 2.0 / (9.0 * dof)
-    return dof * (1.0 - a + z * math.sqrt(a)) ** 3
-
-
-def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
-    """Pearson's statistic over the cells, cells expected below 5 pooled into one; (statistic, dof)."""
-    big = [c for c in probs if probs[c] * n >= 5]
-    small = [c for c in probs if probs[c] * n < 5]
-    stat = sum((counts.get(c, 0) - probs[c] * n) ** 2 / (probs[c] * n) for c in big)
-    cells = len(big)
-    if small:
-        e = sum(probs[c] for c in small) * n
-        o = sum(counts.get(c, 0) for c in small)
-        stat += (o - e) ** 2 / e
-        cells += 1
-    stray = sum(v for c, v in counts.items() if c not in probs)  # a sequence the target can never produce
-    assert stray == 0, f"{stray} outputs the target gives probability 0"
-    return stat, cells - 1
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=4, top_p=0.9)],

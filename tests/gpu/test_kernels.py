@@ -17,15 +17,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tileinfer.cuda import PinnedBuffer
+from tileinfer.cuda import DeviceArray, PinnedBuffer
 from tileinfer.engine import sampler
-from tileinfer.kernels import argmax, attention, attn_input, embedding, linear, norm_linear, rmsnorm, sample
+from tileinfer.kernels import argmax, attention, attn_input, embedding, fetch_step, linear, norm_linear, rmsnorm, sample
 from tileinfer.kernels.linear import head_key_count
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize
 from tileinfer.model import reference
 
-from gpu_helpers import Buffers, attn_input_tensors, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
+from gpu_helpers import POISON, Buffers, attn_input_tensors, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -124,6 +124,45 @@ def chi2_sf(x: float, dof: int) -> float:
 
 
 # ============================================================================= embedding
+
+
+@pytest.mark.parametrize("ntok, at", [(1, (0, 16)), (7, (32, 64)), (130, (1040, 2080))],
+                         ids=["tok1", "tok7", "tok130"])
+def test_fetch_step_copies_the_mapped_mirror(ntok, at, buf, stream):
+    # fetch_step: a decode step's first kernel reads the step buffers' mapped host mirror into the device
+    # buffers (every byte, nothing past the end: the guard bytes after dst stay poisoned), and replaces
+    # the token ids whose token_src entry is >= 0 with the sampled id that entry names.
+    rng = np.random.default_rng(seed_of("fetch_step", ntok))
+    tok_at, src_at = at
+    nbytes = src_at + 16 * -(-ntok // 4) + 16 * int(rng.integers(1, 40))
+    host = PinnedBuffer(nbytes, mapped=True)
+    try:
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        host.bytes[:] = data
+        tokens = host.array((ntok,), np.int32, tok_at)
+        src = host.array((ntok,), np.int32, src_at)
+        tokens[:] = rng.integers(0, 1000, ntok)
+        src[:] = np.where(rng.random(ntok) < 0.5, rng.integers(0, 9, ntok), -1)
+        sampled = rng.integers(5000, 6000, 9).astype(np.int32)
+        want = host.bytes.copy()
+        want_tokens = want[tok_at: tok_at + 4 * ntok].view(np.int32)
+        want_tokens[:] = np.where(src >= 0, sampled[np.maximum(src, 0)], tokens)
+        out = buf.poisoned((nbytes + 16,), np.uint8)
+        dst = out.rows(0, nbytes)
+        dst_tokens = DeviceArray((ntok,), np.int32, ptr=dst.ptr + tok_at)
+        dst_src = DeviceArray((ntok,), np.int32, ptr=dst.ptr + src_at)
+        fetch_step(host.device_array((nbytes,), np.uint8), dst, dst_tokens, dst_src, buf.upload(sampled), stream)
+        got = out.to_host(stream)
+        np.testing.assert_array_equal(got[:nbytes], want)
+        assert (got[nbytes:] == POISON).all(), got[nbytes:]
+        with pytest.raises(ValueError, match="multiples of 16"):
+            fetch_step(host.device_array((8,), np.uint8), out.rows(0, 8), dst_tokens, dst_src, buf.upload(sampled),
+                       stream)
+        with pytest.raises(ValueError, match="aligned field of dst"):
+            fetch_step(host.device_array((nbytes,), np.uint8), dst, DeviceArray((ntok,), np.int32, ptr=dst.ptr + 4),
+                       dst_src, buf.upload(sampled), stream)
+    finally:
+        host.free()
 
 
 @pytest.mark.parametrize("dim", [8, 1024, 2568], ids=lambda d: f"dim{d}")

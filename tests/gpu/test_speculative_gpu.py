@@ -4,14 +4,22 @@ same in a verify chunk and in a decode step, and greedy speculation must reprodu
 decoding token for token."""
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import tileinfer
-from tileinfer.engine.speculative import ModelDecoder, ModelDraft, OracleDraft, speculative_decode
+from tileinfer.engine.speculative import ModelDecoder, ModelDraft, OracleDraft, Sampling, speculative_decode
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stats_helpers import chi2_critical, chi2_statistic  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -125,6 +133,102 @@ def test_graphed_verify_equals_the_eager_verify(models):
     finally:
         for seq in seqs:
             cache.manager.release(seq)
+
+
+# ----------------------------------------------------------------------------- sampled outputs
+SMALL_VOCAB = 48  # a vocabulary small enough to count every pair of tokens
+
+
+@pytest.fixture(scope="module")
+def small_vocab_models(tmp_path_factory):
+    """Target (batch-invariant) and draft checkpoints of 48 tokens, untied embeddings: at temperature 2
+    the target's first token has p_max ~0.42 (entropy ~2.2 nats) and the draft's distribution is 0.72
+    away from it in total variation (the float32 reference on these seeds), so proposals are often
+    rejected and every path of the acceptance rule runs."""
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=SMALL_VOCAB, tie_word_embeddings=False)
+    paths = []
+    for name, seed in (("target", 3), ("draft", 4)):
+        path = tmp_path_factory.mktemp(f"small-vocab-{name}")
+        write_checkpoint(cfg, path, seed=seed, progress=False)
+        paths.append(path)
+    target = tileinfer.load_model(paths[0], progress=False, batch_invariant=True)
+    draft = tileinfer.load_model(paths[1], progress=False)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def next_distributions(model, sampling, prefix: list[int], depth: int) -> dict:
+    """{tokens: probability} of every `depth`-token continuation of `prefix` under `model` and `sampling`
+    (the GPU's logits, float64 softmax as the acceptance rule computes it)."""
+    dec = ModelDecoder(model, model.cache)
+    try:
+        dec.extend(prefix[:-1], logits="none")
+        out = {}
+
+        def walk(tokens: list[int], prob: float):
+            fed = tokens[-1:] or prefix[-1:]  # the cache holds prefix[:-1] + tokens[:-1]
+            p = sampling.distribution(dec.extend(fed, logits="last")[-1])
+            for t in np.nonzero(p)[0]:
+                if len(tokens) + 1 == depth:
+                    out[tuple(tokens) + (int(t),)] = prob * float(p[t])
+                else:
+                    walk(tokens + [int(t)], prob * float(p[t]))
+            dec.truncate(len(prefix) - 1 + len(tokens))  # drop `fed` again
+
+        walk([], 1.0)
+        return out
+    finally:
+        dec.release()
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=2.0), Sampling(temperature=2.0, top_k=12, top_p=0.9)],
+                         ids=["T2", "T2-topk12-topp0.9"])
+def test_sampled_speculation_has_the_targets_distribution(small_vocab_models, sampling):
+    """The first three tokens of N = 3,000 seeded speculative runs (k = 2, the qwen3 draft and target on
+    the GPU, both caches rolled back after every round) against the target's exact distribution:
+    Pearson's chi-square on the joint of tokens 1-2 and on token 3's marginal, each at alpha = 1e-4,
+    cells expected below 5 pooled. Power, computed here from the two models' distributions: a bug that
+    accepts every proposal makes token 1 follow the draft, a noncentrality of N * sum((q - p)^2 / p)
+    over the pooled cells; the test asserts it is at least 4x the critical value (power ~1)."""
+    target, draft = small_vocab_models
+    target.ensure_cache(64)
+    draft.ensure_cache(64)
+    prompt, n_runs = [5, 17, 30, 2], 3000
+    counts12, counts3 = {}, {}
+    for seed in range(n_runs):
+        t_dec, d_dec = ModelDecoder(target, target.cache), ModelDecoder(draft, draft.cache)
+        try:
+            out, _ = speculative_decode(t_dec, ModelDraft(d_dec), prompt, max_new_tokens=3, num_draft_tokens=2,
+                                        sampling=sampling, seed=seed)
+        finally:
+            t_dec.release()
+            d_dec.release()
+        counts12[tuple(out[:2])] = counts12.get(tuple(out[:2]), 0) + 1
+        counts3[(out[2],)] = counts3.get((out[2],), 0) + 1
+    joint = next_distributions(target, sampling, prompt, 3)
+    p12, p3 = {}, {}
+    for seq, p in joint.items():
+        p12[seq[:2]] = p12.get(seq[:2], 0.0) + p
+        p3[seq[2:]] = p3.get(seq[2:], 0.0) + p
+    for name, counts, probs in (("tokens 1-2", counts12, p12), ("token 3", counts3, p3)):
+        stat, dof = chi2_statistic(counts, probs, n_runs)
+        print(f"{name}: chi2 {stat:.1f} on {dof} dof (critical {chi2_critical(dof):.1f})")
+        assert stat < chi2_critical(dof), f"{name}: chi2 {stat:.1f} > {chi2_critical(dof):.1f} on {dof} dof"
+    # Power against "accept every proposal": token 1 drawn from the draft's distribution q.
+    p1 = next_distributions(target, sampling, prompt, 1)
+    q1 = next_distributions(draft, sampling, prompt, 1)
+    big = [c for c in p1 if p1[c] * n_runs >= 5]
+    rest_p = sum(p1[c] for c in p1 if c not in big)
+    rest_q = 1.0 - sum(q1.get(c, 0.0) for c in big)  # the pooled cell, and tokens the target never draws
+    lam = n_runs * sum((q1.get(c, 0.0) - p1[c]) ** 2 / p1[c] for c in big)
+    if rest_p > 0:
+        lam += n_runs * (rest_q - rest_p) ** 2 / rest_p
+    elif rest_q > 1e-9:
+        lam = math.inf  # such a bug emits tokens of probability 0: chi2_statistic's stray check
+    crit = chi2_critical(len(big) - (rest_p == 0))
+    print(f"noncentrality against accepting every proposal: {lam:.0f} (critical {crit:.1f})")
+    assert lam > 4 * crit
 
 
 # ----------------------------------------------------------------------------- the batching engine

@@ -15,6 +15,11 @@ class Stream:
     def synchronize(self) -> None:
         call(driver.cuStreamSynchronize, self.handle)
 
+    def is_capturing(self) -> bool:
+        """Whether a graph capture is recording this stream."""
+        status = call(driver.cuStreamIsCapturing, self.handle)
+        return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
     def destroy(self) -> None:
         if self.handle is not None:
             call(driver.cuStreamDestroy, self.handle)
@@ -28,8 +33,9 @@ class Event:
 
     def record(self, stream: Stream, *, external: bool = False) -> None:
         """Record on `stream`. During graph capture, external=True makes it an event-record node of
-        the graph (a timestamp at each replay) instead of a capture dependency marker."""
-        if external:
+        the graph (a timestamp at each replay) instead of a capture dependency marker; outside a
+        capture (where the driver rejects the flag) it is a plain record."""
+        if external and stream.is_capturing():
             flags = int(driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
             call(driver.cuEventRecordWithFlags, self.handle, stream.handle, flags)
         else:

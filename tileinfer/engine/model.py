@@ -19,6 +19,7 @@ any chunks, or recomputed after preemption; decode is slower.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -46,6 +47,9 @@ MAX_SPLITS = 48
 INT8_DECODE_BLOCKS = 3
 EXTEND_GRAPH_TOKENS = 16  # Model.extend by 1..16 tokens of one sequence replays a graph per count
 LOGITS_MODES = ("all", "last", "argmax", "none")  # what Model.extend returns
+# Decode steps fetch their inputs from the mapped mirror with their first kernel (K.fetch_step) instead of a
+# host-to-device copy before them; TILEINFER_FETCH_STEP=0 copies them as before (A/B runs).
+FETCH_STEP = os.environ.get("TILEINFER_FETCH_STEP", "1") != "0"
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
 
@@ -174,9 +178,11 @@ class Model:
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
-    def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream) -> None:
+    def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream,
+                 tokens_resolved: bool = False) -> None:
         logits = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=all_logits,
-                         num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant)
+                         num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant,
+                         tokens_resolved=tokens_resolved)
         if sample:
             d, b = self.steps.dev, shape.num_seqs
             K.apply_penalties(logits, d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens,
@@ -204,7 +210,13 @@ class Model:
 
     def _enqueue_decode(self, bucket: int, stream) -> None:
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
-        self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream)
+        if FETCH_STEP:  # the step reads its inputs from the mapped mirror itself (no copy before it)
+            d = self.steps.dev
+            K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
+                         stream)
+            self.steps.record_fetched(stream)
+        self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream,
+                      tokens_resolved=FETCH_STEP)
 
     # ------------------------------------------------------------------ steps
     def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
@@ -230,11 +242,16 @@ class Model:
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
                          token_src=token_src)
             self.steps.set_sample_slot(self._slot)
-            self.steps.upload(self.stream)
+            if FETCH_STEP:
+                self.steps.upload_penalties(self.stream)
+            else:
+                self.steps.upload(self.stream)
             if self.use_graphs:
                 self.graphs.run(bucket, self.stream)
             else:
                 self._enqueue_decode(bucket, self.stream)
+            if FETCH_STEP:
+                self.steps.fetched()
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
                                  token_src=token_src)

@@ -3,7 +3,8 @@
 Every value a step needs on the device (token ids, positions, slots, query offsets, cached
 lengths, block tables, sampling parameters) lives in one persistent device allocation whose
 fields never move. prepare_step fills the pinned host mirror; `upload` sends it with one
-asynchronous copy. Kernels (and the graphs that captured them) only ever read these
+asynchronous copy, or a decode step fetches it itself (K.fetch_step, its first kernel: the mirror is
+mapped into the device's address space). Kernels (and the graphs that captured them) only ever read these
 addresses, so a graph captured at one length stays valid as sequences grow.
 """
 from __future__ import annotations
@@ -76,9 +77,10 @@ class StepBuffers:
             offset = -(-offset // _ALIGN) * _ALIGN
             offsets[name] = offset
             offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
-        self.nbytes = offset
+        self.nbytes = offset = -(-offset // 16) * 16  # whole 16-byte pieces for fetch_step
         self.device = DeviceArray((offset,), np.uint8)
-        self.pinned = PinnedBuffer(offset)
+        self.pinned = PinnedBuffer(offset, mapped=True)
+        self.mirror = self.pinned.device_array((offset,), np.uint8)  # the mirror as fetch_step reads it
         self.host: dict[str, np.ndarray] = {}
         self.dev: dict[str, DeviceArray] = {}
         for name, shape, dtype in fields:
@@ -95,7 +97,7 @@ class StepBuffers:
         self.sampled_host = PinnedBuffer(2 * max_seqs * 4, mapped=True)
         self.sampled_out = self.sampled_host.device_array((2, max_seqs), np.int32)
         self.sampled_ready = [Event(), Event()]
-        self.uploaded = Event()  # recorded after each upload: the mirror may be rewritten once it completes
+        self.uploaded = Event()  # recorded after each upload or fetch: the mirror may be rewritten once it completes
         self._upload_pending = False
         # Penalty entries (token id, output count) of every row, uploaded only as far as used.
         self.penalty_capacity = max(int(penalty_capacity), 1)
@@ -122,15 +124,28 @@ class StepBuffers:
             self._upload_pending = False
 
     def upload(self, stream) -> None:
+        """Copy the mirror and the penalty entries to the device; record `uploaded`."""
         call(driver.cuMemcpyHtoDAsync, self.device.ptr, self.pinned.ptr, self.nbytes, stream.handle)
+        self.upload_penalties(stream)
+        self.uploaded.record(stream)
+        self._upload_pending = True
+
+    def record_fetched(self, stream) -> None:
+        """After fetch_step (in a decode graph: an event-record node): the mirror has been read."""
+        self.uploaded.record(stream, external=True)
+
+    def fetched(self) -> None:
+        """A step that fetches the mirror itself was launched: wait for it before rewriting the mirror."""
+        self._upload_pending = True
+
+    def upload_penalties(self, stream) -> None:
+        """Copy the penalty entries in use (they live outside the mirror)."""
         n = self.num_penalty_entries
         if n:
             cap = self.penalty_capacity
             call(driver.cuMemcpyHtoDAsync, self.penalties.ptr, self.penalties_host.ptr, n * 4, stream.handle)
             call(driver.cuMemcpyHtoDAsync, self.penalties.ptr + cap * 4, self.penalties_host.ptr + cap * 4, n * 4,
                  stream.handle)
-        self.uploaded.record(stream)
-        self._upload_pending = True
 
     def set_sample_slot(self, slot: int) -> None:
         """The row of sampled_host (0 or 1) the next uploaded step's sampling kernel writes."""

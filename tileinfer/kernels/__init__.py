@@ -1,9 +1,9 @@
 """One launcher module per cuda_src/ kernel family: validate shapes, compute the grid, launch."""
 from .attention import attention
 from .attn_input import attn_input, attn_input_int8
-from .embedding import embedding, resolve_tokens
+from .embedding import embedding, fetch_step, resolve_tokens
 from .linear import linear, norm_linear
 from .rmsnorm import rmsnorm
 from .sampling import apply_penalties, argmax, sample
 
-__all__ = ["attention", "attn_input", "attn_input_int8", "embedding", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample", "apply_penalties"]
+__all__ = ["attention", "attn_input", "attn_input_int8", "embedding", "fetch_step", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample", "apply_penalties"]

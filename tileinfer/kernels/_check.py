@@ -11,6 +11,7 @@ FLOAT32 = np.dtype(np.float32)
 INT32 = np.dtype(np.int32)
 UINT64 = np.dtype(np.uint64)
 INT8 = np.dtype(np.int8)
+UINT8 = np.dtype(np.uint8)
 
 
 def expect(name: str, array: DeviceArray | None, shape: tuple, dtype) -> None:

@@ -1,6 +1,6 @@
 """Launcher for cuda_src/embedding.cu."""
 from ..cuda import I32, DeviceArray, kernel
-from ._check import BF16, FLOAT32, INT32, expect
+from ._check import BF16, FLOAT32, INT32, UINT8, expect
 
 
 def embedding(tokens: DeviceArray, table: DeviceArray, out: DeviceArray, stream) -> None:
@@ -23,3 +23,28 @@ def resolve_tokens(tokens: DeviceArray, src: DeviceArray, sampled: DeviceArray, 
     expect("sampled", sampled, (sampled.shape[0],), INT32)
     kernel("embedding.cu", "resolve_tokens").launch(((n + 255) // 256,), (256,), [tokens, src, sampled, I32(n)],
                                                     stream)
+
+
+def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_src: DeviceArray,
+               sampled: DeviceArray, stream) -> None:
+    """dst <- src, both uint8 [n] with n a multiple of 16: src the mapped page-locked mirror of the step
+    buffers (PinnedBuffer(mapped=True).device_array), read by the kernel itself; with resolve_tokens'
+    work done on the way: tokens and token_src are int32 fields of dst (16-byte aligned), and
+    tokens[i] becomes sampled[token_src[i]] where token_src[i] >= 0."""
+    n = dst.shape[0]
+    expect("dst", dst, (n,), UINT8)
+    expect("src", src, (n,), UINT8)
+    if n % 16 or src.ptr % 16 or dst.ptr % 16:
+        raise ValueError(f"fetch_step: {n} bytes at {src.ptr:#x} -> {dst.ptr:#x}: need multiples of 16")
+    ntok = tokens.shape[0]
+    expect("tokens", tokens, (ntok,), INT32)
+    expect("token_src", token_src, (ntok,), INT32)
+    expect("sampled", sampled, (sampled.shape[0],), INT32)
+    for name, a in (("tokens", tokens), ("token_src", token_src)):
+        at = a.ptr - dst.ptr
+        if at % 16 or not 0 <= at <= n - a.nbytes:
+            raise ValueError(f"fetch_step: {name} must be a 16-byte aligned field of dst, got offset {at} of {n}")
+    n16 = n // 16
+    tok0, delta = (tokens.ptr - dst.ptr) // 16, (token_src.ptr - tokens.ptr) // 16
+    kernel("embedding.cu", "fetch_step").launch((max(1, -(-n16 // 256)),), (256,),
+                                                [src, dst, I32(n16), I32(tok0), I32(ntok), I32(delta), sampled], stream)

@@ -75,8 +75,10 @@ class Workspace:
 
 
 def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: StepBuffers, shape: StepShape,
-            *, all_logits: bool, num_splits: int, stream, batch_invariant: bool = False) -> DeviceArray:
+            *, all_logits: bool, num_splits: int, stream, batch_invariant: bool = False,
+            tokens_resolved: bool = False) -> DeviceArray:
     """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last.
+    tokens_resolved: the step's token ids already hold the ones the previous step sampled (fetch_step).
 
     By default each matrix product picks its kernel by row count and attention its shape by
     query rows; batch_invariant runs every product on the tensor-core GEMM and attention in its
@@ -105,7 +107,8 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     eps = c.rms_norm_eps
     ss_post, ss_input = (ws.ss_post.rows(0, n), ws.ss_input.rows(0, n)) if epi_norm else (None, None)
     layers = weights.layers
-    K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
+    if not tokens_resolved:
+        K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
     K.embedding(tokens, weights.embed, resid, stream)
     for i, lw in enumerate(layers):
         if epi_norm and i > 0:
