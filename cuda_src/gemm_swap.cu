@@ -79,13 +79,19 @@ enum NormRole { NORM_NONE = 0, NORM_PRODUCER = 1, NORM_CONSUMER = 2 };
 
 #define BK 64  // k per chunk: one 128-byte shared-memory row
 
-template <int B, int WG> struct Cfg {
+// Deep builds (the _b16d kernels): B = 16 with DEEP_STAGES stages (~201 KB, one block an SM), for grids of
+// at most one block an SM, where the ordinary build's 9 chunks ahead (72 KB a block) may be too few bytes
+// in flight for one SM's share of HBM bandwidth.
+#define DEEP_STAGES 20
+
+template <int B, int WG, bool DEEP = false> struct Cfg {
     static constexpr int THREADS = 128 * WG;
     static constexpr int TR = 64 * WG;                 // W rows per block
     static constexpr int TILE_W = TR * BK * 2;         // bytes: 8 or 16 KB
     static constexpr int TILE_X = B * BK * 2;          // bytes: 2, 4 or 8 KB
     static constexpr int STAGE = TILE_W + TILE_X;      // a multiple of 1024: every tile stays 1024-aligned
-    static constexpr int STAGES = WG == 1 ? (B == 16 ? 10 : B == 32 ? 8 : 6) : (B == 16 ? 12 : B == 32 ? 11 : 9);
+    static constexpr int BASE_STAGES = WG == 1 ? (B == 16 ? 10 : B == 32 ? 8 : 6) : (B == 16 ? 12 : B == 32 ? 11 : 9);
+    static constexpr int STAGES = DEEP ? DEEP_STAGES : BASE_STAGES;
     static constexpr int AHEAD = STAGES - 1;           // chunks requested ahead of the one computed
     static constexpr int SMEM = STAGES * STAGE + 1024; // + alignment slack
     static constexpr int PS = TR + 4;                  // floats per row of the partial tile P[m][r]
@@ -193,13 +199,13 @@ template <int B> __device__ __forceinline__ float *row_scale_smem() {
     return row_scale;
 }
 
-template <int B, int WG, int KS, int NORM>
+template <int B, int WG, int KS, int NORM, bool DEEP>
 __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
                                            void *__restrict__ out, int M, int N, int K, int epi,
                                            const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x,
                                            float *__restrict__ ss_out, const float *__restrict__ ss_in,
                                            int ss_tiles, float eps) {
-    using C = Cfg<B, WG>;
+    using C = Cfg<B, WG, DEEP>;
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char *smem = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);
@@ -394,7 +400,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 }
 
 #else
-template <int B, int WG, int KS, int NORM>
+template <int B, int WG, int KS, int NORM, bool DEEP>
 __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int, const bf16 *,
                                            bf16 *, float *, const float *, int, float) {
     pdl_start();
@@ -403,30 +409,31 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
 #endif
 
 // ============================================================================= kernels
-#define SWAP_KERNEL(B, WG, KS, CLUSTER)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS(        \
+#define SWAP_KERNEL(TAG, B, WG, DEEP, KS, CLUSTER)                                                          \
+    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS(       \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi) {                                                                                      \
-        swap_block<B, WG, KS, NORM_NONE>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f); \
+        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f); \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS##_np(   \
+    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_np(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out) {   \
-        swap_block<B, WG, KS, NORM_PRODUCER>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, nullptr, 0, 0.f); \
+        swap_block<B, WG, KS, NORM_PRODUCER, DEEP>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, nullptr, 0, 0.f); \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_b##B##_w##WG##_c##KS##_nc(   \
+    extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_nc(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ ss_in, int ss_tiles, float eps) {                           \
-        swap_block<B, WG, KS, NORM_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps); \
+        swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps); \
     }
-#define SWAP_SPLITS(B, WG)                                                                                  \
-    SWAP_KERNEL(B, WG, 1, )                                                                                 \
-    SWAP_KERNEL(B, WG, 2, __cluster_dims__(2, 1, 1))                                                        \
-    SWAP_KERNEL(B, WG, 4, __cluster_dims__(4, 1, 1))                                                        \
-    SWAP_KERNEL(B, WG, 8, __cluster_dims__(8, 1, 1))
+#define SWAP_SPLITS(TAG, B, WG, DEEP)                                                                       \
+    SWAP_KERNEL(TAG, B, WG, DEEP, 1, )                                                                      \
+    SWAP_KERNEL(TAG, B, WG, DEEP, 2, __cluster_dims__(2, 1, 1))                                             \
+    SWAP_KERNEL(TAG, B, WG, DEEP, 4, __cluster_dims__(4, 1, 1))                                             \
+    SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: in the H200 sweep of qwen3-0.6b's and qwen3-4b's layer matrices at M = 16
 // and 64 (session 10), two warpgroups were at best 3-5% faster (0.6b QKV, 4b gate/up and down_proj at
 // M = 64) and often slower; the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-SWAP_SPLITS(16, 1)
-SWAP_SPLITS(32, 1)
-SWAP_SPLITS(64, 1)
+SWAP_SPLITS(b16, 16, 1, false)
+SWAP_SPLITS(b32, 32, 1, false)
+SWAP_SPLITS(b64, 64, 1, false)
+SWAP_SPLITS(b16d, 16, 1, true)

@@ -6,7 +6,7 @@ import pytest
 import re
 
 from tileinfer.cuda.compiler import cuda_src_dir
-from tileinfer.kernels.linear import (SWAP_BATCHES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE, default_path, gemv_ksplit,
+from tileinfer.kernels.linear import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE, default_path, gemv_ksplit,
                                       norm_kernel_name, swap_config, tma_plan, tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
@@ -103,7 +103,8 @@ def test_swap_config_matches_the_kernels():
     assert m, "Cfg::STAGES not found in gemm_swap.cu"
     assert dict(zip(SWAP_BATCHES, map(int, m.groups()))) == SWAP_STAGES
     for B in SWAP_BATCHES:
-        assert f"SWAP_SPLITS({B}, 1)" in src
+        assert f"SWAP_SPLITS(b{B}, {B}, 1, false)" in src
+    assert "SWAP_SPLITS(b16d, 16, 1, true)" in src and f"#define DEEP_STAGES {SWAP_DEEP_STAGES}\n" in src
     c4, c06 = preset("qwen3-4b"), preset("qwen3-0.6b")
     for N, K, epilogue in [(c4.qkv_size, 2560, "bf16"), (2560, 9728, "residual"), (19456, 2560, "silu_mul"),
                            (151936, 1024, "f32"), (8, 8, "silu_mul"), (136, 1000, "bf16"), (c06.hidden_size, 2048, "residual")]:
@@ -112,6 +113,7 @@ def test_swap_config_matches_the_kernels():
             ks, tiles = cfg.grid
             assert cfg.B >= M and cfg.B in SWAP_BATCHES and ks in SWAP_SPLITS and cfg.smem <= 227 * 1024
             assert ks == 1 or -(-K // 64) >= 2 * ks
+            assert not cfg.deep or (cfg.B == 16 and ks * tiles <= 132)
             if epilogue == "silu_mul":
                 assert tiles * SWAP_TILE // 2 >= N // 2 > (tiles - 1) * SWAP_TILE // 2
             else:

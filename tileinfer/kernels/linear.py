@@ -50,6 +50,10 @@ SWAP_TILE = 64
 SWAP_BK = 64
 SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
+# The deep B = 16 builds (gemm_swap_b16d_*, DEEP_STAGES stages, one block an SM): for grids of at most one
+# block an SM. TILEINFER_SWAP_DEEP=0 keeps the ordinary builds (A/B runs).
+SWAP_DEEP_STAGES = 20
+SWAP_DEEP = os.environ.get("TILEINFER_SWAP_DEEP", "1") != "0"
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
 NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
 
@@ -220,10 +224,11 @@ class SwapConfig:
     ksplit: int
     grid: tuple[int, int]
     smem: int
+    deep: bool = False
 
     @property
     def kernel_name(self) -> str:
-        return f"gemm_swap_b{self.B}_w1_c{self.ksplit}"
+        return f"gemm_swap_b{self.B}{'d' if self.deep else ''}_w1_c{self.ksplit}"
 
 
 def norm_tiles(n: int) -> int:
@@ -252,8 +257,10 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
             ksplit //= 2
     elif ksplit not in SWAP_SPLITS:
         raise ValueError(f"swap_config: ksplit must be one of {SWAP_SPLITS}, got {ksplit}")
-    smem = SWAP_STAGES[B] * (SWAP_TILE + B) * SWAP_BK * 2 + 1024  # Cfg<B, 1>::SMEM: the stages + alignment
-    return SwapConfig(B, ksplit, (ksplit, tiles), smem)
+    deep = SWAP_DEEP and B == 16 and tiles * ksplit <= sms
+    stages = SWAP_DEEP_STAGES if deep else SWAP_STAGES[B]
+    smem = stages * (SWAP_TILE + B) * SWAP_BK * 2 + 1024  # Cfg<B, 1, deep>::SMEM: the stages + alignment
+    return SwapConfig(B, ksplit, (ksplit, tiles), smem, deep)
 
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
