@@ -51,7 +51,9 @@ SWAP_BK = 64
 SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 # The deep B = 16 builds (gemm_swap_b16d_*, DEEP_STAGES stages, one block an SM): for grids of at most one
-# block an SM. TILEINFER_SWAP_DEEP=0 keeps the ordinary builds (A/B runs).
+# block an SM whose blocks stream at least DEEP_STAGES k-chunks each (on the H200 they made qwen3-8b's verify
+# step 1.7% faster; on qwen3-0.6b's short rows, 2-8 chunks a block, every batch of 4-16 20% slower).
+# TILEINFER_SWAP_DEEP=0 keeps the ordinary builds (A/B runs).
 SWAP_DEEP_STAGES = 20
 SWAP_DEEP = os.environ.get("TILEINFER_SWAP_DEEP", "1") != "0"
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
@@ -257,7 +259,7 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
             ksplit //= 2
     elif ksplit not in SWAP_SPLITS:
         raise ValueError(f"swap_config: ksplit must be one of {SWAP_SPLITS}, got {ksplit}")
-    deep = SWAP_DEEP and B == 16 and tiles * ksplit <= sms
+    deep = SWAP_DEEP and B == 16 and tiles * ksplit <= sms and cdiv(K, SWAP_BK) >= SWAP_DEEP_STAGES * ksplit
     stages = SWAP_DEEP_STAGES if deep else SWAP_STAGES[B]
     smem = stages * (SWAP_TILE + B) * SWAP_BK * 2 + 1024  # Cfg<B, 1, deep>::SMEM: the stages + alignment
     return SwapConfig(B, ksplit, (ksplit, tiles), smem, deep)
