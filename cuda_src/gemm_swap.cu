@@ -20,7 +20,7 @@
 //
 // Streaming. STAGES cp.async stages (6..12: ~96-100 KB per block for WG = 1, two blocks per SM; ~217-221 KB
 // for WG = 2, one), AHEAD = STAGES - 1 chunks requested ahead (40-72 KB of W in flight per block for
-// WG = 1, 128-176 KB for WG = 2). A cp.async pipeline with no wgmma group left in flight (the
+// WG = 1, 128-176 KB for WG = 2; the deep B = 16 builds: 20 stages, ~201 KB, 152 KB ahead). A cp.async pipeline with no wgmma group left in flight (the
 // tensor-core work per chunk is tiny next to its load): at the top of iteration i the block waits for
 // chunk i's copies, makes them visible to the async proxy (fence.proxy.async) and meets at a barrier,
 // then requests chunk i + AHEAD into the stage chunk i - 1 used (every warpgroup waited for its wgmma
@@ -63,8 +63,9 @@
 // Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi), the producer ..._np(..., epi, next_w, next_x,
 // ss_out) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps): grid (KS, tiles), block 128 * WG,
 // dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py computes the same numbers);
-// tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (12
-// kernels a norm role, not 48; only WG = 1 is built, see the end of the file).
+// tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (16
+// kernels a norm role, not 64; only WG = 1 is built, see the end of the file). The deep builds
+// gemm_swap_b16d_* are B = 16 with DEEP_STAGES stages (Cfg's DEEP), for grids of one block an SM.
 //
 // wgmma exists only on sm_90a: a plain sm_90 build (which test_compile also checks) gets kernels
 // that trap.
