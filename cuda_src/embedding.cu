@@ -1,13 +1,9 @@
 // Token embedding lookup: out[i, :] = table[tokens[i], :] as float32 (the residual stream).
 #include "common.cuh"
 
-// ============================================================================= kernels
-// grid (n), block (128). dim % 8 == 0. Tokens outside [0, vocab) (padding rows) give zeros.
-extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 *__restrict__ table,
-                                     float *__restrict__ out, int dim, int vocab) {
-    pdl_start();
-    const int row = blockIdx.x;
-    const int token = tokens[row];
+// out[row, :] = table[token, :] as float32 (zeros for a token outside [0, vocab)), by one block.
+__device__ __forceinline__ void embed_row(int token, const bf16 *__restrict__ table, float *__restrict__ out,
+                                          int row, int dim, int vocab) {
     const bool valid = token >= 0 && token < vocab;
     const bf16 *src = table + (size_t)(valid ? token : 0) * dim;
     float *dst = out + (size_t)row * dim;
@@ -19,6 +15,14 @@ extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 
         *reinterpret_cast<float4 *>(dst + c) = make_float4(f[0], f[1], f[2], f[3]);
         *reinterpret_cast<float4 *>(dst + c + 4) = make_float4(f[4], f[5], f[6], f[7]);
     }
+}
+
+// ============================================================================= kernels
+// grid (n), block (128). dim % 8 == 0. Tokens outside [0, vocab) (padding rows) give zeros.
+extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 *__restrict__ table,
+                                     float *__restrict__ out, int dim, int vocab) {
+    pdl_start();
+    embed_row(tokens[blockIdx.x], table, out, blockIdx.x, dim, vocab);
 }
 
 // Decode tokens that the previous step sampled on the device, without a trip through the host:
@@ -41,10 +45,22 @@ __device__ __forceinline__ u32 resolved(u32 token, u32 src, int j, int ntok, con
 // copy before the step: a copy is one more operation in the stream (~12 us a token at batch 1 on the H200,
 // session 14). It also does resolve_tokens' work: the ntok token ids from piece tok0 on are replaced by
 // sampled[token_src[i]] where token_src[i] >= 0, token_src being the field src_delta pieces after them.
-// grid (ceil(n16 / 256)), block (256).
+// With a table, embedding's work too (one launch less a step): blocks past the copy's, one a row for
+// embed_rows rows, read their row's token id and source from the mirror themselves, resolve it the same
+// way and write the row's embedding to out.
+// grid (ceil(n16 / 256) + embed_rows), block (256).
 extern "C" __global__ void fetch_step(const uint4 *__restrict__ src, uint4 *__restrict__ dst, int n16, int tok0,
-                                      int ntok, int src_delta, const int *__restrict__ sampled) {
+                                      int ntok, int src_delta, const int *__restrict__ sampled,
+                                      const bf16 *__restrict__ table, float *__restrict__ out, int dim, int vocab) {
     pdl_start();
+    const int copy_blocks = (n16 + 255) >> 8;
+    if ((int)blockIdx.x >= copy_blocks) {
+        const int row = blockIdx.x - copy_blocks;
+        const int *ids = reinterpret_cast<const int *>(src + tok0);
+        const int token = (int)resolved((u32)ids[row], (u32)ids[row + 4 * src_delta], row, ntok, sampled);
+        embed_row(token, table, out, row, dim, vocab);
+        return;
+    }
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n16) return;
     uint4 v = src[i];

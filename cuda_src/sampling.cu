@@ -73,7 +73,7 @@ __device__ ArgMax block_argmax(ArgMax m, float *sv, int *si) {
 // 16-byte aligned: float4 loads, four of them in flight per thread (64 KB per 1024-thread block),
 // since a block streams a whole 600 KB row of logits on one SM. `better` is order-independent, so
 // the result is the same as an element-by-element scan.
-__device__ __forceinline__ ArgMax thread_argmax(const float *__restrict__ z, int vocab) {
+__device__ __forceinline__ ArgMax thread_argmax(const float *z, int vocab) {
     ArgMax m{-TI_INF, 0x7fffffff};
     if ((vocab & 3) == 0) {
         const float4 *z4 = reinterpret_cast<const float4 *>(z);
@@ -150,6 +150,30 @@ __device__ u32 bisect_threshold(const float *z, int vocab, float inv_t, float zm
     return lo;
 }
 
+// In place on row r of logits [rows, vocab], vLLM's penalties: row r's entries e in [offsets[r],
+// offsets[r + 1]) name distinct token ids tokens[e] from its prompt or output, counts[e] = occurrences in
+// the output (0: prompt only). Repetition scales every such logit (divides a positive one, multiplies the
+// rest); presence and frequency subtract for output tokens only. Ids outside [0, vocab) are skipped; a
+// row without entries is left alone. Each operation is rounded on its own (no fma), exactly as the numpy
+// mirror (engine/sampler.py) computes it. The block's threads share the entries.
+__device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const int *__restrict__ offsets,
+                                             const int *__restrict__ tokens, const int *__restrict__ counts,
+                                             const float *__restrict__ repetition, const float *__restrict__ presence,
+                                             const float *__restrict__ frequency) {
+    const int begin = offsets[r], end = offsets[r + 1];
+    if (begin >= end) return;
+    const float rep = repetition[r], pres = presence[r], freq = frequency[r];
+    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
+        const int tok = tokens[e];
+        if (tok < 0 || tok >= vocab) continue;
+        const int n = counts[e];
+        float l = row[tok];
+        if (rep != 1.f) l = l > 0.f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+        const float penalty = __fadd_rn(__fmul_rn(freq, (float)n), n > 0 ? pres : 0.f);
+        row[tok] = __fsub_rn(l, penalty);
+    }
+}
+
 // ============================================================================= kernels
 // grid (rows), block (1024). out[r] = argmax of logits row r (lowest index on ties).
 extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *__restrict__ logits, int vocab,
@@ -171,24 +195,33 @@ __device__ __forceinline__ void emit(int *out, int *host_out, const int *host_sl
 
 // grid (rows), block (1024). Per row r: temperature[r] <= 0 means greedy (min-p, top-k, top-p
 // ignored); min_p[r] <= 0 disables min-p; top_k[r] <= 0 or >= vocab disables top-k; top_p[r] >= 1
-// disables top-p. counters[r] is the position being sampled. num_keys > 0: the LM head wrote row
-// 0's per-block keys to head_keys (batch 1); unless penalties changed row 0 since (pen_offsets: it
-// has entries), its argmax comes from those keys. The token goes out as emit() writes it.
+// disables top-p. counters[r] is the position being sampled. With pen_offsets (and the penalty
+// tokens, counts and factors) the block first applies row r's penalties in place (penalize_row; in
+// the same launch, not one of its own before it: one kernel less a step). num_keys > 0: the LM head
+// wrote row 0's per-block keys to head_keys (batch 1); unless row 0 has penalty entries, its argmax
+// comes from those keys. The token goes out as emit() writes it.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
-        const float *__restrict__ logits, int vocab, const float *__restrict__ temperature,
+        float *logits, int vocab, const float *__restrict__ temperature,
         const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
         const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out,
-        const u64 *__restrict__ head_keys, int num_keys, const int *__restrict__ pen_offsets, int *__restrict__ host_out,
+        const u64 *__restrict__ head_keys, int num_keys, const int *__restrict__ pen_offsets,
+        const int *__restrict__ pen_tokens, const int *__restrict__ pen_counts, const float *__restrict__ repetition,
+        const float *__restrict__ presence, const float *__restrict__ frequency, int *__restrict__ host_out,
         const int *__restrict__ host_slot, int host_stride) {
     pdl_start();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ u64 sk[32];
     const int r = blockIdx.x;
-    const float *z = logits + (size_t)r * vocab;
+    float *z = logits + (size_t)r * vocab;  // not const: penalties are written in place, then read (no .nc loads)
     const float temp = temperature[r];
 
-    const bool keyed = r == 0 && num_keys > 0 && pen_offsets[1] == pen_offsets[0];
+    const bool penalized = pen_offsets != nullptr && pen_offsets[r + 1] > pen_offsets[r];
+    if (penalized) {
+        penalize_row(z, vocab, r, pen_offsets, pen_tokens, pen_counts, repetition, presence, frequency);
+        __syncthreads();  // the block's writes are visible to its own later reads
+    }
+    const bool keyed = r == 0 && num_keys > 0 && !penalized;
     const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk) : block_argmax(thread_argmax(z, vocab), sv, si);
     if (!(temp > 0.f)) {
         if (threadIdx.x == 0) emit(out, host_out, host_slot, host_stride, r, m.i);
@@ -226,31 +259,4 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     }
     best = block_argmax(best, sv, si);
     if (threadIdx.x == 0) emit(out, host_out, host_slot, host_stride, r, best.i);
-}
-
-// grid (rows), block (256). In place on logits [rows, vocab], vLLM's penalties: row r's entries
-// e in [offsets[r], offsets[r + 1]) name distinct token ids tokens[e] from its prompt or output,
-// counts[e] = occurrences in the output (0: prompt only). Repetition scales every such logit
-// (divides a positive one, multiplies the rest); presence and frequency subtract for output
-// tokens only. Ids outside [0, vocab) are skipped; a row without entries returns at once.
-// Each operation is rounded on its own (no fma), exactly as the numpy mirror computes it.
-extern "C" __global__ void __launch_bounds__(256) apply_penalties(
-        float *__restrict__ logits, int vocab, const int *__restrict__ offsets, const int *__restrict__ tokens,
-        const int *__restrict__ counts, const float *__restrict__ repetition, const float *__restrict__ presence,
-        const float *__restrict__ frequency) {
-    pdl_start();
-    const int r = blockIdx.x;
-    const int begin = offsets[r], end = offsets[r + 1];
-    if (begin >= end) return;
-    const float rep = repetition[r], pres = presence[r], freq = frequency[r];
-    float *row = logits + (size_t)r * vocab;
-    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
-        const int tok = tokens[e];
-        if (tok < 0 || tok >= vocab) continue;
-        const int n = counts[e];
-        float l = row[tok];
-        if (rep != 1.f) l = l > 0.f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-        const float penalty = __fadd_rn(__fmul_rn(freq, (float)n), n > 0 ? pres : 0.f);
-        row[tok] = __fsub_rn(l, penalty);
-    }
 }

@@ -170,7 +170,7 @@ BATCH_ABLATE_GROUPS = (
     ("matrix products (LM head included)", ("gemm", "gemv")),
     ("RMSNorm", ("rmsnorm",)),
 )
-SAMPLING_KERNELS = ("sample_rows", "argmax_rows", "apply_penalties")
+SAMPLING_KERNELS = ("sample_rows", "argmax_rows")
 
 
 def ablate_step(model, bucket: int = 1, replays: int = 50, *, enqueue=None, groups=None) -> dict:

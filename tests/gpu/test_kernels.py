@@ -126,13 +126,15 @@ def chi2_sf(x: float, dof: int) -> float:
 # ============================================================================= embedding
 
 
+@pytest.mark.parametrize("embed", [False, True], ids=["copy", "embed"])
 @pytest.mark.parametrize("ntok, at", [(1, (0, 16)), (7, (32, 64)), (130, (1040, 2080))],
                          ids=["tok1", "tok7", "tok130"])
-def test_fetch_step_copies_the_mapped_mirror(ntok, at, buf, stream):
+def test_fetch_step_copies_the_mapped_mirror(ntok, at, embed, buf, stream):
     # fetch_step: a decode step's first kernel reads the step buffers' mapped host mirror into the device
     # buffers (every byte, nothing past the end: the guard bytes after dst stay poisoned), and replaces
-    # the token ids whose token_src entry is >= 0 with the sampled id that entry names.
-    rng = np.random.default_rng(seed_of("fetch_step", ntok))
+    # the token ids whose token_src entry is >= 0 with the sampled id that entry names. With embed, the
+    # same launch writes the embeddings of the first rows resolved ids (some past the vocabulary: zeros).
+    rng = np.random.default_rng(seed_of("fetch_step", ntok, embed))
     tok_at, src_at = at
     nbytes = src_at + 16 * -(-ntok // 4) + 16 * int(rng.integers(1, 40))
     host = PinnedBuffer(nbytes, mapped=True)
@@ -151,16 +153,33 @@ def test_fetch_step_copies_the_mapped_mirror(ntok, at, buf, stream):
         dst = out.rows(0, nbytes)
         dst_tokens = DeviceArray((ntok,), np.int32, ptr=dst.ptr + tok_at)
         dst_src = DeviceArray((ntok,), np.int32, ptr=dst.ptr + src_at)
-        fetch_step(host.device_array((nbytes,), np.uint8), dst, dst_tokens, dst_src, buf.upload(sampled), stream)
+        rows, vocab, dim = max(1, ntok - 1), 5500, 2568
+        table = rand_bf16(rng, (vocab, dim))
+        emb = buf.poisoned((rows + 1, dim), np.float32)
+        fetch_step(host.device_array((nbytes,), np.uint8), dst, dst_tokens, dst_src, buf.upload(sampled), stream,
+                   embed=(buf.upload(table), emb.rows(0, rows)) if embed else None)
         got = out.to_host(stream)
         np.testing.assert_array_equal(got[:nbytes], want)
         assert (got[nbytes:] == POISON).all(), got[nbytes:]
+        got_emb = emb.to_host(stream)
+        if embed:
+            ids = want_tokens[:rows]
+            valid = (ids >= 0) & (ids < vocab)
+            if rows >= 100:
+                assert not valid.all(), "test setup: some resolved ids should fall past the vocabulary"
+            want_emb = np.zeros((rows, dim), np.float32)
+            want_emb[valid] = to_f32(table)[ids[valid]]
+            np.testing.assert_array_equal(got_emb[:rows], want_emb)  # exact: bf16 -> f32 widening
+        assert (got_emb[rows if embed else 0:].view(np.uint8) == POISON).all()  # nothing past the rows
         with pytest.raises(ValueError, match="multiples of 16"):
             fetch_step(host.device_array((8,), np.uint8), out.rows(0, 8), dst_tokens, dst_src, buf.upload(sampled),
                        stream)
         with pytest.raises(ValueError, match="aligned field of dst"):
             fetch_step(host.device_array((nbytes,), np.uint8), dst, DeviceArray((ntok,), np.int32, ptr=dst.ptr + 4),
                        dst_src, buf.upload(sampled), stream)
+        with pytest.raises(ValueError, match="embedding rows"):
+            fetch_step(host.device_array((nbytes,), np.uint8), dst, dst_tokens, dst_src, buf.upload(sampled), stream,
+                       embed=(buf.upload(table), buf.poisoned((ntok + 1, dim), np.float32)))
     finally:
         host.free()
 
@@ -739,27 +758,30 @@ def test_sample_reads_the_lm_head_keys_unless_penalties_changed_the_row(buf, str
     linear(x, w, logits, "f32", stream, head_keys=keys)
     host = logits.to_host(stream)
 
-    def run(temperature, offsets, with_keys=True):
+    def run(logits, temperature, entries=(), with_keys=True, presence=0.0):
+        """Row 0's token; entries: penalty token ids (each counted once in the output), applied first."""
         out = buf.poisoned((1,), I32)
+        ids = np.asarray(entries, np.int32)
+        penalties = (buf.upload(np.array([0, ids.size], np.int32)), buf.upload(np.append(ids, 0)),
+                     buf.upload(np.ones(ids.size + 1, np.int32)), buf.upload(np.ones(1, np.float32)),
+                     buf.upload(np.array([presence], np.float32)), buf.upload(np.zeros(1, np.float32)))
         sample(logits, buf.upload(np.array([temperature], np.float32)), buf.upload(np.array([0], np.int32)),
                buf.upload(np.array([1.0], np.float32)), buf.upload(np.zeros(1, np.float32)),
                buf.upload(np.array([7], np.uint64)), buf.upload(np.array([3], np.int32)), out, stream,
-               head_keys=keys if with_keys else None, pen_offsets=buf.upload(np.asarray(offsets, np.int32)))
+               penalties=penalties, head_keys=keys if with_keys else None)
         return int(out.to_host(stream)[0])
 
-    assert run(0.0, [0, 0]) == int(np.argmax(host))
-    assert run(0.8, [0, 0]) == run(0.8, [0, 0], with_keys=False)  # the same maximum, the same sample
-    # Penalties rewrite the row after the keys were made: the keys are stale, the logits are scanned.
+    assert run(logits, 0.0) == int(np.argmax(host))
+    assert run(logits, 0.8) == run(logits, 0.8, with_keys=False)  # the same maximum, the same sample
+    # A penalty on the best token rewrites the row after the keys were made: the keys are stale, the
+    # (penalized) logits are scanned.
     best = int(np.argmax(host))
     penalised = host.copy()
-    penalised[0, best] = host.min() - 1.0
-    stale = buf.upload(penalised)
-    out = buf.poisoned((1,), I32)
-    sample(stale, buf.upload(np.array([0.0], np.float32)), buf.upload(np.array([0], np.int32)),
-           buf.upload(np.array([1.0], np.float32)), buf.upload(np.zeros(1, np.float32)),
-           buf.upload(np.array([7], np.uint64)), buf.upload(np.array([3], np.int32)), out, stream,
-           head_keys=keys, pen_offsets=buf.upload(np.array([0, 1], np.int32)))
-    assert int(out.to_host(stream)[0]) == int(np.argmax(penalised))
+    penalised[0, best] -= np.float32(host.max() - host.min() + 1.0)
+    assert int(np.argmax(penalised)) != best
+    got = run(logits, 0.0, entries=[best], presence=float(host.max() - host.min() + 1.0))
+    assert got == int(np.argmax(penalised))
+    assert_exact(logits.to_host(stream), penalised, "the penalized row, in place")
 
 
 # ============================================================================= sampling

@@ -1,4 +1,4 @@
-"""min-p sampling and the penalties kernel (cuda_src/sampling.cu) against tileinfer.engine.sampler.
+"""min-p sampling and the penalties it applies first (cuda_src/sampling.cu) against tileinfer.engine.sampler.
 
 Conventions as in test_kernels.py: every case draws fresh random inputs from
 np.random.default_rng(<seed fixed per case>) at awkward vocabulary sizes, outputs are poisoned
@@ -12,7 +12,7 @@ What is exact and what is not:
     perturbed scores z_i + g_i within 1e-5 (logf and numpy's log differ by an ulp or so), or top-p's
     boundary moved by one value where float32 mass sums cannot tell (margin <= 2e-5 of the mass: a
     thread's serial float32 sum of <= 149 terms errs by <= 149 * 2^-24 ~ 9e-6, the tree adds ~6e-7).
-  * apply_penalties rounds each operation on its own, as numpy does: every element bit-exact.
+  * sample(penalties=) rounds each penalty operation on its own, as numpy does: every element bit-exact.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 
 from tileinfer.cuda import DeviceArray
 from tileinfer.engine import sampler
-from tileinfer.kernels import apply_penalties, sample
+from tileinfer.kernels import sample
 
 from gpu_helpers import Buffers, seed_of  # noqa: E402
 
@@ -276,8 +276,21 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray, label: str) -> None:
                              f"ulp); first at {first}: got {got[first]!r}, expected {want[first]!r}")
 
 
+def greedy(buf, stream, logits: DeviceArray, penalties) -> np.ndarray:
+    """sample() of every row at temperature 0 with `penalties`: the tokens."""
+    rows = logits.shape[0]
+    out = buf.poisoned((rows,), np.int32)
+    sample(logits, buf.upload(np.zeros(rows, np.float32)), buf.upload(np.zeros(rows, np.int32)),
+           buf.upload(np.ones(rows, np.float32)), buf.upload(np.zeros(rows, np.float32)),
+           buf.upload(np.arange(rows, dtype=np.uint64)), buf.upload(np.zeros(rows, np.int32)), out, stream,
+           penalties=penalties)
+    return out.to_host(stream)
+
+
 @pytest.mark.parametrize("vocab", [1000, 4097, 151936], ids=lambda v: f"vocab{v}")
-def test_apply_penalties_matches_numpy(vocab, buf, stream):
+def test_sample_applies_penalties_as_numpy(vocab, buf, stream):
+    # sample(penalties=...) applies them in place in the sampling launch itself, then samples (greedy
+    # here) from the penalized rows.
     rng = np.random.default_rng(seed_of("penalties", vocab))
     spec = penalty_rows(rng, vocab)
     rows = len(spec)
@@ -292,8 +305,9 @@ def test_apply_penalties_matches_numpy(vocab, buf, stream):
         return buf.upload(np.array([s[key] for s in spec], np.float32))
 
     dev_logits = buf.upload(logits)
-    apply_penalties(dev_logits, buf.upload(offsets), buf.upload(tokens), buf.upload(counts), per_row("repetition"),
-                    per_row("presence"), per_row("frequency"), stream)
+    penalties = (buf.upload(offsets), buf.upload(tokens), buf.upload(counts), per_row("repetition"),
+                 per_row("presence"), per_row("frequency"))
+    tokens_out = greedy(buf, stream, dev_logits, penalties)
     got = dev_logits.to_host(stream)
 
     want = np.stack([sampler.apply_penalties(logits[r], s["tokens"], s["counts"], s["repetition"], s["presence"],
@@ -303,38 +317,49 @@ def test_apply_penalties_matches_numpy(vocab, buf, stream):
           f"{changed} logits changed by the mirror")
     assert changed > int(offsets[-1]) // 2, "test setup: the penalties should change most entries' logits"
     # Exact (0 ulp) everywhere: touched entries round each operation as numpy does, the rest are untouched.
-    assert_bits_equal(got, want, f"apply_penalties vocab={vocab}")
+    assert_bits_equal(got, want, f"penalties vocab={vocab}")
+    # Greedy from the penalized rows (np.argmax: the lowest index on ties, as the kernel).
+    np.testing.assert_array_equal(tokens_out, want.argmax(axis=1))
 
 
-def test_apply_penalties_without_entries_is_a_no_op(buf, stream):
+def test_penalties_without_entries_are_a_no_op(buf, stream):
     # offsets all 0 (as a captured graph sees a batch without penalties), with valid ids in the token buffer.
     rng = np.random.default_rng(seed_of("penalties empty"))
     rows, vocab = 7, 4097
     logits = rng.standard_normal((rows, vocab), dtype=np.float32)
     dev_logits = buf.upload(logits)
-    apply_penalties(dev_logits, buf.upload(np.zeros(rows + 1, np.int32)), buf.upload(np.arange(16, dtype=np.int32)),
-                    buf.upload(np.ones(16, np.int32)), buf.upload(np.full(rows, 1.5, np.float32)),
-                    buf.upload(np.full(rows, 0.5, np.float32)), buf.upload(np.full(rows, 0.5, np.float32)), stream)
-    assert_bits_equal(dev_logits.to_host(stream), logits, "apply_penalties with no entries")
+    tokens = greedy(buf, stream, dev_logits, (
+        buf.upload(np.zeros(rows + 1, np.int32)), buf.upload(np.arange(16, dtype=np.int32)),
+        buf.upload(np.ones(16, np.int32)), buf.upload(np.full(rows, 1.5, np.float32)),
+        buf.upload(np.full(rows, 0.5, np.float32)), buf.upload(np.full(rows, 0.5, np.float32))))
+    assert_bits_equal(dev_logits.to_host(stream), logits, "penalties with no entries")
+    np.testing.assert_array_equal(tokens, logits.argmax(axis=1))
 
 
 # ============================================================================= argument checks
+
+
+def sample_args(B):
+    """A valid sample() call's arrays for two rows of ten logits (B: the poisoned-buffer factory)."""
+    return (B((2, 10), F32), B((2,), F32), B((2,), I32), B((2,), F32), B((2,), F32), B((2,), np.uint64),
+            B((2,), I32), B((2,), I32))
+
+
+def penalty_args(B, *, offsets=3, counts=4, tokens=I32, presence=F32):
+    """Penalty arrays for two rows, valid unless an argument says otherwise."""
+    return (B((offsets,), I32), B((4,), tokens), B((counts,), I32), B((2,), F32), B((2,), presence), B((2,), F32))
+
 
 LAUNCHER_ERRORS = {
     "sample min_p int32": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((2,), I32), B((2,), F32),
                                               B((2,), I32), B((2,), np.uint64), B((2,), I32), B((2,), I32), s),
     "sample min_p rows": lambda B, s: sample(B((2, 10), F32), B((2,), F32), B((2,), I32), B((2,), F32),
                                              B((3,), F32), B((2,), np.uint64), B((2,), I32), B((2,), I32), s),
-    "penalties offsets of rows entries": lambda B, s: apply_penalties(
-        B((2, 10), F32), B((2,), I32), B((4,), I32), B((4,), I32), B((2,), F32), B((2,), F32), B((2,), F32), s),
-    "penalties counts length": lambda B, s: apply_penalties(
-        B((2, 10), F32), B((3,), I32), B((4,), I32), B((5,), I32), B((2,), F32), B((2,), F32), B((2,), F32), s),
-    "penalties tokens int64": lambda B, s: apply_penalties(
-        B((2, 10), F32), B((3,), I32), B((4,), np.int64), B((4,), I32), B((2,), F32), B((2,), F32), B((2,), F32), s),
-    "penalties presence float64": lambda B, s: apply_penalties(
-        B((2, 10), F32), B((3,), I32), B((4,), I32), B((4,), I32), B((2,), F32), B((2,), np.float64), B((2,), F32), s),
-    "penalties float16 logits": lambda B, s: apply_penalties(
-        B((2, 10), np.float16), B((3,), I32), B((4,), I32), B((4,), I32), B((2,), F32), B((2,), F32), B((2,), F32), s),
+    "penalties offsets of rows entries": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, offsets=2)),
+    "penalties counts length": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, counts=5)),
+    "penalties tokens int64": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, tokens=np.int64)),
+    "penalties presence float64": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, presence=np.float64)),
+    "penalties five arrays": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B)[:5]),
 }
 
 

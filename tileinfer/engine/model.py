@@ -47,8 +47,9 @@ MAX_SPLITS = 48
 INT8_DECODE_BLOCKS = 3
 EXTEND_GRAPH_TOKENS = 16  # Model.extend by 1..16 tokens of one sequence replays a graph per count
 LOGITS_MODES = ("all", "last", "argmax", "none")  # what Model.extend returns
-# Decode steps fetch their inputs from the mapped mirror with their first kernel (K.fetch_step) instead of a
-# host-to-device copy before them; TILEINFER_FETCH_STEP=0 copies them as before (A/B runs).
+# Decode steps fetch their inputs from the mapped mirror with their first kernel (K.fetch_step, which also
+# writes the step's embeddings) instead of a host-to-device copy before them; TILEINFER_FETCH_STEP=0 copies
+# them as before and launches resolve_tokens and embedding (A/B runs).
 FETCH_STEP = os.environ.get("TILEINFER_FETCH_STEP", "1") != "0"
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
@@ -179,20 +180,19 @@ class Model:
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
     def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream,
-                 tokens_resolved: bool = False) -> None:
+                 embedded: bool = False) -> None:
         logits = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=all_logits,
                          num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant,
-                         tokens_resolved=tokens_resolved)
+                         embedded=embedded)
         if sample:
             d, b = self.steps.dev, shape.num_seqs
-            K.apply_penalties(logits, d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens,
-                              self.steps.penalty_counts, d["repetition"].rows(0, b), d["presence"].rows(0, b),
-                              d["frequency"].rows(0, b), stream)
+            penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
+                         d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
             keyed = head_keys_written(logits, self.batch_invariant)  # batch 1: row 0's maximum is known
             K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                      d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
-                     self.steps.sampled.rows(0, b), stream, head_keys=self.workspace.head_keys if keyed else None,
-                     pen_offsets=d["pen_offsets"].rows(0, 2) if keyed else None, host_out=self.steps.sampled_out,
+                     self.steps.sampled.rows(0, b), stream, penalties=penalties,
+                     head_keys=self.workspace.head_keys if keyed else None, host_out=self.steps.sampled_out,
                      host_slot=d["sample_slot"])
 
     def extend_splits(self, n: int) -> int:
@@ -213,10 +213,10 @@ class Model:
         if FETCH_STEP:  # the step reads its inputs from the mapped mirror itself (no copy before it)
             d = self.steps.dev
             K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
-                         stream)
+                         stream, embed=(self.weights.embed, self.workspace.resid.rows(0, bucket)))
             self.steps.record_fetched(stream)
         self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream,
-                      tokens_resolved=FETCH_STEP)
+                      embedded=FETCH_STEP)
 
     # ------------------------------------------------------------------ steps
     def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,

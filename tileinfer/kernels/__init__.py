@@ -4,6 +4,6 @@ from .attn_input import attn_input, attn_input_int8
 from .embedding import embedding, fetch_step, resolve_tokens
 from .linear import linear, norm_linear
 from .rmsnorm import rmsnorm
-from .sampling import apply_penalties, argmax, sample
+from .sampling import argmax, sample
 
-__all__ = ["attention", "attn_input", "attn_input_int8", "embedding", "fetch_step", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample", "apply_penalties"]
+__all__ = ["attention", "attn_input", "attn_input_int8", "embedding", "fetch_step", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample"]

@@ -6,12 +6,8 @@ from ._check import BF16, FLOAT32, INT32, UINT8, expect
 def embedding(tokens: DeviceArray, table: DeviceArray, out: DeviceArray, stream) -> None:
     """out[i] = table[tokens[i]] as float32; tokens outside the vocabulary give zero rows."""
     n = tokens.shape[0]
-    vocab, dim = table.shape
     expect("tokens", tokens, (n,), INT32)
-    expect("table", table, (vocab, dim), BF16)
-    expect("out", out, (n, dim), FLOAT32)
-    if dim % 8:
-        raise ValueError(f"embedding: dim must be a multiple of 8, got {dim}")
+    vocab, dim = _check_table(table, out, n, "embedding")
     kernel("embedding.cu", "embedding").launch((n,), (128,), [tokens, table, out, I32(dim), I32(vocab)], stream)
 
 
@@ -26,11 +22,14 @@ def resolve_tokens(tokens: DeviceArray, src: DeviceArray, sampled: DeviceArray, 
 
 
 def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_src: DeviceArray,
-               sampled: DeviceArray, stream) -> None:
+               sampled: DeviceArray, stream, *, embed: tuple[DeviceArray, DeviceArray] | None = None) -> None:
     """dst <- src, both uint8 [n] with n a multiple of 16: src the mapped page-locked mirror of the step
     buffers (PinnedBuffer(mapped=True).device_array), read by the kernel itself; with resolve_tokens'
     work done on the way: tokens and token_src are int32 fields of dst (16-byte aligned), and
-    tokens[i] becomes sampled[token_src[i]] where token_src[i] >= 0."""
+    tokens[i] becomes sampled[token_src[i]] where token_src[i] >= 0.
+
+    embed: (table, out), out [rows, dim] float32 with rows <= len(tokens): the same launch also does
+    embedding's work for the first rows tokens (out[i] = table[tokens[i]] after resolving)."""
     n = dst.shape[0]
     expect("dst", dst, (n,), UINT8)
     expect("src", src, (n,), UINT8)
@@ -46,5 +45,22 @@ def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_sr
             raise ValueError(f"fetch_step: {name} must be a 16-byte aligned field of dst, got offset {at} of {n}")
     n16 = n // 16
     tok0, delta = (tokens.ptr - dst.ptr) // 16, (token_src.ptr - tokens.ptr) // 16
-    kernel("embedding.cu", "fetch_step").launch((max(1, -(-n16 // 256)),), (256,),
-                                                [src, dst, I32(n16), I32(tok0), I32(ntok), I32(delta), sampled], stream)
+    table, out, rows, vocab, dim = None, None, 0, 0, 0
+    if embed is not None:
+        table, out = embed
+        rows = out.shape[0]
+        if rows > ntok:
+            raise ValueError(f"fetch_step: {rows} embedding rows for {ntok} token ids")
+        vocab, dim = _check_table(table, out, rows, "fetch_step")
+    kernel("embedding.cu", "fetch_step").launch(
+        (-(-n16 // 256) + rows,), (256,),
+        [src, dst, I32(n16), I32(tok0), I32(ntok), I32(delta), sampled, table, out, I32(dim), I32(vocab)], stream)
+
+
+def _check_table(table: DeviceArray, out: DeviceArray, rows: int, name: str) -> tuple[int, int]:
+    vocab, dim = table.shape
+    expect("table", table, (vocab, dim), BF16)
+    expect("out", out, (rows, dim), FLOAT32)
+    if dim % 8:
+        raise ValueError(f"{name}: dim must be a multiple of 8, got {dim}")
+    return vocab, dim

@@ -1,5 +1,5 @@
-"""Launchers for cuda_src/sampling.cu: greedy argmax, seeded temperature/min-p/top-k/top-p sampling,
-and vLLM's repetition/presence/frequency penalties."""
+"""Launchers for cuda_src/sampling.cu: greedy argmax, seeded temperature/min-p/top-k/top-p sampling
+after vLLM's repetition/presence/frequency penalties."""
 from ..cuda import I32, DeviceArray, kernel
 from ._check import FLOAT32, INT32, UINT64, expect
 
@@ -14,15 +14,22 @@ def argmax(logits: DeviceArray, out: DeviceArray, stream) -> None:
 
 def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray,
            min_p: DeviceArray, seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream, *,
-           head_keys: DeviceArray | None = None, pen_offsets: DeviceArray | None = None,
+           penalties: tuple[DeviceArray, ...] | None = None, head_keys: DeviceArray | None = None,
            host_out: DeviceArray | None = None, host_slot: DeviceArray | None = None) -> None:
     """Per row r: greedy if temperature[r] <= 0, else a Gumbel-max sample from the min-p, then top-k,
     then top-p filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r]).
     min_p[r] <= 0 disables min-p (it keeps probabilities >= min_p[r] * the largest).
 
+    penalties: (offsets, tokens, counts, repetition, presence, frequency), vLLM's penalties applied in
+    place to the logits first, in the same launch. Row r's entries e in [offsets[r], offsets[r + 1]) name
+    distinct token ids tokens[e] of its prompt or output, counts[e] their occurrences in the output (0:
+    prompt only): logits[r, t] is divided by repetition[r] when positive (else multiplied; 1 = off), then
+    reduced by frequency[r] * counts[e] + (presence[r] if counts[e] > 0). Rows without entries are left
+    alone; ids outside the vocabulary are skipped. Rounded as engine/sampler.apply_penalties rounds.
+
     head_keys: the per-block keys the batch-1 LM head wrote with the logits (linear(head_keys=)), for
     one row only; row 0's largest logit is then read from them (a few KB instead of the vocabulary)
-    unless apply_penalties changed the row since, which pen_offsets (apply_penalties' offsets) tells.
+    unless row 0 has penalty entries.
 
     host_out: mapped page-locked memory [slots, stride] (PinnedBuffer(mapped=True).device_array) that
     also receives the tokens, in row host_slot[0] (an int32 on the device): read by the host after the
@@ -33,12 +40,23 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
                              ("top_p", top_p, FLOAT32), ("min_p", min_p, FLOAT32), ("seeds", seeds, UINT64),
                              ("counters", counters, INT32), ("out", out, INT32)):
         expect(name, arr, (rows,), dtype)
+    pen_args = [None] * 6
+    if penalties is not None:
+        if len(penalties) != 6:
+            raise ValueError(f"sample: penalties are (offsets, tokens, counts, repetition, presence, frequency), "
+                             f"got {len(penalties)} arrays")
+        offsets, tokens, counts, repetition, presence, frequency = penalties
+        expect("penalty offsets", offsets, (rows + 1,), INT32)
+        expect("penalty tokens", tokens, (None,), INT32)
+        expect("penalty counts", counts, tokens.shape, INT32)
+        for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
+            expect(name, arr, (rows,), FLOAT32)
+        pen_args = list(penalties)
     num_keys = 0
     if head_keys is not None:
         if rows != 1:
             raise ValueError(f"sample: head_keys serve one row of logits, got {rows}")
         expect("head_keys", head_keys, (None,), UINT64)
-        expect("pen_offsets", pen_offsets, (2,), INT32)
         num_keys = head_keys.shape[0]
     stride = 0
     if host_out is not None:
@@ -49,21 +67,5 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
             raise ValueError(f"sample: host_out rows hold {stride} tokens, the step samples {rows}")
     kernel("sampling.cu", "sample_rows").launch(
         (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out, head_keys,
-                           I32(num_keys), pen_offsets, host_out, host_slot, I32(stride)], stream)
+                           I32(num_keys), *pen_args, host_out, host_slot, I32(stride)], stream)
 
-
-def apply_penalties(logits: DeviceArray, offsets: DeviceArray, tokens: DeviceArray, counts: DeviceArray,
-                    repetition: DeviceArray, presence: DeviceArray, frequency: DeviceArray, stream) -> None:
-    """In place on logits [rows, vocab]. Row r's entries e in [offsets[r], offsets[r + 1]) name distinct
-    token ids tokens[e] of its prompt or output, counts[e] their occurrences in the output (0: prompt only):
-    logits[r, t] is divided by repetition[r] when positive (else multiplied; 1 = off), then reduced by
-    frequency[r] * counts[e] + (presence[r] if counts[e] > 0). Rows without entries are left alone."""
-    rows, vocab = logits.shape
-    expect("logits", logits, (rows, vocab), FLOAT32)
-    expect("offsets", offsets, (rows + 1,), INT32)
-    expect("tokens", tokens, (None,), INT32)
-    expect("counts", counts, tokens.shape, INT32)
-    for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
-        expect(name, arr, (rows,), FLOAT32)
-    kernel("sampling.cu", "apply_penalties").launch(
-        (rows,), (256,), [logits, I32(vocab), offsets, tokens, counts, repetition, presence, frequency], stream)

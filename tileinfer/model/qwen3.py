@@ -76,9 +76,10 @@ class Workspace:
 
 def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: StepBuffers, shape: StepShape,
             *, all_logits: bool, num_splits: int, stream, batch_invariant: bool = False,
-            tokens_resolved: bool = False) -> DeviceArray:
+            embedded: bool = False) -> DeviceArray:
     """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last.
-    tokens_resolved: the step's token ids already hold the ones the previous step sampled (fetch_step).
+    embedded: the step's token ids already hold the ones the previous step sampled, and ws.resid their
+    embeddings (fetch_step with embed=, a decode step's first kernel).
 
     By default each matrix product picks its kernel by row count and attention its shape by
     query rows; batch_invariant runs every product on the tensor-core GEMM and attention in its
@@ -107,9 +108,9 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     eps = c.rms_norm_eps
     ss_post, ss_input = (ws.ss_post.rows(0, n), ws.ss_input.rows(0, n)) if epi_norm else (None, None)
     layers = weights.layers
-    if not tokens_resolved:
+    if not embedded:
         K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
-    K.embedding(tokens, weights.embed, resid, stream)
+        K.embedding(tokens, weights.embed, resid, stream)
     for i, lw in enumerate(layers):
         if epi_norm and i > 0:
             K.linear(x, lw.w_qkv, qkv, "bf16", stream, row_norm=(ss_input, eps))
