@@ -253,7 +253,10 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // num_splits == 1: writes normalized bf16 `out`. Otherwise writes, per split, the unnormalized
 // f32 output to part_o [splits, total_q, H, HD] and (max, sum) in base 2 to part_ml
 // [splits, total_q, H, 2], merged by attention_combine.
-template <bool Q8, bool KEYS>
+// HALF (decode shape only): the block has at most 8 rows (a decode step: one token x a group of G <= 8), so
+// the accumulator rows 8-15 each thread holds (h = 1 below; the mma computes them anyway) are padding:
+// their scaling, softmax, P packing, O rescaling and merge are skipped, about half the per-key FP32 work.
+template <bool Q8, bool KEYS, bool HALF = false>
 __device__ __forceinline__ void attention_body(
         const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,
         const float *__restrict__ k_scale, const float *__restrict__ v_scale,
@@ -262,7 +265,9 @@ __device__ __forceinline__ void attention_body(
         int bt_stride, int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q,
         float scale_log2) {
     using S = Smem<Q8, KEYS>;
+    static_assert(KEYS || !HALF, "HALF is a decode-shape build");
     constexpr int ROWS = S::ROWS, STAGES = S::STAGES;
+    constexpr int NH = HALF ? 1 : 2;  // accumulator row halves (g, g + 8) that hold real rows
     constexpr int NB = KEYS ? 2 : 8;  // 8-key column blocks of S per warp
     extern __shared__ __align__(128) unsigned char smem[];
     bf16 *sQ = reinterpret_cast<bf16 *>(smem);
@@ -445,7 +450,7 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
+                for (int e = 0; e < 2 * NH; ++e) {
                     const int kl = wkey + nb * 8 + 2 * t + (e & 1), h = e >> 1;
                     float x = S::DIRECT ? s[nb][e] : s[nb][e] * scale_log2;  // DIRECT: scaled in the queries
                     if constexpr (Q8) x *= ksc[kl];
@@ -459,9 +464,9 @@ __device__ __forceinline__ void attention_body(
         };
         if (KEYS && (kt + 1) * KT <= vis_end) scores(Flag<false>{});  // the prefill shape: always masked
         else scores(Flag<true>{});                                       // (unmasked tiles cost it registers)
-        float alpha[2], m_use[2];
+        float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < NH; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
             const float m_new = fmaxf(m[h], mx[h]);
@@ -484,7 +489,7 @@ __device__ __forceinline__ void attention_body(
                 const int up = eb - vexp;
                 const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
                 o_alpha[0] *= shrink;
-                o_alpha[1] *= shrink;
+                o_alpha[1] *= HALF ? 1.f : shrink;
                 vexp = eb;
             }
             pv_unit = __uint_as_float((u32)(253 - vexp) << 23);  // 2^(126 - vexp)
@@ -493,7 +498,7 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
+            for (int e = 0; e < 2 * NH; ++e) {
                 const float p = exp2f(s[nb][e] - m_use[e >> 1]);
                 rowsum[e >> 1] += p;
                 if constexpr (Q8) {
@@ -503,12 +508,12 @@ __device__ __forceinline__ void attention_body(
                 }
             }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+        for (int h = 0; h < NH; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
         if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
 #pragma unroll
             for (int nb = 0; nb < 16; ++nb) {
                 o[nb][0] *= o_alpha[0]; o[nb][1] *= o_alpha[0];
-                o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1];
+                if (!HALF) { o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1]; }
             }
         }
 
@@ -516,15 +521,17 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
         for (int kk = 0; kk < NB / 2; ++kk) {
             if constexpr (S::DIRECT) {
-                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]), pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
+                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]),
+                                  HALF ? 0u : pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
                                   pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                                  HALF ? 0u : pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
                 direct_pv(st + KT * HD, a, o, wkey, lane);
                 continue;
             }
-            const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+            const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                              HALF ? 0u : pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                               pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                              HALF ? 0u : pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int dp = 0; dp < 8; ++dp) {
                 u32 vb[4];
@@ -539,7 +546,7 @@ __device__ __forceinline__ void attention_body(
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < NH; ++h) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
@@ -551,7 +558,7 @@ __device__ __forceinline__ void attention_body(
         float *sO = reinterpret_cast<float *>(sK);
         float *sM = sO + 4 * 16 * HD, *sL = sM + 4 * 16;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < NH; ++h) {  // HALF: rows 8-15 are past `rows` and never read below
             const int r = g + 8 * h;
             if constexpr (S::DIRECT) {
                 // o[2 b] holds channels 16 b + 4t and + 2, o[2 b + 1] channels 16 b + 4t + 1 and + 3 (direct_pv),
@@ -629,9 +636,9 @@ __device__ __forceinline__ void attention_body(
 }
 
 // ============================================================================= kernels
-// The four entry points: {BF16, INT8 cache} x {rows mode, keys mode}. k_scale / v_scale are null
-// for BF16.
-#define ATTENTION_KERNEL(NAME, Q8, KEYS)                                                                     \
+// The entry points: {BF16, INT8 cache} x {rows mode, keys mode}, and the keys mode for blocks of at most
+// 8 rows (_h8: HALF, decode steps of a group <= 8). k_scale / v_scale are null for BF16.
+#define ATTENTION_KERNEL(NAME, Q8, KEYS, HALF)                                                               \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
             const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,   \
             const float *__restrict__ k_scale, const float *__restrict__ v_scale, bf16 *__restrict__ out,    \
@@ -639,15 +646,17 @@ __device__ __forceinline__ void attention_body(
             const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int bt_stride,            \
             int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2) {  \
         if (!KEYS) pdl_start();  /* the decode shape waits inside, after its first loads */                \
-        attention_body<Q8, KEYS>(q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,  \
+        attention_body<Q8, KEYS, HALF>(q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,  \
                                  block_tables, bt_stride, num_heads, num_kv_heads, page_size, num_splits,   \
                                  total_q, scale_log2);                                                      \
     }
 
-ATTENTION_KERNEL(attention, false, false)
-ATTENTION_KERNEL(attention_decode, false, true)
-ATTENTION_KERNEL(attention_int8, true, false)
-ATTENTION_KERNEL(attention_int8_decode, true, true)
+ATTENTION_KERNEL(attention, false, false, false)
+ATTENTION_KERNEL(attention_decode, false, true, false)
+ATTENTION_KERNEL(attention_int8, true, false, false)
+ATTENTION_KERNEL(attention_int8_decode, true, true, false)
+ATTENTION_KERNEL(attention_decode_h8, false, true, true)
+ATTENTION_KERNEL(attention_int8_decode_h8, true, true, true)
 
 // grid (total_q, num_heads), block (128), num_splits <= 128. Merges the splits' partial outputs
 // of one (token, head): the weights 2^(m_s - M) of the splits in parallel (one thread each), then

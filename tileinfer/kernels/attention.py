@@ -32,6 +32,11 @@ def rows_per_block(keys_mode: bool) -> int:
 # 20 rows). Measured (H200, qwen3-8b, k = 4), 16 -> 64: verify attention 412 -> 342 us, the verify step
 # 4.864 -> 4.785 ms at 512 positions, 5.501 -> 5.404 ms at 8,192.
 KEYS_MAX_ROWS = 64
+# Blocks of at most this many rows (one row tile: a decode step's token x a group of <= 8) run the keys mode's
+# _h8 build, which skips the padding rows 8-15 of its accumulators. TILEINFER_ATTN_H8=0 keeps the 16-row
+# build (A/B runs).
+HALF_ROWS = 8
+ATTN_H8 = os.environ.get("TILEINFER_ATTN_H8", "1") != "0"
 
 
 def stages(int8: bool, keys_mode: bool) -> int:
@@ -56,15 +61,18 @@ def wg_attention_default() -> bool:
     return os.environ.get("TILEINFER_FA3", "1") != "0"
 
 
-def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str) -> str:
+def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str,
+                rows: int = KEYS_MAX_ROWS) -> str:
     """The entry point a launch runs: attention_wg (attention_wg.cu) for the prefill shape over a BF16
     cache without a key split on Hopper (arch sm_90, compiled as sm_90a: wgmma), unless
     TILEINFER_FA3=0 or the pool is too large for its 32-bit offsets; otherwise attention.cu's
-    attention / attention_int8, + "_decode" for the decode shape (keys mode)."""
+    attention / attention_int8, + "_decode" for the decode shape (keys mode), + "_h8" when a block has at
+    most HALF_ROWS rows (`rows`: query rows per sequence and KV head, max_q_len x the group)."""
     if (not int8 and not keys_mode and num_splits == 1 and arch == "sm_90" and pool_elements < WG_MAX_POOL
             and wg_attention_default()):
         return "attention_wg"
-    return ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
+    name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
+    return name + "_h8" if keys_mode and rows <= HALF_ROWS and ATTN_H8 else name
 
 
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
@@ -121,7 +129,8 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     group = H // KV
     keys_mode = decode_shape and max_q_len * group <= KEYS_MAX_ROWS
     name = kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits,
-                       pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch)
+                       pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch,
+                       rows=max_q_len * group)
     args = [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
             I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
             F32(LOG2E / math.sqrt(hd))]
