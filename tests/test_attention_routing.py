@@ -1,16 +1,21 @@
 """Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.attention.kernel_name),
 and that its launch constants for cuda_src/attention_wg.cu match the kernel's own. CPU only."""
+import importlib
+
 import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.attention import (WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name,
                                          wg_attention_default)
 
+# The module (the package's `attention` attribute is the launcher function of the same name).
+attention_module = importlib.import_module("tileinfer.kernels.attention")
 SMALL_POOL = 1000 * 8 * 16 * 128  # pages x KV heads x page size x head_dim
 
 
-def name(*, int8=False, keys_mode=False, num_splits=1, pool_elements=SMALL_POOL, arch="sm_90") -> str:
-    return kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits, pool_elements=pool_elements, arch=arch)
+def name(*, int8=False, keys_mode=False, num_splits=1, pool_elements=SMALL_POOL, arch="sm_90", **rows) -> str:
+    return kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits, pool_elements=pool_elements, arch=arch,
+                       **rows)
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +48,19 @@ def test_everything_else_stays_on_attention_cu():
     assert name(int8=True, keys_mode=True) == "attention_int8_decode"
     assert name(pool_elements=1 << 32) == "attention"               # past attention_wg's 32-bit offsets
     assert name(pool_elements=(1 << 32) - 128) == "attention_wg"
+
+
+def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds(monkeypatch):
+    # A decode step of a group <= 8 (one token per sequence) has one row tile of <= 8 rows: the _h8 build.
+    for rows in (1, 2, 4, 8):
+        assert name(keys_mode=True, rows=rows) == "attention_decode_h8"
+        assert name(keys_mode=True, rows=rows, int8=True, num_splits=33) == "attention_int8_decode_h8"
+    assert name(keys_mode=True, rows=9) == "attention_decode"        # e.g. verify steps: 16-row tiles
+    assert name(keys_mode=True, rows=20, int8=True) == "attention_int8_decode"
+    assert name(rows=4) == "attention_wg"                              # the prefill shape has no _h8 build
+    assert name(rows=4, int8=True) == "attention_int8"
+    monkeypatch.setattr(attention_module, "ATTN_H8", False)            # TILEINFER_ATTN_H8=0
+    assert name(keys_mode=True, rows=4) == "attention_decode"
 
 
 def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
