@@ -33,8 +33,8 @@ def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_sr
     n = dst.shape[0]
     expect("dst", dst, (n,), UINT8)
     expect("src", src, (n,), UINT8)
-    if n % 16 or src.ptr % 16 or dst.ptr % 16:
-        raise ValueError(f"fetch_step: {n} bytes at {src.ptr:#x} -> {dst.ptr:#x}: need multiples of 16")
+    if n == 0 or n % 16 or src.ptr % 16 or dst.ptr % 16:
+        raise ValueError(f"fetch_step: {n} bytes at {src.ptr:#x} -> {dst.ptr:#x}: need positive multiples of 16")
     ntok = tokens.shape[0]
     expect("tokens", tokens, (ntok,), INT32)
     expect("token_src", token_src, (ntok,), INT32)
