@@ -191,11 +191,12 @@ def test_attention_wg_query_is_summed_alike_wherever_it_sits(buf, stream):
 # ----------------------------------------------------------------------------- routing
 def test_attention_routes_only_the_unsplit_bf16_prefill_shape(buf, stream):
     # By default (TILEINFER_FA3 unset) a prefill-shaped BF16 launch runs attention_wg; a decode-shaped one
-    # (4 rows a KV head), a split one and an INT8 cache's stay on attention.cu. Each result is checked.
+    # (4 rows a KV head: its _h8 build) and a split one and an INT8 cache's stay on attention.cu. Each result
+    # is checked.
     rng = np.random.default_rng(seed_of("wg-routing"))
     cases = [(PagedBatch(rng, [(100, 100)], 32, 8, 64), 1, ["attention_wg"]),
-             (PagedBatch(rng, [(1, 300), (1, 50)], 32, 8, 64), 1, ["attention_decode"]),
-             (PagedBatch(rng, [(1, 300), (1, 50)], 32, 8, 64), 4, ["attention_decode", "attention_combine"]),
+             (PagedBatch(rng, [(1, 300), (1, 50)], 32, 8, 64), 1, ["attention_decode_h8"]),
+             (PagedBatch(rng, [(1, 300), (1, 50)], 32, 8, 64), 4, ["attention_decode_h8", "attention_combine"]),
              (PagedBatch(rng, [(100, 1100)], 32, 8, 64), 4, ["attention", "attention_combine"]),
              (PagedBatch(rng, [(100, 100)], 32, 8, 64, int8=True), 1, ["attention_int8"])]
     for batch, num_splits, want in cases:
