@@ -39,12 +39,15 @@ __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)
 // tile, then the bf16 K and V tiles (one per stage for BF16, one for INT8), then for INT8 one
 // staging buffer per stage (int8 K and V codes and their scales). Decode is bound by how many bytes
 // are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (72 KB: its
-// decode shape reads the int8 tiles directly, no bf16 tiles; 3 blocks per SM).
-template <bool Q8, bool KEYS>
+// decode shape reads the int8 tiles directly, no bf16 tiles; 3 blocks per SM, as its 158 registers allow).
+// The INT8 _h8 build (123 registers) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
+// KV heads is then one wave of 512 blocks, not 1.3 (H200, qwen3-0.6b batch 64, INT8 cache: 32,111 -> 36,102
+// tok/s; qwen3-4b at 32,768 positions unchanged, 279.4 -> 284.0 with the same splits).
+template <bool Q8, bool KEYS, bool HALF = false>
 struct Smem {
     static constexpr int ROWS = KEYS ? 16 : 64;
     static constexpr bool DIRECT = Q8 && KEYS;  // INT8 decode: tensor-core operands straight from int8
-    static constexpr int STAGES = KEYS ? (Q8 ? 4 : 3) : 2;
+    static constexpr int STAGES = KEYS ? (Q8 ? (HALF ? 3 : 4) : 3) : 2;
     static constexpr int Q_BYTES = ROWS * HD * 2;
     static constexpr int KV_BUFS = Q8 ? (DIRECT ? 0 : 1) : STAGES;
     static constexpr int TILE_BYTES = KT * HD * 2;                         // one bf16 K or V tile
@@ -245,6 +248,28 @@ __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u3
     }
 }
 
+// The _h8 builds' P V, transposed: O^T += V^T P^T, the 16 channels of a slice as the mma's M and the block's 8
+// rows as its N, so no accumulator row is padding (half the mmas and half the accumulators of direct_pv).
+// P^T's B fragment is the S accumulators' rows g as they are (b0: keys 2t, 2t+1; b1: keys 8 + 2t, 9 + 2t).
+// V^T's A fragment takes the same widened codes: its rows g / g + 8 are the even / odd columns. So ot[2j + d]
+// holds channels 32j + 16d + 2g (c0, c1) and + 1 (c2, c3), of rows 2t and 2t + 1.
+__device__ __forceinline__ void direct_pv_t(const unsigned char *v_codes, const u32 (&p)[2], float (&ot)[8][4],
+                                            int wkey, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), blk = 2 * j + (m >> 1);
+        u32 r[4];
+        ldmatrix_x4_trans(r, smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+            u32 a[4];  // (channel 2g, keys 2t..), (2g + 1, 2t..), (2g, 8 + 2t..), (2g + 1, 8 + 2t..)
+            i8x4_to_f16x4_split(r[2 * d], a[0], a[1]);
+            i8x4_to_f16x4_split(r[2 * d + 1], a[2], a[3]);
+            mma_f16_16816(ot[2 * j + d], a, p);
+        }
+    }
+}
+
 // A compile-time flag for a generic lambda's argument (decltype(arg)::value).
 template <bool V> struct Flag { static constexpr bool value = V; };
 
@@ -254,8 +279,10 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // f32 output to part_o [splits, total_q, H, HD] and (max, sum) in base 2 to part_ml
 // [splits, total_q, H, 2], merged by attention_combine.
 // HALF (decode shape only): the block has at most 8 rows (a decode step: one token x a group of G <= 8), so
-// the accumulator rows 8-15 each thread holds (h = 1 below; the mma computes them anyway) are padding:
-// their scaling, softmax, P packing, O rescaling and merge are skipped, about half the per-key FP32 work.
+// the score accumulator rows 8-15 each thread holds (h = 1 below; the mma computes them anyway) are padding:
+// their scaling, softmax and P packing are skipped, about half the per-key FP32 work. And O is kept
+// transposed, O^T = V^T P^T with the 8 rows as the mma's N (direct_pv_t): half the P V mmas and accumulators
+// (INT8: 159 -> 123 registers, which lets 4 blocks share an SM).
 template <bool Q8, bool KEYS, bool HALF = false>
 __device__ __forceinline__ void attention_body(
         const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,
@@ -264,7 +291,7 @@ __device__ __forceinline__ void attention_body(
         const int *__restrict__ cu_q, const int *__restrict__ kv_lens, const int *__restrict__ block_tables,
         int bt_stride, int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q,
         float scale_log2) {
-    using S = Smem<Q8, KEYS>;
+    using S = Smem<Q8, KEYS, HALF>;
     static_assert(KEYS || !HALF, "HALF is a decode-shape build");
     constexpr int ROWS = S::ROWS, STAGES = S::STAGES;
     constexpr int NH = HALF ? 1 : 2;  // accumulator row halves (g, g + 8) that hold real rows
@@ -367,9 +394,12 @@ __device__ __forceinline__ void attention_body(
 
     float m[2] = {-TI_INF, -TI_INF}, l[2] = {0.f, 0.f};
     int vexp = 1;  // DIRECT: the largest biased exponent of a value scale this warp has seen (see direct_pv)
-    float o[16][4];
+    // O: 16 rows x 128 channels in 16 accumulators of 8 channels; HALF: O^T, 128 channels x 8 rows in 8
+    // accumulators of 16 channels (see direct_pv_t; BF16 alike: ot[dp] holds channels 16 dp + g and + 8).
+    constexpr int NO = HALF ? 8 : 16;
+    float o[NO][4];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    for (int i = 0; i < NO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     u32 qf[8][4];
 
     for (int kt = kt_begin; kt < kt_end; ++kt) {
@@ -509,37 +539,62 @@ __device__ __forceinline__ void attention_body(
             }
 #pragma unroll
         for (int h = 0; h < NH; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
-        if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
+        if constexpr (HALF) {
+            // O^T's columns are rows 2t and 2t + 1, whose factors the lanes of g = 2t and 2t + 1 hold.
+            const float a0 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t);
+            const float a1 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t + 4);
+            if (a0 != 1.f || a1 != 1.f) {
 #pragma unroll
-            for (int nb = 0; nb < 16; ++nb) {
+                for (int i = 0; i < NO; ++i) {
+                    o[i][0] *= a0; o[i][1] *= a1; o[i][2] *= a0; o[i][3] *= a1;
+                }
+            }
+        } else if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
+#pragma unroll
+            for (int nb = 0; nb < NO; ++nb) {
                 o[nb][0] *= o_alpha[0]; o[nb][1] *= o_alpha[0];
-                if (!HALF) { o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1]; }
+                o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1];
             }
         }
 
-        // O += P V: P (bf16; fp16 for the INT8 decode shape) is the A operand straight from the S accumulators.
+        // O += P V: P (bf16; fp16 for the INT8 decode shape) is the A operand straight from the S accumulators
+        // (HALF: O^T += V^T P^T, P^T the B operand from the S accumulators' rows g).
 #pragma unroll
         for (int kk = 0; kk < NB / 2; ++kk) {
-            if constexpr (S::DIRECT) {
-                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]),
-                                  HALF ? 0u : pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
-                                  pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  HALF ? 0u : pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-                direct_pv(st + KT * HD, a, o, wkey, lane);
-                continue;
-            }
-            const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                              HALF ? 0u : pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              HALF ? 0u : pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            if constexpr (HALF) {
+                const u32 pt[2] = {S::DIRECT ? pack_f16x2(s[2 * kk][0], s[2 * kk][1]) : pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                                   S::DIRECT ? pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])
+                                             : pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])};
+                if constexpr (S::DIRECT) {
+                    direct_pv_t(st + KT * HD, pt, o, wkey, lane);
+                } else {
 #pragma unroll
-            for (int dp = 0; dp < 8; ++dp) {
-                u32 vb[4];
-                ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                         dp * 2 + (lane >> 4))));
-                const u32 b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-                mma_bf16_16816(o[2 * dp], a, b0);
-                mma_bf16_16816(o[2 * dp + 1], a, b1);
+                    for (int dp = 0; dp < 8; ++dp) {
+                        u32 vb[4];  // as below; as A: channels 16 dp + g and + 8 x keys 2t.. and 8 + 2t..
+                        ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                 dp * 2 + (lane >> 4))));
+                        const u32 a[4] = {vb[0], vb[2], vb[1], vb[3]};
+                        mma_bf16_16816(o[dp], a, pt);
+                    }
+                }
+            } else if constexpr (S::DIRECT) {
+                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]), pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
+                                  pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                direct_pv(st + KT * HD, a, o, wkey, lane);
+            } else {
+                const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                  pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int dp = 0; dp < 8; ++dp) {
+                    u32 vb[4];
+                    ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                             dp * 2 + (lane >> 4))));
+                    const u32 b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+                    mma_bf16_16816(o[2 * dp], a, b0);
+                    mma_bf16_16816(o[2 * dp + 1], a, b1);
+                }
             }
         }
     }
@@ -557,8 +612,20 @@ __device__ __forceinline__ void attention_body(
         __syncthreads();
         float *sO = reinterpret_cast<float *>(sK);
         float *sM = sO + 4 * 16 * HD, *sL = sM + 4 * 16;
+        if constexpr (HALF) {  // O^T: channels (see the P V product) of rows 2t and 2t + 1; rows 8-15 unused
+            const float unit = S::DIRECT ? __uint_as_float((u32)(vexp + 1) << 23) : 1.f;
+            float *dst = sO + (warp * 16 + 2 * t) * HD;
 #pragma unroll
-        for (int h = 0; h < NH; ++h) {  // HALF: rows 8-15 are past `rows` and never read below
+            for (int i = 0; i < NO; ++i) {
+                const int c0 = S::DIRECT ? 32 * (i >> 1) + 16 * (i & 1) + 2 * g : 16 * i + g;
+                const int c1 = S::DIRECT ? c0 + 1 : c0 + 8;
+                dst[c0] = o[i][0] * unit; dst[HD + c0] = o[i][1] * unit;
+                dst[c1] = o[i][2] * unit; dst[HD + c1] = o[i][3] * unit;
+            }
+            if (t == 0) { sM[warp * 16 + g] = m[0]; sL[warp * 16 + g] = l[0]; }
+        } else {
+#pragma unroll
+        for (int h = 0; h < NH; ++h) {
             const int r = g + 8 * h;
             if constexpr (S::DIRECT) {
                 // o[2 b] holds channels 16 b + 4t and + 2, o[2 b + 1] channels 16 b + 4t + 1 and + 3 (direct_pv),
@@ -575,6 +642,7 @@ __device__ __forceinline__ void attention_body(
                 for (int nb = 0; nb < 16; ++nb) dst[nb * 4 + t] = make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
             }
             if (t == 0) { sM[warp * 16 + r] = m[h]; sL[warp * 16 + r] = l[h]; }
+        }
         }
         __syncthreads();
         // Thread -> (row r = tid / 8, 16 columns from (tid % 8) * 16).
@@ -613,8 +681,7 @@ __device__ __forceinline__ void attention_body(
             if ((threadIdx.x & 7) == 0) reinterpret_cast<float2 *>(part_ml)[prow] = make_float2(M, L);
         }
         return;
-    }
-
+    } else {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int R = row0 + wrow + g + 8 * h;
@@ -633,13 +700,14 @@ __device__ __forceinline__ void attention_body(
             if (t == 0) reinterpret_cast<float2 *>(part_ml)[prow] = make_float2(m[h], l[h]);
         }
     }
+    }
 }
 
 // ============================================================================= kernels
 // The entry points: {BF16, INT8 cache} x {rows mode, keys mode}, and the keys mode for blocks of at most
 // 8 rows (_h8: HALF, decode steps of a group <= 8). k_scale / v_scale are null for BF16.
-#define ATTENTION_KERNEL(NAME, Q8, KEYS, HALF)                                                               \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+#define ATTENTION_KERNEL(NAME, Q8, KEYS, HALF, BOUNDS)                                                       \
+    extern "C" __global__ void BOUNDS NAME(                                                                 \
             const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,   \
             const float *__restrict__ k_scale, const float *__restrict__ v_scale, bf16 *__restrict__ out,    \
             float *__restrict__ part_o, float *__restrict__ part_ml, const int *__restrict__ cu_q,           \
@@ -651,12 +719,17 @@ __device__ __forceinline__ void attention_body(
                                  total_q, scale_log2);                                                      \
     }
 
-ATTENTION_KERNEL(attention, false, false, false)
-ATTENTION_KERNEL(attention_decode, false, true, false)
-ATTENTION_KERNEL(attention_int8, true, false, false)
-ATTENTION_KERNEL(attention_int8_decode, true, true, false)
-ATTENTION_KERNEL(attention_decode_h8, false, true, true)
-ATTENTION_KERNEL(attention_int8_decode_h8, true, true, true)
+// The INT8 _h8 build must fit 4 blocks an SM (<= 128 registers), as the engine's decode splits count on
+// (tileinfer/kernels/attention.py int8_decode_blocks). (A minimum of 1 block on the others is not neutral:
+// it changes their register allocation, e.g. attention_int8 171 -> 203.)
+#define BOUNDS_1 __launch_bounds__(THREADS)
+#define BOUNDS_4 __launch_bounds__(THREADS, 4)
+ATTENTION_KERNEL(attention, false, false, false, BOUNDS_1)
+ATTENTION_KERNEL(attention_decode, false, true, false, BOUNDS_1)
+ATTENTION_KERNEL(attention_int8, true, false, false, BOUNDS_1)
+ATTENTION_KERNEL(attention_int8_decode, true, true, false, BOUNDS_1)
+ATTENTION_KERNEL(attention_decode_h8, false, true, true, BOUNDS_1)
+ATTENTION_KERNEL(attention_int8_decode_h8, true, true, true, BOUNDS_4)
 
 // grid (total_q, num_heads), block (128), num_splits <= 128. Merges the splits' partial outputs
 // of one (token, head): the weights 2^(m_s - M) of the splits in parallel (one thread each), then

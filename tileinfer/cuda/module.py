@@ -84,6 +84,14 @@ class Kernel:
         cfg.numAttrs = 0
         return call(driver.cuOccupancyMaxActiveClusters, self.function, cfg, detail=self.name)
 
+    def max_active_blocks(self, threads: int, smem: int) -> int:
+        """Blocks of this kernel one SM holds at once with `threads` threads and `smem` bytes of dynamic
+        shared memory a block (cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory)."""
+        if smem > 48 * 1024:
+            self.set_max_dynamic_smem(smem)
+        return call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function, threads, smem,
+                    detail=self.name)
+
     def launch(self, grid, block, args, stream, smem: int = 0) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))

@@ -41,10 +41,10 @@ from .step import SamplingRow, StepBuffers, StepShape, prepare_step
 log = logging.getLogger(__name__)
 
 MAX_SPLITS = 48
-# Decode blocks an SM the INT8 kernel's splits aim at: it fits 3 (158 registers, 71.7 KB of shared memory);
-# the BF16 kernel fits 2. Measured (H200, qwen3-4b, 32,768 positions, INT8), 2 -> 3: 263.7 / 263.9 ->
-# 268.9 / 268.6 tokens/s (two rounds).
-INT8_DECODE_BLOCKS = 3
+# Decode blocks an SM the splits aim at: the BF16 kernel fits 2; the INT8 kernel 3 (its 16-row build) or 4
+# (the _h8 build of a decode step, group <= 8), kernels/attention.py's int8_decode_blocks. Measured (H200,
+# qwen3-4b, 32,768 positions, INT8), 2 -> 3 (16-row build): 263.7 / 263.9 -> 268.9 / 268.6 tokens/s.
+INT8_DECODE_BLOCKS_MAX = 4
 EXTEND_GRAPH_TOKENS = 16  # Model.extend by 1..16 tokens of one sequence replays a graph per count
 LOGITS_MODES = ("all", "last", "argmax", "none")  # what Model.extend returns
 # Decode steps fetch their inputs from the mapped mirror with their first kernel (K.fetch_step, which also
@@ -89,7 +89,7 @@ class Model:
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
         self.max_context = 0  # the longest sequence the attached cache serves (sets decode splits)
         # partial rows: the most any context and either cache (INT8 splits the most) needs
-        partial_rows = max(self._splits_for(b, 1 << 30, max(2, INT8_DECODE_BLOCKS)) * b for b in self.buckets)
+        partial_rows = max(self._splits_for(b, 1 << 30, max(2, INT8_DECODE_BLOCKS_MAX)) * b for b in self.buckets)
         self.workspace = Workspace(self.config, max_tokens=self.max_batch_tokens,
                                    max_logit_rows=max(max_logit_rows, max_num_seqs),
                                    max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
@@ -169,13 +169,16 @@ class Model:
         batch 16: 3 splits, 384 blocks for 264 places, 12,623 / 4,645; 2 splits 13,588 / 4,832)."""
         sms = self.device.info.num_sms
         if per_sm is None:
-            per_sm = INT8_DECODE_BLOCKS if self.cache is not None and self.cache.int8 else 2
+            per_sm = 2
+            if self.cache is not None and self.cache.int8:
+                group = self.config.num_attention_heads // self.config.num_key_value_heads
+                per_sm = K.int8_decode_blocks(group)  # a decode step: one token x the group a block
         want = per_sm * sms // (batch * self.config.num_key_value_heads)
         return max(1, min(MAX_SPLITS, max_tiles, want))
 
     def decode_splits(self, batch: int) -> int:
         """Key-range splits per sequence for decode attention: as many as one wave of two blocks an SM
-        holds (the BF16 decode kernel fits two; INT8: INT8_DECODE_BLOCKS), at least one key tile per
+        holds (the BF16 decode kernel fits two; INT8: three or four), at least one key tile per
         split (always 1 when batch-invariant). One tile, not two (H200, batch 1 at 512 positions, GPU ms a step):
         qwen3-0.6b 0.666 -> 0.661, 4b 2.535 -> 2.521, 8b 4.131 -> 4.119 (two rounds each)."""
         if self.batch_invariant:

@@ -33,23 +33,37 @@ def rows_per_block(keys_mode: bool) -> int:
 # 4.864 -> 4.785 ms at 512 positions, 5.501 -> 5.404 ms at 8,192.
 KEYS_MAX_ROWS = 64
 # Blocks of at most this many rows (one row tile: a decode step's token x a group of <= 8) run the keys mode's
-# _h8 build, which skips the padding rows 8-15 of its accumulators. Measured (H200, session 16, against the
-# 16-row build in one call): qwen3-0.6b batch 1 0.666 -> 0.652 ms a step (1,502 -> 1,522 tok/s), batch 64
-# 28,447 -> 28,968 tok/s; qwen3-4b at 32,768 positions INT8 3.546 / 3.537 -> 3.488 / 3.490 ms, BF16 3.919 ->
-# 3.901. TILEINFER_ATTN_H8=0 keeps the 16-row build (A/B runs).
+# _h8 build, which skips the padding rows 8-15 of its score accumulators and computes O^T = V^T P^T (8 rows
+# as the mma's N: half the P V products and accumulators). Measured (H200, session 16, against the 16-row
+# build in one call): qwen3-0.6b batch 1 0.666 -> 0.652 ms a step (1,502 -> 1,522 tok/s), batch 64 28,447 ->
+# 28,968 tok/s; qwen3-4b at 32,768 positions INT8 3.546 / 3.537 -> 3.488 / 3.490 ms, BF16 3.919 -> 3.901.
+# TILEINFER_ATTN_H8=0 keeps the 16-row build (A/B runs).
 HALF_ROWS = 8
 ATTN_H8 = os.environ.get("TILEINFER_ATTN_H8", "1") != "0"
 
 
-def stages(int8: bool, keys_mode: bool) -> int:
-    return (4 if int8 else 3) if keys_mode else 2
+def stages(int8: bool, keys_mode: bool, half: bool = False) -> int:
+    if not keys_mode:
+        return 2
+    return (3 if half else 4) if int8 else 3
 
 
-def smem_bytes(int8: bool, keys_mode: bool) -> int:
-    """Dynamic shared memory of one block, as Smem<Q8, KEYS> in attention.cu."""
+def half_build(keys_mode: bool, rows: int) -> bool:
+    """Whether a launch with `rows` query rows per sequence and KV head runs the decode shape's _h8 build."""
+    return keys_mode and rows <= HALF_ROWS and ATTN_H8
+
+
+def int8_decode_blocks(rows: int) -> int:
+    """Blocks an SM of the INT8 decode kernel for blocks of `rows` query rows (attention.cu's Smem and
+    registers): the _h8 build (123 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
+    return 4 if half_build(True, rows) else 3
+
+
+def smem_bytes(int8: bool, keys_mode: bool, half: bool = False) -> int:
+    """Dynamic shared memory of one block, as Smem<Q8, KEYS, HALF> in attention.cu."""
     tile = KEY_TILE * HEAD_DIM * 2
     q_bytes = rows_per_block(keys_mode) * HEAD_DIM * 2
-    n = stages(int8, keys_mode)
+    n = stages(int8, keys_mode, half)
     kv = 2 * ((0 if keys_mode else 1) if int8 else n) * tile  # INT8 decode reads the int8 tiles directly
     stage = n * (2 * KEY_TILE * HEAD_DIM + 2 * KEY_TILE * 4) if int8 else 0
     return q_bytes + kv + stage
@@ -74,7 +88,7 @@ def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: 
             and wg_attention_default()):
         return "attention_wg"
     name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
-    return name + "_h8" if keys_mode and rows <= HALF_ROWS and ATTN_H8 else name
+    return name + "_h8" if half_build(keys_mode, rows) else name
 
 
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
@@ -142,7 +156,8 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
                                                stream, smem=WG_SMEM)
         return
     grid = (cdiv(max_q_len * group, rows_per_block(keys_mode)), KV, B * num_splits)
-    kernel("attention.cu", name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys_mode))
+    kernel("attention.cu", name).launch(grid, (128,), args, stream,
+                                        smem=smem_bytes(int8, keys_mode, name.endswith("_h8")))
     if num_splits > 1:
         kernel("attention.cu", "attention_combine").launch(
             (T, H), (128,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
