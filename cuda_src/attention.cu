@@ -228,20 +228,29 @@ __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// The value codes of the warp's 16 keys in channels 32j .. 32j + 31, widened to fp16: ldmatrix.trans gives
+// a lane the byte pairs (channels 2g, 2g + 1 of a 16-channel slice) of keys 2t and 2t + 1. w[d] holds slice
+// 2j + d: {channel 2g, keys 2t, 2t + 1}, {2g + 1, the same keys}, {2g, keys 8 + 2t, 9 + 2t}, {2g + 1, those}.
+__device__ __forceinline__ void widen_values(const unsigned char *v_codes, int j, int wkey, int lane, u32 (&w)[2][4]) {
+    // Matrix m: 8 keys (half m & 1) x the 16 columns of block 2j + (m >> 1).
+    const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), blk = 2 * j + (m >> 1);
+    u32 r[4];
+    ldmatrix_x4_trans(r, smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        i8x4_to_f16x4_split(r[2 * d], w[d][0], w[d][1]);
+        i8x4_to_f16x4_split(r[2 * d + 1], w[d][2], w[d][3]);
+    }
+}
 __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u32 (&a)[4], float (&o)[16][4],
                                           int wkey, int lane) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        // Matrix m: 8 keys (half m & 1) x the 16 columns of block 2j + (m >> 1).
-        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), blk = 2 * j + (m >> 1);
-        u32 r[4];
-        ldmatrix_x4_trans(r, smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
+        u32 w[2][4];
+        widen_values(v_codes, j, wkey, lane, w);
 #pragma unroll
         for (int d = 0; d < 2; ++d) {
-            u32 even0, odd0, even1, odd1;  // keys 0..7 (b0) and 8..15 (b1) of the slice
-            i8x4_to_f16x4_split(r[2 * d], even0, odd0);
-            i8x4_to_f16x4_split(r[2 * d + 1], even1, odd1);
-            const u32 be[2] = {even0, even1}, bo[2] = {odd0, odd1};
+            const u32 be[2] = {w[d][0], w[d][2]}, bo[2] = {w[d][1], w[d][3]};  // keys 0..7 (b0), 8..15 (b1)
             mma_f16_16816(o[2 * (2 * j + d)], a, be);
             mma_f16_16816(o[2 * (2 * j + d) + 1], a, bo);
         }
@@ -251,22 +260,16 @@ __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u3
 // The _h8 builds' P V, transposed: O^T += V^T P^T, the 16 channels of a slice as the mma's M and the block's 8
 // rows as its N, so no accumulator row is padding (half the mmas and half the accumulators of direct_pv).
 // P^T's B fragment is the S accumulators' rows g as they are (b0: keys 2t, 2t+1; b1: keys 8 + 2t, 9 + 2t).
-// V^T's A fragment takes the same widened codes: its rows g / g + 8 are the even / odd columns. So ot[2j + d]
-// holds channels 32j + 16d + 2g (c0, c1) and + 1 (c2, c3), of rows 2t and 2t + 1.
+// V^T's A fragment is w[d] as widen_values gives it: its rows g / g + 8 are the even / odd channels. So
+// ot[2j + d] holds channels 32j + 16d + 2g (c0, c1) and + 1 (c2, c3), of rows 2t and 2t + 1.
 __device__ __forceinline__ void direct_pv_t(const unsigned char *v_codes, const u32 (&p)[2], float (&ot)[8][4],
                                             int wkey, int lane) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), blk = 2 * j + (m >> 1);
-        u32 r[4];
-        ldmatrix_x4_trans(r, smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
+        u32 w[2][4];
+        widen_values(v_codes, j, wkey, lane, w);
 #pragma unroll
-        for (int d = 0; d < 2; ++d) {
-            u32 a[4];  // (channel 2g, keys 2t..), (2g + 1, 2t..), (2g, 8 + 2t..), (2g + 1, 8 + 2t..)
-            i8x4_to_f16x4_split(r[2 * d], a[0], a[1]);
-            i8x4_to_f16x4_split(r[2 * d + 1], a[2], a[3]);
-            mma_f16_16816(ot[2 * j + d], a, p);
-        }
+        for (int d = 0; d < 2; ++d) mma_f16_16816(ot[2 * j + d], w[d], p);
     }
 }
 
