@@ -1,10 +1,13 @@
 """Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.attention.kernel_name),
-and that its launch constants for cuda_src/attention_wg.cu match the kernel's own. CPU only."""
+that its launch constants for cuda_src/attention_wg.cu and attention.cu match the kernels' own, and how many
+key-range splits a decode step gets (Model._splits_for). CPU only."""
 import importlib
+from types import SimpleNamespace
 
 import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.engine.model import Model
 from tileinfer.kernels.attention import (WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name,
                                          wg_attention_default)
 
@@ -71,3 +74,36 @@ def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
               f'static_assert(WgSmem<{WG_STAGES}>::TOTAL == {WG_SMEM}, "shared memory");\n')
     compile_source("attention_wg_constants.cu", source, "sm_90a", None, cuda_src_dir())
     assert WG_SMEM <= 227 * 1024  # the opt-in maximum a block may have on Hopper
+
+
+def test_attention_cu_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
+    # smem_bytes (what attention() asks for) is Smem<Q8, KEYS, HALF>::TOTAL in attention.cu for every build.
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    checks = []
+    for int8 in (False, True):
+        for keys in (False, True):
+            for half in ((False, True) if keys else (False,)):
+                want = attention_module.smem_bytes(int8, keys, half)
+                checks.append(f'static_assert(Smem<{str(int8).lower()}, {str(keys).lower()}, {str(half).lower()}>'
+                              f'::TOTAL == {want}, "Smem<{int8}, {keys}, {half}>");')
+    source = '#include "attention.cu"\n' + "\n".join(checks) + "\n"
+    compile_source("attention_smem_constants.cu", source, "sm_90a", None, cuda_src_dir())
+
+
+class _FakeModel:
+    """What Model._splits_for reads: the SM count, the config's heads, the attached cache's kind."""
+
+    def __init__(self, int8: bool, heads: int = 32, kv_heads: int = 8):
+        self.device = SimpleNamespace(info=SimpleNamespace(num_sms=132))
+        self.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.cache = SimpleNamespace(int8=int8)
+
+
+@pytest.mark.parametrize("int8, h8, batch, want", [
+    (False, True, 1, 33), (False, True, 8, 4), (False, True, 16, 2), (False, True, 32, 1), (False, True, 64, 1),
+    (True, True, 1, 48), (True, True, 8, 8), (True, True, 16, 4), (True, True, 64, 1),   # 4 blocks an SM
+    (True, False, 1, 48), (True, False, 8, 6), (True, False, 16, 3), (True, False, 64, 1)])  # 3 (16-row build)
+def test_decode_splits_fill_one_wave_of_the_kernels_blocks(monkeypatch, int8, h8, batch, want):
+    monkeypatch.setattr(attention_module, "ATTN_H8", h8)
+    assert Model._splits_for(_FakeModel(int8), batch, 1 << 30) == want
+    assert Model._splits_for(_FakeModel(int8), batch, 5) == min(want, 5)  # at most one split a key tile
