@@ -40,9 +40,9 @@ __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)
 // staging buffer per stage (int8 K and V codes and their scales). Decode is bound by how many bytes
 // are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (72 KB: its
 // decode shape reads the int8 tiles directly, no bf16 tiles; 3 blocks per SM, as its 158 registers allow).
-// The INT8 _h8 build (123 registers) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
-// KV heads is then one wave of 512 blocks, not 1.3 (H200, qwen3-0.6b batch 64, INT8 cache: 32,111 -> 36,102
-// tok/s; qwen3-4b at 32,768 positions unchanged, 279.4 -> 284.0 with the same splits).
+// The INT8 _h8 build (124 registers) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
+// KV heads is then one wave of 512 blocks, not 1.3 (H200, against 4 stages and 3 blocks an SM in one call:
+// qwen3-0.6b batch 64, INT8 cache, 32,111 -> 36,102 tok/s; qwen3-4b at 32,768 positions 279.4 -> 284.0).
 template <bool Q8, bool KEYS, bool HALF = false>
 struct Smem {
     static constexpr int ROWS = KEYS ? 16 : 64;
@@ -285,7 +285,7 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // the score accumulator rows 8-15 each thread holds (h = 1 below; the mma computes them anyway) are padding:
 // their scaling, softmax and P packing are skipped, about half the per-key FP32 work. And O is kept
 // transposed, O^T = V^T P^T with the 8 rows as the mma's N (direct_pv_t): half the P V mmas and accumulators
-// (INT8: 159 -> 123 registers, which lets 4 blocks share an SM).
+// (INT8: 159 -> 124 registers, which lets 4 blocks share an SM).
 template <bool Q8, bool KEYS, bool HALF = false>
 __device__ __forceinline__ void attention_body(
         const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,

@@ -34,10 +34,11 @@ def rows_per_block(keys_mode: bool) -> int:
 KEYS_MAX_ROWS = 64
 # Blocks of at most this many rows (one row tile: a decode step's token x a group of <= 8) run the keys mode's
 # _h8 build, which skips the padding rows 8-15 of its score accumulators and computes O^T = V^T P^T (8 rows
-# as the mma's N: half the P V products and accumulators). Measured (H200, session 16, against the 16-row
-# build in one call): qwen3-0.6b batch 1 0.666 -> 0.652 ms a step (1,502 -> 1,522 tok/s), batch 64 28,447 ->
-# 28,968 tok/s; qwen3-4b at 32,768 positions INT8 3.546 / 3.537 -> 3.488 / 3.490 ms, BF16 3.919 -> 3.901.
-# TILEINFER_ATTN_H8=0 keeps the 16-row build (A/B runs).
+# as the mma's N: half the P V products and accumulators). Measured (H200, against the 16-row build in one
+# call; session 16, the padding rows skipped, before O^T): qwen3-0.6b batch 1 0.666 -> 0.652 ms a step
+# (1,502 -> 1,522 tok/s), batch 64 28,447 -> 28,968 tok/s; qwen3-4b at 32,768 positions INT8 3.546 / 3.537 ->
+# 3.488 / 3.490 ms, BF16 3.919 -> 3.901. O^T (session 17) mattered for INT8 only, through the blocks an SM
+# it allows (int8_decode_blocks). TILEINFER_ATTN_H8=0 keeps the 16-row build (A/B runs).
 HALF_ROWS = 8
 ATTN_H8 = os.environ.get("TILEINFER_ATTN_H8", "1") != "0"
 
@@ -55,7 +56,7 @@ def half_build(keys_mode: bool, rows: int) -> bool:
 
 def int8_decode_blocks(rows: int) -> int:
     """Blocks an SM of the INT8 decode kernel for blocks of `rows` query rows (attention.cu's Smem and
-    registers): the _h8 build (123 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
+    registers): the _h8 build (124 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
     return 4 if half_build(True, rows) else 3
 
 
