@@ -15,8 +15,9 @@ Prints the table (case, peer, roofline, goal, measured, met) and writes bench_go
 --out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
 With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) and the batch-64 step
 also carry their step's per-kernel GPU time (bench.py --profile), and the decode cases what each
-kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the table:
-the measured cause of each gap, from the same run.
+kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the table,
+after each unmet decode goal's gap: the step the goal allows against the measured one, and each kernel
+group's time against its bytes at 4.3 TB/s (gaps_md): the measured cause of each gap, from the same run.
 """
 from __future__ import annotations
 
@@ -74,6 +75,42 @@ def goals_table(values: dict) -> str:
         lines.append(f"| {case} | {_fmt(v.get('peer'), key)} | {_fmt(v.get('roofline'), key)} | {reads} | {shown} | "
                      f"{'yes' if met else 'no'} |")
     return "\n".join(lines)
+
+
+# Tokens one decode step of a case makes (the goals are tokens/s): its step time is tokens / rate.
+STEP_TOKENS = {"0.6b_b1": 1, "4b_b1": 1, "8b_b1": 1, "4b_32k_bf16": 1, "4b_32k_int8": 1, "0.6b_b64": 64}
+ROOFLINE_TB_S = 4.3  # the measured read bandwidth (../shared/GPU.md), as bench.py's roofline
+
+
+def gaps_md(values: dict) -> str:
+    """Each unmet decode goal whose case was ablated (--profile): the step the goal allows against the
+    measured one, and each kernel group's time inside the decode graph against its bytes at 4.3 TB/s
+    (the weights it reads; the attention group: the cache, `cache_bytes`), the largest excess first:
+    which kernels the gap is in and how many TB/s they are short. Empty when every such goal is met."""
+    parts = []
+    for key, case, goal, reads, _ in GOALS:
+        v = values.get(key) or {}
+        measured, ablation = v.get("measured"), v.get("ablation")
+        if key not in STEP_TOKENS or measured is None or measured >= goal or not ablation:
+            continue
+        n = STEP_TOKENS[key]
+        need, wall, gpu = n * 1e6 / goal, n * 1e6 / measured, ablation["step_ms"] * 1e3
+        rows = []
+        for r in ablation["groups"]:
+            nbytes = r["bytes"] + (v.get("cache_bytes", 0) if r["group"].startswith("attention") else 0)
+            rows.append((r["group"], r["us"], nbytes))
+        rows.append(("other kernels (the step less the groups)", gpu - sum(us for _, us, _ in rows), 0))
+        lines = [f"{case}: {_fmt(measured, key)} tok/s, a step of {wall:.0f} us (GPU, without sampling: {gpu:.0f} us); "
+                 f"the goal ({reads}) allows {need:.0f} us: {wall - need:.0f} us short. Where the step's time goes:", "",
+                 "| group | us in the step | its bytes at 4.3 TB/s, us | over that, us | TB/s | short of 4.3 TB/s |",
+                 "|---|---|---|---|---|---|"]
+        for group, us, nbytes in sorted(rows, key=lambda row: -(row[1] - row[2] / (ROOFLINE_TB_S * 1e6))):
+            bound = nbytes / (ROOFLINE_TB_S * 1e6)
+            tbs = nbytes / (us * 1e6) if nbytes and us > 0 else None
+            lines.append(f"| {group} | {us:.0f} | {bound:.0f} | {us - bound:.0f} | "
+                         f"{'-' if tbs is None else f'{tbs:.2f}'} | {'-' if tbs is None else f'{ROOFLINE_TB_S - tbs:.2f}'} |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
 
 
 def profiles_md(values: dict, top: int = 6) -> str:
@@ -145,10 +182,13 @@ def measure(args) -> dict:
         print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f not in ('profile', 'ablation')} for k, v in values.items()})}",
               flush=True)
 
+    def cache_bytes(name, context, kv="bf16", batch=1):  # what a decode step's attention reads, as bench.py counts it
+        return batch * bench.kv_bytes(preset(name), context + ns().new // 2, kv)
+
     def decode(name, key, **kw):
         row = bench.single(ns(**kw), name, preset(name), cached_checkpoint(name), "bf16")
         values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"],
-                           profile=row.get("profile"), ablation=row.get("ablation"))
+                           profile=row.get("profile"), ablation=row.get("ablation"), cache_bytes=cache_bytes(name, 512))
         if row["prefill"]:
             p = row["prefill"][0]
             values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=f"{p['TFLOP_s']:.0f} TFLOP/s",
@@ -163,7 +203,8 @@ def measure(args) -> dict:
         for kv, key in (("bf16", "4b_32k_bf16"), ("int8", "4b_32k_int8")):
             row = bench.single(ns(context=32768), name, preset(name), cached_checkpoint(name), kv, peer=kv == "bf16")
             values[key] = dict(measured=row["decode_tok_s"], peer=peer_per_seq(row), roofline=row["roofline_tok_s"],
-                               profile=row.get("profile"), ablation=row.get("ablation"))
+                               profile=row.get("profile"), ablation=row.get("ablation"),
+                               cache_bytes=cache_bytes(name, 32768, kv))
         values["4b_32k_int8"]["peer"] = values["4b_32k_bf16"]["peer"]  # the peer has no INT8 cache: its BF16 run
     case("qwen3-4b at 32k", long_context)
 
@@ -175,7 +216,8 @@ def measure(args) -> dict:
         step_bytes = bench.weight_bytes(cfg) + r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2)
         values["0.6b_b64"] = dict(measured=r["decode_tok_s"], roofline=r["batch"] * bench.ROOFLINE_BYTES_PER_S / step_bytes,
                                   peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None,
-                                  profile=r.get("profile"), ablation=r.get("ablation"))
+                                  profile=r.get("profile"), ablation=r.get("ablation"),
+                                  cache_bytes=r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2))
         values["0.6b_offline"] = dict(measured=out["offline"]["output_tok_s"])
         s = out["startup"]
         values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],
@@ -200,8 +242,7 @@ def main() -> None:
               "untimed)", flush=True)
     values = measure(args)
     table = goals_table(values)
-    profiles = profiles_md(values)
-    text = table + ("\n\n" + profiles if profiles else "")
+    text = "\n\n".join(part for part in (table, gaps_md(values), profiles_md(values)) if part)
     print(text, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_goals.json").write_text(json.dumps(values, indent=1))

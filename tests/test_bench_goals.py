@@ -87,7 +87,7 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     real = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(real)  # its table renderer needs no GPU
     fake = types.SimpleNamespace(single=single, engine=engine, ROOFLINE_BYTES_PER_S=4.3e12,
-                                 weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n: n * 114688,
+                                 weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n, kv="bf16": n * 114688,
                                  render_profile=real.render_profile, render_ablation=real.render_ablation)
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
@@ -108,6 +108,31 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     assert "| QKV qwen3-8b 512 bf16 | 36 | 480.0 | 13.33 | 263.0 | 2370 |" in md
     assert md.index("gemm_swap b64") < md.index("matrix products b64") < md.index("gemm_tma_e2")
     assert g.profiles_md({}) == ""
+    # ... and each unmet decode goal's gap, from those ablations (the fakes' rates miss every goal)
+    gaps = g.gaps_md(values)
+    assert gaps.index("qwen3-0.6b decode, batch 1") < gaps.index("qwen3-0.6b decode, batch 64")
+    assert values["0.6b_b64"]["cache_bytes"] == 64 * (512 + 64) * 114688
+
+
+def test_gaps_name_the_groups_over_their_bytes_largest_first():
+    g = load()
+    ablation = dict(step_ms=2.600, groups=[
+        dict(group="attention: attn_input, attention, combine", launches=108, us=400.0, bytes=0),
+        dict(group="QKV GEMV, RMSNorm fused", launches=36, us=450.0, bytes=1.1e9),        # 256 us at 4.3 TB/s
+        dict(group="gate/up GEMV, RMSNorm fused", launches=36, us=1000.0, bytes=3.6e9)])  # 837 us
+    values = {"4b_b1": dict(measured=400.0, ablation=ablation, cache_bytes=0.4e9),   # the cache: 93 us
+              "8b_b1": dict(measured=240.0, ablation=ablation)}                      # met: no gap
+    md = g.gaps_md(values)
+    assert "qwen3-8b" not in md
+    assert "a step of 2500 us (GPU, without sampling: 2600 us); the goal (>= 450 tok/s) allows 2222 us: 278 us short" in md
+    lines = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| group")]
+    # excess over the bytes' time: other 750 (2600 - 1850), attention 307, QKV 194, gate/up 163
+    assert [line.split("|")[1].strip() for line in lines] == [
+        "other kernels (the step less the groups)", "attention: attn_input, attention, combine",
+        "QKV GEMV, RMSNorm fused", "gate/up GEMV, RMSNorm fused"]
+    assert "| QKV GEMV, RMSNorm fused | 450 | 256 | 194 | 2.44 | 1.86 |" in md
+    assert "| attention: attn_input, attention, combine | 400 | 93 | 307 | 1.00 | 3.30 |" in md
+    assert g.gaps_md({"4b_b1": dict(measured=400.0)}) == ""  # not ablated: nothing to say
 
 
 def test_the_peer_prewarm_runs_the_cases_measure_runs(monkeypatch):
