@@ -95,17 +95,15 @@ def gaps_md(values: dict) -> str:
             continue
         n = STEP_TOKENS[key]
         need, wall, gpu = n * 1e6 / goal, n * 1e6 / measured, ablation["step_ms"] * 1e3
-        rows = []
-        for r in ablation["groups"]:
-            nbytes = r["bytes"] + (v.get("cache_bytes", 0) if r["group"].startswith("attention") else 0)
-            rows.append((r["group"], r["us"], nbytes))
+        rows = [(r["group"], r["us"], r["bytes"] + (v.get("cache_bytes", 0) if r["group"].startswith("attention") else 0))
+                for r in ablation["groups"]]
         rows.append(("other kernels (the step less the groups)", gpu - sum(us for _, us, _ in rows), 0))
+        rows = [(group, us, nbytes, nbytes / (ROOFLINE_TB_S * 1e6)) for group, us, nbytes in rows]  # + bound, us
         lines = [f"{case}: {_fmt(measured, key)} tok/s, a step of {wall:.0f} us (GPU, without sampling: {gpu:.0f} us); "
                  f"the goal ({reads}) allows {need:.0f} us: {wall - need:.0f} us short. Where the step's time goes:", "",
                  "| group | us in the step | its bytes at 4.3 TB/s, us | over that, us | TB/s | short of 4.3 TB/s |",
                  "|---|---|---|---|---|---|"]
-        for group, us, nbytes in sorted(rows, key=lambda row: -(row[1] - row[2] / (ROOFLINE_TB_S * 1e6))):
-            bound = nbytes / (ROOFLINE_TB_S * 1e6)
+        for group, us, nbytes, bound in sorted(rows, key=lambda row: row[3] - row[1]):
             tbs = nbytes / (us * 1e6) if nbytes and us > 0 else None
             lines.append(f"| {group} | {us:.0f} | {bound:.0f} | {us - bound:.0f} | "
                          f"{'-' if tbs is None else f'{tbs:.2f}'} | {'-' if tbs is None else f'{ROOFLINE_TB_S - tbs:.2f}'} |")
@@ -182,8 +180,8 @@ def measure(args) -> dict:
         print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f not in ('profile', 'ablation')} for k, v in values.items()})}",
               flush=True)
 
-    def cache_bytes(name, context, kv="bf16", batch=1):  # what a decode step's attention reads, as bench.py counts it
-        return batch * bench.kv_bytes(preset(name), context + ns().new // 2, kv)
+    def cache_bytes(name, context, kv="bf16"):  # what a decode step's attention reads, as bench.py counts it
+        return bench.kv_bytes(preset(name), context + ns().new // 2, kv)
 
     def decode(name, key, **kw):
         row = bench.single(ns(**kw), name, preset(name), cached_checkpoint(name), "bf16")
@@ -213,11 +211,12 @@ def measure(args) -> dict:
         out = bench.engine(ns(batches="64", peer_batches="64", offline=True), name, cached_checkpoint(name))
         r = out["batch_decode"][0]
         cfg = preset(name)  # roofline as bench.render counts a step: the weights once + every sequence's cache
-        step_bytes = bench.weight_bytes(cfg) + r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2)
+        cache = r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2)
+        step_bytes = bench.weight_bytes(cfg) + cache
         values["0.6b_b64"] = dict(measured=r["decode_tok_s"], roofline=r["batch"] * bench.ROOFLINE_BYTES_PER_S / step_bytes,
                                   peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None,
                                   profile=r.get("profile"), ablation=r.get("ablation"),
-                                  cache_bytes=r["batch"] * bench.kv_bytes(cfg, r["context"] + r["new"] // 2))
+                                  cache_bytes=cache)
         values["0.6b_offline"] = dict(measured=out["offline"]["output_tok_s"])
         s = out["startup"]
         values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],
