@@ -485,6 +485,11 @@ def render(results: list[dict], gpu: str) -> str:
             lines.append(f"\n{r['model']} offline: {o['requests']} requests, {o['prompt_tokens']} prompt + "
                          f"{o['output_tokens']} output tokens in {o['seconds']:.1f} s = **{o['output_tok_s']:.0f} output "
                          f"tok/s** ({o['total_tok_s']:.0f} tok/s in total, {o['preemptions']} preemptions)")
+            if "decode_seconds" in o:
+                lines.append(f"(decode steps: {o['decode_steps']} in {o['decode_seconds']:.2f} s, "
+                             f"{o['decode_rows'] / max(1, o['decode_steps']):.1f} rows each; steps with prompt chunks: "
+                             f"{o['prefill_steps']} in {o['prefill_step_seconds']:.2f} s; outside the steps "
+                             f"{o['outside_step_seconds']:.2f} s)")
         if "shared_prefix" in e:
             for key, sp in e["shared_prefix"].items():
                 lines.append(f"\n{r['model']} shared prefix, cache {key}: {sp['computed_prompt_tokens']} of "

@@ -83,9 +83,15 @@ def offline(llm: LLM, n: int = 256, low: int = 100, high: int = 1024, seed: int 
     dt = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in outs)
     assert generated == int(outs_len.sum())
+    d = {k: v - s0[k] for k, v in llm.stats.as_dict().items()}
+    # Where the time went: the iterations that finished a decode step (one token per row) against
+    # those that finished a step with prompt chunks, and generate's own work outside the steps.
     return dict(requests=n, prompt_tokens=int(ins.sum()), output_tokens=generated, seconds=dt,
                 output_tok_s=generated / dt, total_tok_s=(generated + int(ins.sum())) / dt,
-                steps=llm.stats.steps - s0["steps"], preemptions=llm.stats.preemptions - s0["preemptions"])
+                steps=d["steps"], preemptions=d["preemptions"], decode_steps=d["decode_steps"],
+                decode_rows=d["decode_rows"], decode_seconds=d["decode_seconds"],
+                prefill_steps=d["steps"] - d["decode_steps"], prefill_step_seconds=d["step_seconds"] - d["decode_seconds"],
+                outside_step_seconds=dt - d["step_seconds"], prefill_tokens=d["prefill_tokens"])
 
 
 def shared_prefix(llm: LLM, n: int = 64, prefix: int = 2000, own: int = 16, seed: int = 0) -> dict:

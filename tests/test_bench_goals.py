@@ -135,6 +135,20 @@ def test_gaps_name_the_groups_over_their_bytes_largest_first():
     assert g.gaps_md({"4b_b1": dict(measured=400.0)}) == ""  # not ablated: nothing to say
 
 
+def test_the_offline_gap_splits_its_seconds_into_decode_prefill_and_the_rest():
+    g = load()
+    run = dict(output_tokens=150_000, seconds=6.0, output_tok_s=25_000.0, decode_steps=900, decode_rows=149_744,
+               decode_seconds=4.0, prefill_steps=40, prefill_step_seconds=1.7, prefill_tokens=143_000,
+               outside_step_seconds=0.3)
+    md = g.gaps_md({"0.6b_offline": dict(measured=25_000.0, run=run)})
+    assert "the goal allows 5.00 s: 1.00 s short" in md
+    assert "| decode steps (one token a row) | 900 | 4.00 | 149,744 tokens, 166.4 rows a step on average, 37,436 tok/s |" in md
+    assert "| steps with prompt chunks | 40 | 1.70 | 143,000 prompt tokens" in md
+    assert "| outside the steps (generate's own work) | - | 0.30 | - |" in md
+    assert g.gaps_md({"0.6b_offline": dict(measured=31_000.0, run={**run, "output_tok_s": 31_000.0})}) == ""
+    assert g.gaps_md({"0.6b_offline": dict(measured=25_000.0)}) == ""  # an older run without the breakdown
+
+
 def test_the_peer_prewarm_runs_the_cases_measure_runs(monkeypatch):
     # The same (model, batch, context, new) as the timed runs, or the warm caches would not be hit.
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # bench_goals takes the command from scripts/bench.py

@@ -115,6 +115,22 @@ def test_pipelined_steps_give_the_expected_tokens(seed, pipelined, num_pages):
         assert llm.scheduler.num_preemptions > 0  # the tight pool preempts on every one of these workloads
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_stats_split_steps_into_decode_and_prompt_chunks(pipelined):
+    # Two prompts of 10 tokens, 5 new tokens each, a 16-token budget: step 1 runs A's prompt and 6 of
+    # B's tokens (A's first token); step 2 B's last 4 and A's second token (B's first); then decode
+    # steps make A's last 3 and B's last 4: 7 decode rows. Each iteration's time goes to the step
+    # it finished.
+    llm = fake_llm(async_scheduling=pipelined)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    llm.generate([list(range(1, 11)), list(range(11, 21))], params)
+    st = llm.stats
+    assert st.steps - st.decode_steps == 2 and st.generated_tokens == 10
+    assert st.decode_rows == 7
+    assert st.decode_rows <= 2 * st.decode_steps
+    assert 0 < st.decode_seconds < st.step_seconds
+
+
 def test_stream_and_step_api_with_pipelining():
     prompts, params = workload(100)
     llm = fake_llm()

@@ -107,6 +107,12 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     step_seconds: float = 0.0
+    # Steps of one new token per row (a decode graph's shape), their rows, and the wall time of the
+    # engine iterations that finished one. With async scheduling an iteration launches step n + 1 and
+    # then waits for step n, so its time is step n's (the GPU's, when the GPU is the bottleneck).
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -119,6 +125,7 @@ class _InFlight:
     rows: list[ScheduledRow]
     slot: int | None
     samplers: list[tuple[int, Request, int]]
+    decode: bool  # every row is one new token (no prompt chunk)
 
 
 @dataclass
@@ -488,20 +495,25 @@ class LLM:
             return self._spec_step_once()
         start = time.perf_counter()
         events = []
+        finished = None  # the last step this iteration waited for: its time is counted as that step's
         sync = not self.async_scheduling or self._sync_needed()
         if sync and self._inflight is not None:
             events += self._finish(self._inflight)
-            self._inflight = None
+            finished, self._inflight = self._inflight, None
         rows = self.scheduler.schedule() if self.scheduler.has_unfinished else []
         launched = self._launch(rows) if rows else None
         if self._inflight is not None:
             events += self._finish(self._inflight)
+            finished = self._inflight
         self._inflight = launched
         if launched is not None and sync:
             events += self._finish(launched)
-            self._inflight = None
+            finished, self._inflight = launched, None
         self._check_progress(launched is not None, events)
-        self.stats.step_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.step_seconds += elapsed
+        if finished is not None and finished.decode:
+            self.stats.decode_seconds += elapsed
         return events
 
     # ------------------------------------------------------------------ speculative steps
@@ -633,12 +645,15 @@ class LLM:
             self._last_rows[req.request_id] = i
             if req.num_output >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")  # known now; its last token arrives with this step
+        decode = all(r.count == 1 for r in rows)
         self.stats.steps += 1
-        self.stats.graph_steps += int(all(r.count == 1 for r in rows) and self.model.use_graphs)
+        self.stats.graph_steps += int(decode and self.model.use_graphs)
+        self.stats.decode_steps += int(decode)
+        self.stats.decode_rows += len(rows) if decode else 0
         self.stats.computed_tokens += sum(r.count for r in rows)
         self.stats.prefill_tokens += sum(r.count for r in rows if not (r.count == 1 and r.samples and r.start >=
                                                                        r.request.num_prompt))
-        return _InFlight(rows, slot, samplers)
+        return _InFlight(rows, slot, samplers, decode)
 
     def _finish(self, step: "_InFlight") -> list[tuple[Request, int, str]]:
         sampled = self.model.collect(step.slot, len(step.rows))
