@@ -26,6 +26,7 @@ import numpy as np
 import tileinfer
 from tileinfer.cuda import Event, Graph, Kernel, get_device
 from tileinfer.engine.step import prepare_step
+from tileinfer.graphs import bucket_for
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import cached_checkpoint
@@ -383,6 +384,15 @@ def engine(args, name: str, path: Path) -> dict:
         with tileinfer.LLM(path, max_num_seqs=256, max_context=2048 + 64, max_num_batched_tokens=8192,
                            progress=False) as llm:
             r = offline(llm)
+            if args.ablate and r["decode_steps"]:
+                # A decode step like the run's average: its mean rows (rounded up to a graph's batch) at
+                # its mean positions, each kernel group's cost inside the graph.
+                rows = bucket_for(round(r["decode_rows"] / r["decode_steps"]), llm.model.buckets)
+                context = round(r["decode_positions"] / r["decode_rows"])
+                r["typical_step"] = dict(batch=rows, context=context,
+                                         ablation=live_step(llm, rows, context, ablate_step))
+                print(render_ablation(f"{name} offline, a typical decode step ({rows} rows, {context} positions)",
+                                      r["typical_step"]["ablation"]), flush=True)
             print(f"{name}: offline {r['output_tok_s']:.0f} output tok/s ({r['requests']} requests, "
                   f"{r['output_tokens']} output tokens in {r['seconds']:.1f} s, {r['preemptions']} preemptions)",
                   flush=True)

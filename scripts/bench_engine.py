@@ -89,7 +89,7 @@ def offline(llm: LLM, n: int = 256, low: int = 100, high: int = 1024, seed: int 
     return dict(requests=n, prompt_tokens=int(ins.sum()), output_tokens=generated, seconds=dt,
                 output_tok_s=generated / dt, total_tok_s=(generated + int(ins.sum())) / dt,
                 steps=d["steps"], preemptions=d["preemptions"], decode_steps=d["decode_steps"],
-                decode_rows=d["decode_rows"], decode_seconds=d["decode_seconds"],
+                decode_rows=d["decode_rows"], decode_positions=d["decode_positions"], decode_seconds=d["decode_seconds"],
                 prefill_steps=d["steps"] - d["decode_steps"], prefill_step_seconds=d["step_seconds"] - d["decode_seconds"],
                 outside_step_seconds=dt - d["step_seconds"], prefill_tokens=d["prefill_tokens"])
 

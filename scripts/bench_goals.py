@@ -95,21 +95,28 @@ def gaps_md(values: dict) -> str:
             continue
         n = STEP_TOKENS[key]
         need, wall, gpu = n * 1e6 / goal, n * 1e6 / measured, ablation["step_ms"] * 1e3
-        rows = [(r["group"], r["us"], r["bytes"] + (v.get("cache_bytes", 0) if r["group"].startswith("attention") else 0))
-                for r in ablation["groups"]]
-        rows.append(("other kernels (the step less the groups)", gpu - sum(us for _, us, _ in rows), 0))
-        rows = [(group, us, nbytes, nbytes / (ROOFLINE_TB_S * 1e6)) for group, us, nbytes in rows]  # + bound, us
         lines = [f"{case}: {_fmt(measured, key)} tok/s, a step of {wall:.0f} us (GPU, without sampling: {gpu:.0f} us); "
-                 f"the goal ({reads}) allows {need:.0f} us: {wall - need:.0f} us short. Where the step's time goes:", "",
-                 "| group | us in the step | its bytes at 4.3 TB/s, us | over that, us | TB/s | short of 4.3 TB/s |",
-                 "|---|---|---|---|---|---|"]
-        for group, us, nbytes, bound in sorted(rows, key=lambda row: row[3] - row[1]):
-            tbs = nbytes / (us * 1e6) if nbytes and us > 0 else None
-            lines.append(f"| {group} | {us:.0f} | {bound:.0f} | {us - bound:.0f} | "
-                         f"{'-' if tbs is None else f'{tbs:.2f}'} | {'-' if tbs is None else f'{ROOFLINE_TB_S - tbs:.2f}'} |")
-        parts.append("\n".join(lines) + "\n")
+                 f"the goal ({reads}) allows {need:.0f} us: {wall - need:.0f} us short. Where the step's time goes:", ""]
+        parts.append("\n".join(lines + group_rows_md(ablation, v.get("cache_bytes", 0))) + "\n")
     offline = offline_gap_md(values.get("0.6b_offline") or {})
     return "\n".join(parts + ([offline] if offline else []))
+
+
+def group_rows_md(ablation: dict, cache_bytes: float) -> list[str]:
+    """The table of an ablated step's kernel groups: each one's time against its bytes at 4.3 TB/s
+    (the attention group's: the cache), the largest excess first, the rest of the step last but one."""
+    gpu = ablation["step_ms"] * 1e3
+    rows = [(r["group"], r["us"], r["bytes"] + (cache_bytes if r["group"].startswith("attention") else 0))
+            for r in ablation["groups"]]
+    rows.append(("other kernels (the step less the groups)", gpu - sum(us for _, us, _ in rows), 0))
+    rows = [(group, us, nbytes, nbytes / (ROOFLINE_TB_S * 1e6)) for group, us, nbytes in rows]  # + bound, us
+    lines = ["| group | us in the step | its bytes at 4.3 TB/s, us | over that, us | TB/s | short of 4.3 TB/s |",
+             "|---|---|---|---|---|---|"]
+    for group, us, nbytes, bound in sorted(rows, key=lambda row: row[3] - row[1]):
+        tbs = nbytes / (us * 1e6) if nbytes and us > 0 else None
+        lines.append(f"| {group} | {us:.0f} | {bound:.0f} | {us - bound:.0f} | "
+                     f"{'-' if tbs is None else f'{tbs:.2f}'} | {'-' if tbs is None else f'{ROOFLINE_TB_S - tbs:.2f}'} |")
+    return lines
 
 
 def offline_gap_md(v: dict) -> str:
@@ -123,15 +130,23 @@ def offline_gap_md(v: dict) -> str:
     allowed = r["output_tokens"] / goal
     mean_rows = r["decode_rows"] / max(1, r["decode_steps"])
     decode_rate = r["decode_rows"] / r["decode_seconds"] if r["decode_seconds"] else 0.0
+    streamed = ""
+    if r.get("decode_bytes") and r["decode_seconds"]:
+        tbs = r["decode_bytes"] / r["decode_seconds"] / 1e12
+        streamed = (f"; they read {r['decode_bytes'] / 1e9:,.0f} GB (weights each step, the cache each row): "
+                    f"{tbs:.2f} TB/s, {ROOFLINE_TB_S - tbs:.2f} short of {ROOFLINE_TB_S}")
     return "\n".join([
         f"qwen3-0.6b offline: {r['output_tokens']:,} output tokens in {r['seconds']:.2f} s "
         f"({r['output_tok_s']:,.0f} tok/s); the goal allows {allowed:.2f} s: {r['seconds'] - allowed:.2f} s short.", "",
         "| part | steps | s | what it did |", "|---|---|---|---|",
         f"| decode steps (one token a row) | {r['decode_steps']:,} | {r['decode_seconds']:.2f} | "
-        f"{r['decode_rows']:,} tokens, {mean_rows:.1f} rows a step on average, {decode_rate:,.0f} tok/s |",
+        f"{r['decode_rows']:,} tokens, {mean_rows:.1f} rows a step on average, {decode_rate:,.0f} tok/s{streamed} |",
         f"| steps with prompt chunks | {r['prefill_steps']:,} | {r['prefill_step_seconds']:.2f} | "
         f"{r['prefill_tokens']:,} prompt tokens, plus the decode rows beside them |",
-        f"| outside the steps (generate's own work) | - | {r['outside_step_seconds']:.2f} | - |", ""])
+        f"| outside the steps (generate's own work) | - | {r['outside_step_seconds']:.2f} | - |", ""]
+        + ([f"A decode step like the run's average ({a['batch']} rows at {a['context']} positions, "
+            f"{a['ablation']['step_ms'] * 1e3:.0f} us of GPU time), by kernel group:", "",
+            *group_rows_md(a["ablation"], a["cache_bytes"]), ""] if (a := r.get("typical_step")) else []))
 
 
 def profiles_md(values: dict, top: int = 6) -> str:
@@ -242,7 +257,13 @@ def measure(args) -> dict:
                                   peer=r["peer"]["decode_tok_s_total"] if r.get("peer") else None,
                                   profile=r.get("profile"), ablation=r.get("ablation"),
                                   cache_bytes=cache)
-        values["0.6b_offline"] = dict(measured=out["offline"]["output_tok_s"], run=out["offline"])
+        o = out["offline"]
+        if "decode_positions" in o:  # what its decode steps read: the weights each step, the cache each row
+            o["decode_bytes"] = o["decode_steps"] * bench.weight_bytes(cfg) + bench.kv_bytes(cfg, o["decode_positions"])
+        if o.get("typical_step"):
+            t = o["typical_step"]
+            t["cache_bytes"] = t["batch"] * bench.kv_bytes(cfg, t["context"])
+        values["0.6b_offline"] = dict(measured=o["output_tok_s"], run=o)
         s = out["startup"]
         values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],
                                  extra=f"capture {s['capture']:.2f} s")

@@ -80,7 +80,8 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
                                        ablation=dict(step_ms=2.4, groups=[dict(
                                            group="matrix products b64", launches=113, us=900.0, bytes=1.19e9,
                                            bound_us=277.0, GB_s=1322.0)]) if args.ablate else None)],
-                    offline=dict(output_tok_s=21000.0),
+                    offline=dict(output_tok_s=21000.0, decode_steps=10, decode_positions=1000,
+                                 typical_step=dict(batch=144, context=930, ablation=None)),
                     startup=dict(total=1.2, kernels_compiled=0, capture=0.1))
 
     spec = importlib.util.spec_from_file_location("bench_real", SCRIPT.parent / "bench.py")
@@ -112,6 +113,8 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     gaps = g.gaps_md(values)
     assert gaps.index("qwen3-0.6b decode, batch 1") < gaps.index("qwen3-0.6b decode, batch 64")
     assert values["0.6b_b64"]["cache_bytes"] == 64 * (512 + 64) * 114688
+    assert values["0.6b_offline"]["run"]["decode_bytes"] == 10 * 1.2e9 + 1000 * 114688
+    assert values["0.6b_offline"]["run"]["typical_step"]["cache_bytes"] == 144 * 930 * 114688
 
 
 def test_gaps_name_the_groups_over_their_bytes_largest_first():
@@ -145,6 +148,15 @@ def test_the_offline_gap_splits_its_seconds_into_decode_prefill_and_the_rest():
     assert "| decode steps (one token a row) | 900 | 4.00 | 149,744 tokens, 166.4 rows a step on average, 37,436 tok/s |" in md
     assert "| steps with prompt chunks | 40 | 1.70 | 143,000 prompt tokens" in md
     assert "| outside the steps (generate's own work) | - | 0.30 | - |" in md
+    md = g.gaps_md({"0.6b_offline": dict(measured=25_000.0, run={**run, "decode_bytes": 12.0e12})})
+    assert "37,436 tok/s; they read 12,000 GB (weights each step, the cache each row): 3.00 TB/s, 1.30 short of 4.3 |" in md
+    typical = dict(batch=144, context=930, cache_bytes=15.4e9, ablation=dict(step_ms=5.0, groups=[
+        dict(group="attention: attn_input, attention, combine", us=4000.0, bytes=0),
+        dict(group="matrix products (LM head included)", us=800.0, bytes=1.19e9)]))
+    md = g.gaps_md({"0.6b_offline": dict(measured=25_000.0, run={**run, "typical_step": typical})})
+    assert "A decode step like the run's average (144 rows at 930 positions, 5000 us of GPU time)" in md
+    assert "| attention: attn_input, attention, combine | 4000 | 3581 | 419 | 3.85 | 0.45 |" in md
+    assert "| other kernels (the step less the groups) | 200 | 0 | 200 | - | - |" in md
     assert g.gaps_md({"0.6b_offline": dict(measured=31_000.0, run={**run, "output_tok_s": 31_000.0})}) == ""
     assert g.gaps_md({"0.6b_offline": dict(measured=25_000.0)}) == ""  # an older run without the breakdown
 

@@ -126,7 +126,9 @@ def test_stats_split_steps_into_decode_and_prompt_chunks(pipelined):
     llm.generate([list(range(1, 11)), list(range(11, 21))], params)
     st = llm.stats
     assert st.steps - st.decode_steps == 2 and st.generated_tokens == 10
-    assert st.decode_rows == 7
+    assert st.decode_rows == 7 and st.prefill_tokens == st.prompt_tokens == 20
+    # A's decode rows feed positions 11, 12, 13 (reading 12, 13, 14), B's 10-13 (reading 11-14)
+    assert st.decode_positions == 12 + 13 + 14 + 11 + 12 + 13 + 14
     assert st.decode_rows <= 2 * st.decode_steps
     assert 0 < st.decode_seconds < st.step_seconds
 

@@ -112,6 +112,7 @@ class EngineStats:
     # then waits for step n, so its time is step n's (the GPU's, when the GPU is the bottleneck).
     decode_steps: int = 0
     decode_rows: int = 0
+    decode_positions: int = 0     # cached positions those rows' attention read (each row's start + 1)
     decode_seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -633,6 +634,16 @@ class LLM:
         slot = self.model.launch(batch, sampling, sample=any_sample, penalties=penalties,
                                  token_src=token_src if max(token_src) >= 0 else None)
         self.scheduler.update(rows)
+        # Counted before the placeholders below change what r.samples says.
+        decode = all(r.count == 1 for r in rows)
+        prefill = sum(r.count for r in rows if not (r.count == 1 and r.samples and r.start >= r.request.num_prompt))
+        self.stats.steps += 1
+        self.stats.graph_steps += int(decode and self.model.use_graphs)
+        self.stats.decode_steps += int(decode)
+        self.stats.decode_rows += len(rows) if decode else 0
+        self.stats.decode_positions += sum(r.start + 1 for r in rows) if decode else 0
+        self.stats.computed_tokens += sum(r.count for r in rows)
+        self.stats.prefill_tokens += prefill
         samplers = []
         self._last_rows = {}
         for i, r in enumerate(rows):
@@ -645,14 +656,6 @@ class LLM:
             self._last_rows[req.request_id] = i
             if req.num_output >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")  # known now; its last token arrives with this step
-        decode = all(r.count == 1 for r in rows)
-        self.stats.steps += 1
-        self.stats.graph_steps += int(decode and self.model.use_graphs)
-        self.stats.decode_steps += int(decode)
-        self.stats.decode_rows += len(rows) if decode else 0
-        self.stats.computed_tokens += sum(r.count for r in rows)
-        self.stats.prefill_tokens += sum(r.count for r in rows if not (r.count == 1 and r.samples and r.start >=
-                                                                       r.request.num_prompt))
         return _InFlight(rows, slot, samplers, decode)
 
     def _finish(self, step: "_InFlight") -> list[tuple[Request, int, str]]:
