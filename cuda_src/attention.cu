@@ -74,11 +74,23 @@ __device__ __forceinline__ int tile_row(int i) {
 // Rows 0 .. SPACED - 1 of a thread's tile rows are STEP positions apart, so only the first needs a
 // division by the (run-time) page size; the others step their page offset. (A division per row cost
 // more instructions than the rest of the lookup, and decode attention is short of issue slots.)
-template <bool Q8>
+// Decode shape (KEYS): pages of KT positions (the engine's default) make a key tile one page, looked
+// up with one block-table read and no division (key0 is a multiple of KT and below kv_len). (Not in
+// the prefill builds: the second path costs attention 170 -> 204 registers.)
+template <bool Q8, bool KEYS>
 __device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ table, int kv_head, int num_kv_heads,
                                                     int page_size, int kv_len, int key0) {
     constexpr int SPACED = Q8 ? 4 : 8, STEP = Q8 ? 16 : 8;
     TileRows<Q8> rows;
+    if (KEYS && page_size == KT) {
+        const int base = (__ldg(table + key0 / KT) * num_kv_heads + kv_head) * KT;
+#pragma unroll
+        for (int i = 0; i < TileRows<Q8>::N; ++i) {
+            const int r = tile_row<Q8>(i);
+            rows.vec[i] = key0 + r < kv_len ? base + r : -1;
+        }
+        return rows;
+    }
     int p = key0 + tile_row<Q8>(0), page = p / page_size, off = p - page * page_size;
 #pragma unroll
     for (int i = 0; i < SPACED; ++i) {
@@ -323,7 +335,7 @@ __device__ __forceinline__ void attention_body(
     const int wrow = KEYS ? 0 : warp * 16;  // the warp's first row in the tile
     const int wkey = KEYS ? warp * 16 : 0;  // the warp's first key in each key tile
 
-    auto lookup = [&](int kt) { return lookup_rows<Q8>(table, kv_head, num_kv_heads, page_size, kv_len, kt * KT); };
+    auto lookup = [&](int kt) { return lookup_rows<Q8, KEYS>(table, kv_head, num_kv_heads, page_size, kv_len, kt * KT); };
     auto load_tile = [&](const TileRows<Q8> &tile_rows, int buf) {
         if constexpr (Q8) {
             load_tile_int8(stage + buf * S::STAGE, static_cast<const signed char *>(k_pool),
