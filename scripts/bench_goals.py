@@ -18,6 +18,8 @@ also carry their step's per-kernel GPU time (bench.py --profile), and the decode
 kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the table,
 after each unmet decode goal's gap: the step the goal allows against the measured one, and each kernel
 group's time against its bytes at 4.3 TB/s (gaps_md): the measured cause of each gap, from the same run.
+The offline case's gap splits its seconds into decode steps, steps with prompt chunks and the rest, with the
+kernel groups of a decode step shaped like the run's average (offline_gap_md).
 """
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ def gaps_md(values: dict) -> str:
     """Each unmet decode goal whose case was ablated (--profile): the step the goal allows against the
     measured one, and each kernel group's time inside the decode graph against its bytes at 4.3 TB/s
     (the weights it reads; the attention group: the cache, `cache_bytes`), the largest excess first:
-    which kernels the gap is in and how many TB/s they are short. Empty when every such goal is met."""
+    which kernels the gap is in and how many TB/s they are short; then the offline case's (offline_gap_md).
+    Empty when every such goal is met."""
     parts = []
     for key, case, goal, reads, _ in GOALS:
         v = values.get(key) or {}
