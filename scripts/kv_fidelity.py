@@ -15,7 +15,9 @@ cache, as a prefill does). --backend reference runs the float32 numpy reference
 specifies with an exact float32 cache. --model: a preset (its synthetic checkpoint, whose
 key-norm weights have a few channels ~100x the rest) or a checkpoint directory. Prints a table and
 one JSON line. --parts (reference backend only) adds two rows with smoothing: only the keys
-quantized, only the values, to show which half the remaining error comes from.
+quantized, only the values, to show which half the remaining error comes from. --baseline bf16
+(reference backend only) measures against a cache rounded to bfloat16 instead of the exact one, as
+the engine backend's figure does (its baseline is the BF16 cache).
 """
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ class ReferenceBackend:
     def greedy(self, prompt, n: int) -> list[int]:
         return [int(t) for t in self.ref.greedy(prompt, n)]
 
-    def log_probs(self, tokens, int8: bool = False, smoothing: bool = False, parts: str = "kv") -> np.ndarray:
-        return log_softmax(self.ref.forward(tokens, self.ref.new_cache(int8=int8, smoothing=smoothing, parts=parts)))
+    def log_probs(self, tokens, int8: bool = False, smoothing: bool = False, parts: str = "kv",
+                  bf16: bool = False) -> np.ndarray:
+        cache = self.ref.new_cache(int8=int8, smoothing=smoothing, parts=parts, bf16=bf16)
+        return log_softmax(self.ref.forward(tokens, cache))
 
     def close(self) -> None:
         pass
@@ -91,9 +95,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", action="store_true",
                     help="also quantize only the keys, then only the values (reference backend)")
+    ap.add_argument("--baseline", choices=("exact", "bf16"), default="exact",
+                    help="reference backend: the cache INT8 is compared with, exact float32 or rounded to bfloat16")
     args = ap.parse_args()
     if args.parts and args.backend != "reference":
         ap.error("--parts needs --backend reference (the GPU's INT8 cache quantizes keys and values together)")
+    if args.baseline != "exact" and args.backend != "reference":
+        ap.error("--baseline needs --backend reference (the engine's baseline is its BF16 cache)")
     path = Path(args.model) if Path(args.model).is_dir() else cached_checkpoint(args.model)
     t0 = time.perf_counter()
     backend = (EngineBackend if args.backend == "engine" else ReferenceBackend)(path)
@@ -102,9 +110,12 @@ def main() -> None:
         # Exact cache: the prompt, then greedy continuation; its tokens are teacher-forced below.
         generated = backend.greedy(prompt, args.generate)
         tokens = np.concatenate([prompt, np.asarray(generated, np.int64)])
-        exact = backend.log_probs(tokens)
+        exact = backend.log_probs(tokens, bf16=True) if args.baseline == "bf16" else backend.log_probs(tokens)
         n = args.prompt_tokens
-        report = dict(model=args.model, prompt_tokens=n, generated=args.generate, backend=backend.name)
+        report = dict(model=args.model, prompt_tokens=n, generated=args.generate, backend=backend.name,
+                      baseline=args.baseline)
+        if args.baseline == "bf16":  # the baseline's own distance from the exact cache
+            report["bf16 cache"] = compare(backend.log_probs(tokens), exact, n, generated)
         for smoothing in (False, True):
             lp = backend.log_probs(tokens, int8=True, smoothing=smoothing)
             key = "smoothing" if smoothing else "plain"
@@ -115,9 +126,10 @@ def main() -> None:
         backend.close()
     report["kl_reduction"] = report["plain"]["mean_kl"] / max(report["smoothing"]["mean_kl"], 1e-30)
     report["seconds"] = time.perf_counter() - t0
-    print(f"{args.model}: {n}-token prompt, {args.generate} greedy tokens ({report['backend']})")
+    baseline = "; against the cache rounded to bfloat16 (its row: KL(exact || bf16))" if args.baseline == "bf16" else ""
+    print(f"{args.model}: {n}-token prompt, {args.generate} greedy tokens ({report['backend']}{baseline})")
     print("| INT8 cache | mean KL | max KL | greedy agreement |\n|---|---|---|---|")
-    for key in ("plain", "smoothing", "keys only, smoothed", "values only"):
+    for key in ("bf16 cache", "plain", "smoothing", "keys only, smoothed", "values only"):
         if key not in report:
             continue
         r = report[key]

@@ -110,3 +110,20 @@ def test_reference_cache_quantizes_only_the_parts_asked(tiny_checkpoint):
         assert np.abs(cache.values[0] - v).max() <= np.abs(v).max() / 127
     with pytest.raises(ValueError, match="parts"):
         ref.new_cache(int8=True, parts="q")
+
+
+def test_reference_bf16_cache_holds_the_exact_vectors_rounded_to_bfloat16(tiny_checkpoint):
+    """bf16=True (kv_fidelity.py --baseline bf16): the cache the engine's BF16 pools hold."""
+    import ml_dtypes
+
+    from tileinfer.model.checkpoint import Checkpoint
+    ref = R.ReferenceModel.from_checkpoint(Checkpoint.open(tiny_checkpoint))
+    ids = np.random.default_rng(2).integers(0, 151643, 30)
+    exact, rounded = ref.new_cache(), ref.new_cache(bf16=True)
+    for cache in (exact, rounded):
+        ref.forward(ids, cache)
+    for got, want in ((rounded.keys[0], exact.keys[0]), (rounded.values[0], exact.values[0])):
+        assert np.array_equal(got, want.astype(ml_dtypes.bfloat16).astype(np.float32))
+        assert not np.array_equal(got, want)
+    with pytest.raises(ValueError, match="INT8 or BF16"):
+        ref.new_cache(int8=True, bf16=True)

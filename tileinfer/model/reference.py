@@ -100,15 +100,20 @@ class ReferenceCache:
     and stored dequantized; with `smoothing` (per layer, the factors c), keys are stored as k / c
     quantized, and the model multiplies its queries by c. `parts` ("kv", "k" or "v") quantizes both
     halves or only the keys or only the values (the other stays exact): a diagnostic, to see which
-    half an INT8 cache's error comes from (scripts/kv_fidelity.py --parts).
+    half an INT8 cache's error comes from (scripts/kv_fidelity.py --parts). bf16=True stores keys and
+    values rounded to bfloat16, as the engine's BF16 cache holds them: the baseline the GPU's fidelity
+    figure measures the INT8 cache against (kv_fidelity.py --baseline bf16).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, int8: bool = False,
-                 smoothing: list[np.ndarray] | None = None, parts: str = "kv"):
+                 smoothing: list[np.ndarray] | None = None, parts: str = "kv", bf16: bool = False):
         if parts not in ("kv", "k", "v"):
             raise ValueError(f"parts must be 'kv', 'k' or 'v', got {parts!r}")
+        if int8 and bf16:
+            raise ValueError("a cache is INT8 or BF16, not both")
         self._shape = (num_layers, num_kv_heads, head_dim)
         self.int8 = int8
+        self.bf16 = bf16
         self.smoothing = smoothing
         self.parts = parts
         self._k = [np.zeros((0, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
@@ -157,6 +162,10 @@ class ReferenceCache:
                 k = dequantize(*quantize(k))
             if "v" in self.parts:
                 v = dequantize(*quantize(v))
+        elif self.bf16:
+            import ml_dtypes
+            k = k.astype(ml_dtypes.bfloat16).astype(np.float32)
+            v = v.astype(ml_dtypes.bfloat16).astype(np.float32)
         self._k[layer][start:start + len(k)] = k
         self._v[layer][start:start + len(v)] = v
 
@@ -239,14 +248,15 @@ class ReferenceModel:
                    for name, shape in weight_shapes(config).items()}
         return cls(config, weights)
 
-    def new_cache(self, *, int8: bool = False, smoothing: bool = False, parts: str = "kv") -> ReferenceCache:
+    def new_cache(self, *, int8: bool = False, smoothing: bool = False, parts: str = "kv",
+                  bf16: bool = False) -> ReferenceCache:
         """An empty cache; int8 models the INT8 cache, smoothing its key smoothing (kv/int8.py), parts
-        which halves are quantized (ReferenceCache)."""
+        which halves are quantized, bf16 the BF16 cache's rounding (ReferenceCache)."""
         from tileinfer.kv.int8 import smoothing_factors
         c = self.config
         factors = [smoothing_factors(layer.k_norm) for layer in self.layers] if int8 and smoothing else None
         return ReferenceCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, int8=int8, smoothing=factors,
-                              parts=parts)
+                              parts=parts, bf16=bf16)
 
     # ------------------------------------------------------------------------------------- forward
 
