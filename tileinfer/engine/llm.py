@@ -126,7 +126,11 @@ class _InFlight:
     rows: list[ScheduledRow]
     slot: int | None
     samplers: list[tuple[int, Request, int]]
-    decode: bool  # every row is one new token (no prompt chunk)
+
+    @property
+    def decode(self) -> bool:
+        """Every row is one new token (no prompt chunk)."""
+        return all(r.count == 1 for r in self.rows)
 
 
 @dataclass
@@ -656,7 +660,7 @@ class LLM:
             self._last_rows[req.request_id] = i
             if req.num_output >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")  # known now; its last token arrives with this step
-        return _InFlight(rows, slot, samplers, decode)
+        return _InFlight(rows, slot, samplers)
 
     def _finish(self, step: "_InFlight") -> list[tuple[Request, int, str]]:
         sampled = self.model.collect(step.slot, len(step.rows))
