@@ -10,6 +10,7 @@ from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 HEAD_DIM = 128
 KEY_TILE = 64
 MAX_SPLITS = 128  # attention_combine merges up to one split per thread
+COMBINE_THREADS = 512  # attention.cu's COMBINE_WARPS * 32
 LOG2E = 1.4426950408889634
 # attention_wg.cu: blocks of 128 rows (token, head-in-group: 2 consumer warpgroups x 64) and 384 threads (+ a
 # producer warpgroup), key tiles of 128 positions in a ring of 2 stages. Dynamic shared memory as its
@@ -161,4 +162,4 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
                                         smem=smem_bytes(int8, keys_mode, name.endswith("_h8")))
     if num_splits > 1:
         kernel("attention.cu", "attention_combine").launch(
-            (T, H), (128,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
+            (T, H), (COMBINE_THREADS,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
