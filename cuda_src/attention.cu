@@ -509,36 +509,55 @@ __device__ __forceinline__ void attention_body(
         };
         if (KEYS && (kt + 1) * KT <= vis_end) scores(Flag<false>{});  // the prefill shape: always masked
         else scores(Flag<true>{});                                       // (unmasked tiles cost it registers)
-        float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
-#pragma unroll
-        for (int h = 0; h < NH; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float m_new = fmaxf(m[h], mx[h]);
-            m_use[h] = m_new == -TI_INF ? 0.f : m_new;  // a row with no visible key yet: avoid inf - inf
-            alpha[h] = exp2f(m[h] - m_use[h]);
-            m[h] = m_new;
-        }
-        // DIRECT: P's unit (direct_pv) from the largest value scale of the warp's 16 keys in this tile.
-        float o_alpha[2] = {alpha[0], alpha[1]}, pv_unit = 1.f;
+        // DIRECT: P's unit (direct_pv) from the largest value scale of the warp's 16 keys in this tile; each
+        // lane's own 4 keys first (keys depend on t only).
+        float vm = 0.f;
         if constexpr (S::DIRECT) {
-            float vm = 0.f;
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
                 for (int e1 = 0; e1 < 2; ++e1) vm = fmaxf(vm, vsc[wkey + nb * 8 + 2 * t + e1]);
-            vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
-            vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));  // the same in every lane: keys depend on t
-            const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
-            if (eb > vexp) {
-                const int up = eb - vexp;
-                const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
-                o_alpha[0] *= shrink;
-                o_alpha[1] *= HALF ? 1.f : shrink;
-                vexp = eb;
-            }
-            pv_unit = __uint_as_float((u32)(253 - vexp) << 23);  // 2^(126 - vexp)
         }
+        // HALF: m is the row's reference maximum, not always its running maximum. A tile whose every score is
+        // at most m + REF_SLACK (and, DIRECT, no value scale above P's unit) keeps m, pv_unit and O as they
+        // are, decided by one vote instead of the lanes' shuffles, and with no rescale: P = 2^(s - m) then stays
+        // below 2^REF_SLACK (fp16 holds it, as it does P's smaller values, to 11 bits). The merges downstream
+        // take any common reference. Otherwise m moves to the running maximum, as in the other builds.
+        constexpr float REF_SLACK = 8.f;
+        bool keep = false;
+        if constexpr (HALF) {
+            bool ok = mx[0] <= m[0] + REF_SLACK;  // m = -inf: only a tile with no visible key yet
+            if constexpr (S::DIRECT) ok = ok && (int)(__float_as_uint(vm) >> 23) <= vexp;
+            keep = __all_sync(0xffffffffu, ok);
+        }
+        float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f}, o_alpha[2] = {1.f, 1.f};
+        if (keep) {
+            m_use[0] = m[0] == -TI_INF ? 0.f : m[0];
+        } else {
+#pragma unroll
+            for (int h = 0; h < NH; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const float m_new = fmaxf(m[h], mx[h]);
+                m_use[h] = m_new == -TI_INF ? 0.f : m_new;  // a row with no visible key yet: avoid inf - inf
+                alpha[h] = exp2f(m[h] - m_use[h]);
+                m[h] = m_new;
+                o_alpha[h] = alpha[h];
+            }
+            if constexpr (S::DIRECT) {
+                vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+                vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));  // the same in every lane
+                const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
+                if (eb > vexp) {
+                    const int up = eb - vexp;
+                    const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
+                    o_alpha[0] *= shrink;
+                    o_alpha[1] *= HALF ? 1.f : shrink;
+                    vexp = eb;
+                }
+            }
+        }
+        const float pv_unit = S::DIRECT ? __uint_as_float((u32)(253 - vexp) << 23) : 1.f;  // 2^(126 - vexp)
         float rowsum[2] = {0.f, 0.f};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
@@ -555,13 +574,15 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
         for (int h = 0; h < NH; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
         if constexpr (HALF) {
-            // O^T's columns are rows 2t and 2t + 1, whose factors the lanes of g = 2t and 2t + 1 hold.
-            const float a0 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t);
-            const float a1 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t + 4);
-            if (a0 != 1.f || a1 != 1.f) {
+            if (!keep) {
+                // O^T's columns are rows 2t and 2t + 1, whose factors the lanes of g = 2t and 2t + 1 hold.
+                const float a0 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t);
+                const float a1 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t + 4);
+                if (a0 != 1.f || a1 != 1.f) {
 #pragma unroll
-                for (int i = 0; i < NO; ++i) {
-                    o[i][0] *= a0; o[i][1] *= a1; o[i][2] *= a0; o[i][3] *= a1;
+                    for (int i = 0; i < NO; ++i) {
+                        o[i][0] *= a0; o[i][1] *= a1; o[i][2] *= a0; o[i][3] *= a1;
+                    }
                 }
             }
         } else if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
