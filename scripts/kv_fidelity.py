@@ -17,7 +17,10 @@ key-norm weights have a few channels ~100x the rest) or a checkpoint directory. 
 one JSON line. --parts (reference backend only) adds two rows with smoothing: only the keys
 quantized, only the values, to show which half the remaining error comes from. --baseline bf16
 (reference backend only) measures against a cache rounded to bfloat16 instead of the exact one, as
-the engine backend's figure does (its baseline is the BF16 cache).
+the engine backend's figure does (its baseline is the BF16 cache). --activations bf16 (reference
+backend only) rounds to bf16 every activation the engine's kernels write in bf16
+(ReferenceModel.forward's bf16_activations): with --baseline bf16, what an ideal bf16 engine with the
+specified INT8 cache would measure, so that the engine's figure minus this one is its kernels' share.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 class ReferenceBackend:
     name = "float32 reference (CPU) vs its float32 cache"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, bf16_activations: bool = False):
         self.ref = ReferenceModel.from_checkpoint(Checkpoint.open(path))
+        self.bf16_activations = bf16_activations
 
     def greedy(self, prompt, n: int) -> list[int]:
         return [int(t) for t in self.ref.greedy(prompt, n)]
@@ -51,7 +55,7 @@ class ReferenceBackend:
     def log_probs(self, tokens, int8: bool = False, smoothing: bool = False, parts: str = "kv",
                   bf16: bool = False) -> np.ndarray:
         cache = self.ref.new_cache(int8=int8, smoothing=smoothing, parts=parts, bf16=bf16)
-        return log_softmax(self.ref.forward(tokens, cache))
+        return log_softmax(self.ref.forward(tokens, cache, bf16_activations=self.bf16_activations))
 
     def close(self) -> None:
         pass
@@ -97,14 +101,19 @@ def main() -> None:
                     help="also quantize only the keys, then only the values (reference backend)")
     ap.add_argument("--baseline", choices=("exact", "bf16"), default="exact",
                     help="reference backend: the cache INT8 is compared with, exact float32 or rounded to bfloat16")
+    ap.add_argument("--activations", choices=("float32", "bf16"), default="float32",
+                    help="reference backend: activations in float32, or rounded to bf16 where the engine's are")
     args = ap.parse_args()
     if args.parts and args.backend != "reference":
         ap.error("--parts needs --backend reference (the GPU's INT8 cache quantizes keys and values together)")
     if args.baseline != "exact" and args.backend != "reference":
         ap.error("--baseline needs --backend reference (the engine's baseline is its BF16 cache)")
+    if args.activations != "float32" and args.backend != "reference":
+        ap.error("--activations needs --backend reference (the engine's activations are bf16)")
     path = Path(args.model) if Path(args.model).is_dir() else cached_checkpoint(args.model)
     t0 = time.perf_counter()
-    backend = (EngineBackend if args.backend == "engine" else ReferenceBackend)(path)
+    backend = (EngineBackend(path) if args.backend == "engine"
+               else ReferenceBackend(path, bf16_activations=args.activations == "bf16"))
     try:
         prompt = np.random.default_rng(args.seed).integers(0, 151643, args.prompt_tokens)
         # Exact cache: the prompt, then greedy continuation; its tokens are teacher-forced below.
@@ -113,7 +122,7 @@ def main() -> None:
         exact = backend.log_probs(tokens, bf16=True) if args.baseline == "bf16" else backend.log_probs(tokens)
         n = args.prompt_tokens
         report = dict(model=args.model, prompt_tokens=n, generated=args.generate, backend=backend.name,
-                      baseline=args.baseline)
+                      baseline=args.baseline, activations=args.activations)
         if args.baseline == "bf16":  # the baseline's own distance from the exact cache
             report["bf16 cache"] = compare(backend.log_probs(tokens), exact, n, generated)
         for smoothing in (False, True):
@@ -127,6 +136,7 @@ def main() -> None:
     report["kl_reduction"] = report["plain"]["mean_kl"] / max(report["smoothing"]["mean_kl"], 1e-30)
     report["seconds"] = time.perf_counter() - t0
     baseline = "; against the cache rounded to bfloat16 (its row: KL(exact || bf16))" if args.baseline == "bf16" else ""
+    baseline += "; bf16 activations" if args.activations == "bf16" else ""
     print(f"{args.model}: {n}-token prompt, {args.generate} greedy tokens ({report['backend']}{baseline})")
     print("| INT8 cache | mean KL | max KL | greedy agreement |\n|---|---|---|---|")
     for key in ("bf16 cache", "plain", "smoothing", "keys only, smoothed", "values only"):

@@ -127,3 +127,32 @@ def test_reference_bf16_cache_holds_the_exact_vectors_rounded_to_bfloat16(tiny_c
         assert not np.array_equal(got, want)
     with pytest.raises(ValueError, match="INT8 or BF16"):
         ref.new_cache(int8=True, bf16=True)
+
+
+def test_reference_bf16_activations_feed_the_cache_as_attn_input_does(tiny_checkpoint):
+    """forward(bf16_activations=True) (kv_fidelity.py --activations bf16): the q/k/v products are rounded to
+    bf16 as the QKV kernel writes them; keys then go through norm and RoPE in float32 and reach the cache
+    unrounded (attn_input quantizes them from float32), values as the product wrote them."""
+    import ml_dtypes
+
+    from tileinfer.model.checkpoint import Checkpoint
+    from tileinfer.model.reference import apply_rope, rms_norm
+    ref = R.ReferenceModel.from_checkpoint(Checkpoint.open(tiny_checkpoint))
+    ids = np.random.default_rng(3).integers(0, 151643, 20)
+    cache = ref.new_cache()
+    logits = ref.forward(ids, cache, bf16_activations=True)
+    c, layer = ref.config, ref.layers[0]
+
+    def bf16(x):
+        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    x = bf16(rms_norm(ref.embed[ids], layer.input_norm, c.rms_norm_eps))
+    k = bf16(x @ layer.k_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
+    v = bf16(x @ layer.v_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
+    k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), np.arange(len(ids)), ref.inv_freq)
+    np.testing.assert_allclose(cache.keys[0], k, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(cache.keys[0], bf16(cache.keys[0]))  # not rounded
+    np.testing.assert_array_equal(cache.values[0], v)
+    exact = ref.forward(ids)
+    assert not np.array_equal(logits, exact)
+    assert np.abs(logits - exact).max() < 0.1 * exact.std()

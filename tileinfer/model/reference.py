@@ -90,6 +90,11 @@ def silu(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- cache
 
 
+def _rounding(bf16: bool):
+    """The rounding forward applies where the engine writes bf16: _bf16, or none."""
+    return _bf16 if bf16 else (lambda x: x)
+
+
 class ReferenceCache:
     """Contiguous keys and values per layer (after q/k norm and RoPE, as the paged cache stores them).
 
@@ -260,11 +265,16 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------------------------- forward
 
-    def forward(self, token_ids, cache: ReferenceCache | None = None, positions=None) -> np.ndarray:
+    def forward(self, token_ids, cache: ReferenceCache | None = None, positions=None, *,
+                bf16_activations: bool = False) -> np.ndarray:
         """Logits of every token. # [n, vocab] float32
 
         With a cache, the tokens' keys and values are appended to it and attention reads everything
-        cached; positions default to continuing the cache (0.. without one).
+        cached; positions default to continuing the cache (0.. without one). bf16_activations rounds
+        to bf16 what the engine's kernels write in bf16 (the normed inputs, the q/k/v products, the
+        queries after norm, RoPE and smoothing, the attention output, the MLP product, the final
+        normed row); the residual stream and the keys and values handed to the cache stay float32, as
+        the engine's attn_input quantizes or rounds them from float32.
         """
         ids = self._check_ids(token_ids)
         if cache is None:
@@ -273,39 +283,40 @@ class ReferenceModel:
         positions = self._check_positions(positions, len(ids), cache.num_positions)
         start = cache.append_positions(positions)
         try:
-            h = self._layers(ids, positions, cache, start)
+            h = self._layers(ids, positions, cache, start, _rounding(bf16_activations))
         except BaseException:
             cache.truncate(start)  # a failed forward must not leave half-written entries behind
             raise
-        return rms_norm(h, self.norm, self.config.rms_norm_eps) @ self.lm_head.T
+        return _rounding(bf16_activations)(rms_norm(h, self.norm, self.config.rms_norm_eps)) @ self.lm_head.T
 
-    def _layers(self, ids: np.ndarray, positions: np.ndarray, cache: ReferenceCache, start: int) -> np.ndarray:
+    def _layers(self, ids: np.ndarray, positions: np.ndarray, cache: ReferenceCache, start: int, r) -> np.ndarray:
         eps = self.config.rms_norm_eps
         h = self.embed[ids]  # [n, hidden], the residual stream
         for index, layer in enumerate(self.layers):
-            h = h + self._attention_block(layer, rms_norm(h, layer.input_norm, eps), positions, cache, index, start)
-            h = h + self._mlp_block(layer, rms_norm(h, layer.post_norm, eps))
+            h = h + self._attention_block(layer, r(rms_norm(h, layer.input_norm, eps)), positions, cache, index,
+                                          start, r)
+            h = h + self._mlp_block(layer, r(rms_norm(h, layer.post_norm, eps)), r)
         return h
 
     def _attention_block(self, layer: _Layer, x: np.ndarray, positions: np.ndarray,
-                         cache: ReferenceCache, index: int, start: int) -> np.ndarray:
+                         cache: ReferenceCache, index: int, start: int, r) -> np.ndarray:
         c = self.config
         n = x.shape[0]
-        q = (x @ layer.q_proj.T).reshape(n, c.num_attention_heads, c.head_dim)
-        k = (x @ layer.k_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
-        v = (x @ layer.v_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
+        q = r(x @ layer.q_proj.T).reshape(n, c.num_attention_heads, c.head_dim)
+        k = r(x @ layer.k_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
+        v = r(x @ layer.v_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
         # Qwen3 normalises each head's q and k before RoPE.
         q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), positions, self.inv_freq)
         k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), positions, self.inv_freq)
         cache.write(index, start, k, v)
         if cache.smoothing is not None:
             q = q * cache.smoothing[index]  # the cache holds k / c
-        out = attention(q, cache.keys[index], cache.values[index], positions, cache.positions)
+        out = r(attention(r(q), cache.keys[index], cache.values[index], positions, cache.positions))
         return out.reshape(n, c.q_size) @ layer.o_proj.T  # [n, hidden]
 
     @staticmethod
-    def _mlp_block(layer: _Layer, x: np.ndarray) -> np.ndarray:
-        return (silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
+    def _mlp_block(layer: _Layer, x: np.ndarray, r) -> np.ndarray:
+        return r(silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
 
     def greedy(self, prompt_ids, n: int) -> list[int]:
         """The n tokens greedy decoding appends to the prompt (prefill once, then one token a step)."""
@@ -321,25 +332,10 @@ class ReferenceModel:
         return out
 
     def forward_bf16_activations(self, token_ids) -> np.ndarray:
-        """The logits of a prompt with every activation a bf16 engine keeps in bf16 rounded to bf16
-        (normed inputs, q/k/v after norm and rope, attention outputs, the MLP product; the residual
-        stream stays float32): what an ideal bf16 engine computes, to tell its rounding apart
-        from a kernel's error. No cache; positions 0..n-1."""
-        ids = self._check_ids(token_ids)
-        c, eps = self.config, self.config.rms_norm_eps
-        pos = np.arange(len(ids))
-        h = self.embed[ids].astype(np.float32)
-        for layer in self.layers:
-            x = _bf16(rms_norm(h, layer.input_norm, eps))
-            q = _bf16(x @ layer.q_proj.T).reshape(len(ids), c.num_attention_heads, c.head_dim)
-            k = _bf16(x @ layer.k_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
-            v = _bf16(x @ layer.v_proj.T).reshape(len(ids), c.num_key_value_heads, c.head_dim)
-            q = _bf16(apply_rope(rms_norm(q, layer.q_norm, eps), pos, self.inv_freq))
-            k = _bf16(apply_rope(rms_norm(k, layer.k_norm, eps), pos, self.inv_freq))
-            h = h + _bf16(attention(q, k, v, pos, pos)).reshape(len(ids), -1) @ layer.o_proj.T
-            x = _bf16(rms_norm(h, layer.post_norm, eps))
-            h = h + _bf16(silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
-        return _bf16(rms_norm(h, self.norm, eps)) @ self.lm_head.T
+        """The logits of a prompt as an ideal bf16 engine computes them: bf16 activations (forward's
+        bf16_activations) and a BF16 cache; positions 0..n-1. To tell that rounding apart from a
+        kernel's error."""
+        return self.forward(token_ids, self.new_cache(bf16=True), bf16_activations=True)
 
     # ------------------------------------------------------------------------------------- checks
 
