@@ -11,6 +11,7 @@ tests too. Weights use Hugging Face names and layout (`[out, in]`, y = x @ W.T).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,8 +91,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- cache
 
 
-def _rounding(bf16: bool):
-    """The rounding forward applies where the engine writes bf16: _bf16, or none."""
+def _rounding(bf16: bool) -> Callable[[np.ndarray], np.ndarray]:
+    """The rounding forward applies (`r` below) where the engine writes bf16: _bf16, or none."""
     return _bf16 if bf16 else (lambda x: x)
 
 
@@ -282,12 +283,13 @@ class ReferenceModel:
         self._check_cache(cache)
         positions = self._check_positions(positions, len(ids), cache.num_positions)
         start = cache.append_positions(positions)
+        r = _rounding(bf16_activations)
         try:
-            h = self._layers(ids, positions, cache, start, _rounding(bf16_activations))
+            h = self._layers(ids, positions, cache, start, r)
         except BaseException:
             cache.truncate(start)  # a failed forward must not leave half-written entries behind
             raise
-        return _rounding(bf16_activations)(rms_norm(h, self.norm, self.config.rms_norm_eps)) @ self.lm_head.T
+        return r(rms_norm(h, self.norm, self.config.rms_norm_eps)) @ self.lm_head.T
 
     def _layers(self, ids: np.ndarray, positions: np.ndarray, cache: ReferenceCache, start: int, r) -> np.ndarray:
         eps = self.config.rms_norm_eps
