@@ -775,11 +775,12 @@ ATTENTION_KERNEL(attention_int8_decode_h8, true, true, true, BOUNDS_4)
 // took up to 32 (H200, ncu, qwen3-4b at 32,768 positions, 66 splits, 4 warps: 11 us a launch with the
 // caches flushed, 17 loads a warp).
 #define COMBINE_WARPS 16
+#define COMBINE_MAX_SPLITS 128  // tileinfer/kernels/attention.py MAX_SPLITS
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attention_combine(
         const float *__restrict__ part_o, const float *__restrict__ part_ml, bf16 *__restrict__ out,
         int num_splits, int total_q, int num_heads) {
     pdl_start();
-    __shared__ float scratch[32], weight[128];
+    __shared__ float scratch[32], weight[COMBINE_MAX_SPLITS];
     __shared__ float4 partial[COMBINE_WARPS][32];
     const size_t row = (size_t)blockIdx.x * num_heads + blockIdx.y;
     const size_t stride = (size_t)total_q * num_heads;
@@ -793,12 +794,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attention_combi
     const float M = block_max(m, scratch);
     const float w = (l > 0.f) ? exp2f(m - M) : 0.f;
     const float L = block_sum(w * l, scratch);
-    if (tid < 128) weight[tid] = w;
+    if (tid < COMBINE_MAX_SPLITS) weight[tid] = w;
     __syncthreads();
 
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int j = 0; j < 128 / COMBINE_WARPS; ++j) {
+    for (int j = 0; j < COMBINE_MAX_SPLITS / COMBINE_WARPS; ++j) {
         const int s = warp + COMBINE_WARPS * j;
         if (s >= num_splits) break;
         const float ws = weight[s];

@@ -9,7 +9,7 @@ from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 
 HEAD_DIM = 128
 KEY_TILE = 64
-MAX_SPLITS = 128  # attention_combine merges up to one split per thread
+MAX_SPLITS = 128  # attention_combine merges up to one split per thread (attention.cu COMBINE_MAX_SPLITS)
 COMBINE_THREADS = 512  # attention.cu's COMBINE_WARPS * 32
 LOG2E = 1.4426950408889634
 # attention_wg.cu: blocks of 128 rows (token, head-in-group: 2 consumer warpgroups x 64) and 384 threads (+ a
