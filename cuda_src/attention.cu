@@ -184,9 +184,14 @@ __device__ __forceinline__ void i8x4_to_f16x4(u32 w, u32 &lo, u32 &hi) {
 }
 // The same for the bytes of w taken as (0, 2) and (1, 3): lo holds bytes 0 and 2, hi bytes 1 and 3 (the
 // even and odd columns direct_pv needs), the split folded into the two permutes.
-__device__ __forceinline__ void i8x4_to_f16x4_split(u32 w, u32 &lo, u32 &hi) {
+__device__ __forceinline__ void i8x4_to_f16x4_split_biased(u32 w, u32 &lo, u32 &hi) {  // 1152 + code
     const u32 u = w ^ 0x80808080u;
-    const u32 a = __byte_perm(u, 0x64646464u, 0x4240), b = __byte_perm(u, 0x64646464u, 0x4341);
+    lo = __byte_perm(u, 0x64646464u, 0x4240);
+    hi = __byte_perm(u, 0x64646464u, 0x4341);
+}
+__device__ __forceinline__ void i8x4_to_f16x4_split(u32 w, u32 &lo, u32 &hi) {
+    u32 a, b;
+    i8x4_to_f16x4_split_biased(w, a, b);
     const u32 bias = 0x64806480u;
     asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(a), "r"(bias));
     asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(bias));
@@ -285,6 +290,66 @@ __device__ __forceinline__ void direct_pv_t(const unsigned char *v_codes, const 
     }
 }
 
+// The INT8 _h8 build ("ST"): Q K^T transposed too, S^T = K Q^T, the warp's 16 keys as the mma's M and the block's
+// 8 rows as its N, so no score is padding (half the mmas of direct_qk, half the query fragments). K's A fragment
+// is what direct_qk widens (a0 / a1: keys g / g + 8, channels 4t, 4t + 1 of the slice; a2 / a3: 4t + 2, 4t + 3),
+// Q^T's B fragment the queries' row g (qf[ks][0], qf[ks][2]). Even and odd slices accumulate apart (two chains of
+// 4 mmas, not one of 8). sa + sb: keys g (c0, c1) and g + 8 (c2, c3) of rows 2t (c0, c2) and 2t + 1 (c1, c3).
+__device__ __forceinline__ void direct_qk_t(const unsigned char *k_codes, const u32 (&qf)[8][4], float (&sa)[4],
+                                            float (&sb)[4], int wkey, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), ks = 2 * j + (m >> 1);
+        u32 r[4];  // keys g, g + 8 of slice 2j; the same of slice 2j + 1
+        ldmatrix_x4(r, smem_addr(k_codes + key * HD + ((ks ^ (key & 7)) << 4)));
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+            u32 lo0, hi0, lo1, hi1;
+            i8x4_to_f16x4(r[2 * d], lo0, hi0);
+            i8x4_to_f16x4(r[2 * d + 1], lo1, hi1);
+            const u32 a[4] = {lo0, lo1, hi0, hi1}, b[2] = {qf[2 * j + d][0], qf[2 * j + d][2]};
+            mma_f16_16816(d ? sb : sa, a, b);
+        }
+    }
+}
+// The value codes of the warp's 16 keys as ldmatrix.trans gives them (widen_values' r, for j = 0..3).
+__device__ __forceinline__ void load_values_t(const unsigned char *v_codes, int wkey, int lane, u32 (&r)[4][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int m = lane >> 3, key = wkey + (m & 1) * 8 + (lane & 7), blk = 2 * j + (m >> 1);
+        ldmatrix_x4_trans(r[j], smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
+    }
+}
+// direct_pv_t on codes widened without the bias' subtraction: each value enters as 1152 + code, and psum
+// accumulates 1152 x the sum of P (the same mma with 1152 for every value), which the end subtracts from O^T
+// (psum c0 / c1: rows 2t / 2t + 1, as O^T's). Two permutes and a xor per four values instead of also two
+// packed subtractions; the products are exact in fp32 (11-bit P x 11-bit integer) and O's sum in fp32 loses
+// to the bias at most log2(1279 / 127) ~ 3.3 of its 24 bits, against INT8's 8.
+__device__ __forceinline__ void direct_pv_t_biased(const u32 (&r)[4][4], const u32 (&p)[2], float (&ot)[8][4],
+                                                   float (&psum)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+            u32 w[4];
+            i8x4_to_f16x4_split_biased(r[j][2 * d], w[0], w[1]);
+            i8x4_to_f16x4_split_biased(r[j][2 * d + 1], w[2], w[3]);
+            mma_f16_16816(ot[2 * j + d], w, p);
+        }
+    const u32 bias[4] = {0x64806480u, 0x64806480u, 0x64806480u, 0x64806480u};  // 1152 in every element
+    mma_f16_16816(psum, bias, p);
+}
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {  // the transpose's fragment of an 8 x 8 b16 matrix
+    u32 r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x, results below 2^-126 flushed to 0 (exp2f checks)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // A compile-time flag for a generic lambda's argument (decltype(arg)::value).
 template <bool V> struct Flag { static constexpr bool value = V; };
 
@@ -309,7 +374,9 @@ __device__ __forceinline__ void attention_body(
     using S = Smem<Q8, KEYS, HALF>;
     static_assert(KEYS || !HALF, "HALF is a decode-shape build");
     constexpr int ROWS = S::ROWS, STAGES = S::STAGES;
-    constexpr int NH = HALF ? 1 : 2;  // accumulator row halves (g, g + 8) that hold real rows
+    // ST: the INT8 _h8 build's transposed Q K^T (direct_qk_t): a lane's rows are 2t and 2t + 1, not g and g + 8.
+    constexpr bool ST = S::DIRECT && HALF;
+    constexpr int NH = HALF && !ST ? 1 : 2;  // accumulator row halves (g, g + 8) that hold real rows
     constexpr int NB = KEYS ? 2 : 8;  // 8-key column blocks of S per warp
     extern __shared__ __align__(128) unsigned char smem[];
     bf16 *sQ = reinterpret_cast<bf16 *>(smem);
@@ -397,11 +464,11 @@ __device__ __forceinline__ void attention_body(
     TileRows<Q8> next_rows;
     if (kt_begin + STAGES - 1 < kt_end) next_rows = lookup(kt_begin + STAGES - 1);
 
-    // The two rows this thread accumulates: wrow + g and + 8.
+    // The two rows this thread accumulates: wrow + g and + 8 (ST: 2t and 2t + 1).
     int qpos[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int R = row0 + wrow + g + 8 * h;
+        const int R = ST ? row0 + 2 * t + h : row0 + wrow + g + 8 * h;
         qpos[h] = R < rows ? first_pos + R / G : max_qpos;
     }
     // Keys before vis_end are visible to both of this thread's rows: tiles below it skip the mask.
@@ -415,6 +482,7 @@ __device__ __forceinline__ void attention_body(
     float o[NO][4];
 #pragma unroll
     for (int i = 0; i < NO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float psum[4] = {0.f, 0.f, 0.f, 0.f};  // ST: O^T's bias (direct_pv_t_biased)
     u32 qf[8][4];
 
     for (int kt = kt_begin; kt < kt_end; ++kt) {
@@ -467,169 +535,244 @@ __device__ __forceinline__ void attention_body(
             tV = sV + cur * KT * HD;
         }
 
-        // S = Q K^T: 16 rows x (NB * 8) keys per warp.
-        float s[NB][4];
+        if constexpr (ST) {
+            // S^T for the warp's 16 keys (direct_qk_t); the values' codes are read before the softmax, so their
+            // shared-memory latency overlaps it.
+            float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+            direct_qk_t(st, qf, sa, sb, wkey, lane);
+            u32 vr[4][4];
+            load_values_t(st + KT * HD, wkey, lane, vr);
+            // This lane's scores: keys k0 (x[0], x[1]) and k0 + 8 (x[2], x[3]), rows 2t + (e & 1).
+            const int k0 = wkey + g;
+            const float ks0 = ksc[k0], ks1 = ksc[k0 + 8], vs0 = vsc[k0], vs1 = vsc[k0 + 8];
+            const bool masked = (kt + 1) * KT > vis_end;
+            float x[4];
 #pragma unroll
-        for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-        if constexpr (S::DIRECT) {
-            direct_qk(st, qf, s, wkey, lane);
-        } else {
+            for (int e = 0; e < 4; ++e) x[e] = (sa[e] + sb[e]) * (e < 2 ? ks0 : ks1);
+            if (masked) {  // causal and past the end: only a sequence's last tiles
 #pragma unroll
-        for (int ks = 0; ks < 8; ++ks) {
-#pragma unroll
-            for (int np = 0; np < NB / 2; ++np) {
-                u32 kb[4];
-                ldmatrix_x4(kb, smem_addr(tK + swz(wkey + np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                                   ks * 2 + ((lane >> 3) & 1))));
-                const u32 b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-                mma_bf16_16816(s[2 * np], qf[ks], b0);
-                mma_bf16_16816(s[2 * np + 1], qf[ks], b1);
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kt * KT + k0 + 8 * (e >> 1);
+                    if (key > qpos[e & 1] || key >= kv_len) x[e] = -TI_INF;
+                }
             }
-        }
-        }
+            float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
+            float vm = fmaxf(vs0, vs1);
+            // The reference maximum, as in the other _h8 build (below): one vote keeps m, P's unit and O.
+            constexpr float REF_SLACK = 8.f;
+            const bool keep = __all_sync(0xffffffffu, mx[0] <= m[0] + REF_SLACK && mx[1] <= m[1] + REF_SLACK &&
+                                                          (int)(__float_as_uint(vm) >> 23) <= vexp);
+            float alpha[2] = {1.f, 1.f}, m_use[2], shrink = 1.f;
+            if (keep) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) m_use[h] = m[h] == -TI_INF ? 0.f : m[h];
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // a row's keys are spread over the lanes of one t
+#pragma unroll
+                    for (int off = 4; off < 32; off <<= 1) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], off));
+                    const float m_new = fmaxf(m[h], mx[h]);
+                    m_use[h] = m_new == -TI_INF ? 0.f : m_new;  // a row with no visible key yet: avoid inf - inf
+                    alpha[h] = fast_exp2(m[h] - m_use[h]);
+                    m[h] = m_new;
+                }
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, off));
+                const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
+                if (eb > vexp) {
+                    const int up = eb - vexp;
+                    shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
+                    vexp = eb;
+                }
+            }
+            const float pv_unit = __uint_as_float((u32)(253 - vexp) << 23);  // 2^(126 - vexp)
+            float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = fast_exp2(x[e] - m_use[e & 1]);
+                rowsum[e & 1] += p;
+                x[e] = p * ((e < 2 ? vs0 : vs1) * pv_unit);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+            if (!keep) {  // O^T's columns are this lane's rows 2t and 2t + 1
+                const float a0 = alpha[0] * shrink, a1 = alpha[1] * shrink;
+                if (a0 != 1.f || a1 != 1.f) {
+#pragma unroll
+                    for (int c = 0; c < NO; ++c) {
+                        o[c][0] *= a0; o[c][1] *= a1; o[c][2] *= a0; o[c][3] *= a1;
+                    }
+                    psum[0] *= a0; psum[1] *= a1; psum[2] *= a0; psum[3] *= a1;
+                }
+            }
+            // P^T's B fragment (keys 2t, 2t + 1 and 8 + 2t, 9 + 2t of row g): the transposes of this lane's pairs.
+            const u32 pt[2] = {movmatrix_trans(pack_f16x2(x[0], x[1])), movmatrix_trans(pack_f16x2(x[2], x[3]))};
+            direct_pv_t_biased(vr, pt, o, psum);
+        } else {
+            // S = Q K^T: 16 rows x (NB * 8) keys per warp.
+            float s[NB][4];
+#pragma unroll
+            for (int i = 0; i < NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+            if constexpr (S::DIRECT) {
+                direct_qk(st, qf, s, wkey, lane);
+            } else {
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+                for (int np = 0; np < NB / 2; ++np) {
+                    u32 kb[4];
+                    ldmatrix_x4(kb, smem_addr(tK + swz(wkey + np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                       ks * 2 + ((lane >> 3) & 1))));
+                    const u32 b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+                    mma_bf16_16816(s[2 * np], qf[ks], b0);
+                    mma_bf16_16816(s[2 * np + 1], qf[ks], b1);
+                }
+            }
+            }
 
-        // Scale into base 2 (times the key's scale for INT8), mask (causal and past the end; in the decode
-        // shape only in tiles that reach vis_end, the last of a sequence), online softmax.
-        float mx[2] = {-TI_INF, -TI_INF};
-        auto scores = [&](auto masked) {
+            // Scale into base 2 (times the key's scale for INT8), mask (causal and past the end; in the decode
+            // shape only in tiles that reach vis_end, the last of a sequence), online softmax.
+            float mx[2] = {-TI_INF, -TI_INF};
+            auto scores = [&](auto masked) {
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 2 * NH; ++e) {
+                        const int kl = wkey + nb * 8 + 2 * t + (e & 1), h = e >> 1;
+                        float x = S::DIRECT ? s[nb][e] : s[nb][e] * scale_log2;  // DIRECT: scaled in the queries
+                        if constexpr (Q8) x *= ksc[kl];
+                        if constexpr (decltype(masked)::value) {
+                            const int key = kt * KT + kl;
+                            x = (key > qpos[h] || key >= kv_len) ? -TI_INF : x;
+                        }
+                        s[nb][e] = x;
+                        mx[h] = fmaxf(mx[h], x);
+                    }
+            };
+            if (KEYS && (kt + 1) * KT <= vis_end) scores(Flag<false>{});  // the prefill shape: always masked
+            else scores(Flag<true>{});                                       // (unmasked tiles cost it registers)
+            // DIRECT: P's unit (direct_pv) from the largest value scale of the warp's 16 keys in this tile; each
+            // lane's own 4 keys first (keys depend on t only).
+            float vm = 0.f;
+            if constexpr (S::DIRECT) {
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; ++e1) vm = fmaxf(vm, vsc[wkey + nb * 8 + 2 * t + e1]);
+            }
+            // HALF: m is the row's reference maximum, not always its running maximum. A tile whose every score is
+            // at most m + REF_SLACK (and, DIRECT, no value scale above P's unit) keeps m, pv_unit and O as they
+            // are, decided by one vote instead of the lanes' shuffles, and with no rescale: P = 2^(s - m) then stays
+            // below 2^REF_SLACK (fp16 holds it, as it does P's smaller values, to 11 bits). The merges downstream
+            // take any common reference. Otherwise m moves to the running maximum, as in the other builds.
+            constexpr float REF_SLACK = 8.f;
+            bool keep = false;
+            if constexpr (HALF) {
+                bool ok = mx[0] <= m[0] + REF_SLACK;  // m = -inf: only a tile with no visible key yet
+                if constexpr (S::DIRECT) ok = ok && (int)(__float_as_uint(vm) >> 23) <= vexp;
+                keep = __all_sync(0xffffffffu, ok);
+            }
+            float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f}, o_alpha[2] = {1.f, 1.f};
+            if (keep) {
+                m_use[0] = m[0] == -TI_INF ? 0.f : m[0];
+            } else {
+#pragma unroll
+                for (int h = 0; h < NH; ++h) {
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                    const float m_new = fmaxf(m[h], mx[h]);
+                    m_use[h] = m_new == -TI_INF ? 0.f : m_new;  // a row with no visible key yet: avoid inf - inf
+                    alpha[h] = exp2f(m[h] - m_use[h]);
+                    m[h] = m_new;
+                    o_alpha[h] = alpha[h];
+                }
+                if constexpr (S::DIRECT) {
+                    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
+                    vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));  // the same in every lane
+                    const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
+                    if (eb > vexp) {
+                        const int up = eb - vexp;
+                        const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
+                        o_alpha[0] *= shrink;
+                        o_alpha[1] *= HALF ? 1.f : shrink;
+                        vexp = eb;
+                    }
+                }
+            }
+            const float pv_unit = S::DIRECT ? __uint_as_float((u32)(253 - vexp) << 23) : 1.f;  // 2^(126 - vexp)
+            float rowsum[2] = {0.f, 0.f};
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
                 for (int e = 0; e < 2 * NH; ++e) {
-                    const int kl = wkey + nb * 8 + 2 * t + (e & 1), h = e >> 1;
-                    float x = S::DIRECT ? s[nb][e] : s[nb][e] * scale_log2;  // DIRECT: scaled in the queries
-                    if constexpr (Q8) x *= ksc[kl];
-                    if constexpr (decltype(masked)::value) {
-                        const int key = kt * KT + kl;
-                        x = (key > qpos[h] || key >= kv_len) ? -TI_INF : x;
-                    }
-                    s[nb][e] = x;
-                    mx[h] = fmaxf(mx[h], x);
-                }
-        };
-        if (KEYS && (kt + 1) * KT <= vis_end) scores(Flag<false>{});  // the prefill shape: always masked
-        else scores(Flag<true>{});                                       // (unmasked tiles cost it registers)
-        // DIRECT: P's unit (direct_pv) from the largest value scale of the warp's 16 keys in this tile; each
-        // lane's own 4 keys first (keys depend on t only).
-        float vm = 0.f;
-        if constexpr (S::DIRECT) {
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-                for (int e1 = 0; e1 < 2; ++e1) vm = fmaxf(vm, vsc[wkey + nb * 8 + 2 * t + e1]);
-        }
-        // HALF: m is the row's reference maximum, not always its running maximum. A tile whose every score is
-        // at most m + REF_SLACK (and, DIRECT, no value scale above P's unit) keeps m, pv_unit and O as they
-        // are, decided by one vote instead of the lanes' shuffles, and with no rescale: P = 2^(s - m) then stays
-        // below 2^REF_SLACK (fp16 holds it, as it does P's smaller values, to 11 bits). The merges downstream
-        // take any common reference. Otherwise m moves to the running maximum, as in the other builds.
-        constexpr float REF_SLACK = 8.f;
-        bool keep = false;
-        if constexpr (HALF) {
-            bool ok = mx[0] <= m[0] + REF_SLACK;  // m = -inf: only a tile with no visible key yet
-            if constexpr (S::DIRECT) ok = ok && (int)(__float_as_uint(vm) >> 23) <= vexp;
-            keep = __all_sync(0xffffffffu, ok);
-        }
-        float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f}, o_alpha[2] = {1.f, 1.f};
-        if (keep) {
-            m_use[0] = m[0] == -TI_INF ? 0.f : m[0];
-        } else {
-#pragma unroll
-            for (int h = 0; h < NH; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-                const float m_new = fmaxf(m[h], mx[h]);
-                m_use[h] = m_new == -TI_INF ? 0.f : m_new;  // a row with no visible key yet: avoid inf - inf
-                alpha[h] = exp2f(m[h] - m_use[h]);
-                m[h] = m_new;
-                o_alpha[h] = alpha[h];
-            }
-            if constexpr (S::DIRECT) {
-                vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
-                vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));  // the same in every lane
-                const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
-                if (eb > vexp) {
-                    const int up = eb - vexp;
-                    const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
-                    o_alpha[0] *= shrink;
-                    o_alpha[1] *= HALF ? 1.f : shrink;
-                    vexp = eb;
-                }
-            }
-        }
-        const float pv_unit = S::DIRECT ? __uint_as_float((u32)(253 - vexp) << 23) : 1.f;  // 2^(126 - vexp)
-        float rowsum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e = 0; e < 2 * NH; ++e) {
-                const float p = exp2f(s[nb][e] - m_use[e >> 1]);
-                rowsum[e >> 1] += p;
-                if constexpr (Q8) {
-                    s[nb][e] = p * (vsc[wkey + nb * 8 + 2 * t + (e & 1)] * pv_unit);
-                } else {
-                    s[nb][e] = p;
-                }
-            }
-#pragma unroll
-        for (int h = 0; h < NH; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
-        if constexpr (HALF) {
-            if (!keep) {
-                // O^T's columns are rows 2t and 2t + 1, whose factors the lanes of g = 2t and 2t + 1 hold.
-                const float a0 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t);
-                const float a1 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t + 4);
-                if (a0 != 1.f || a1 != 1.f) {
-#pragma unroll
-                    for (int i = 0; i < NO; ++i) {
-                        o[i][0] *= a0; o[i][1] *= a1; o[i][2] *= a0; o[i][3] *= a1;
+                    const float p = exp2f(s[nb][e] - m_use[e >> 1]);
+                    rowsum[e >> 1] += p;
+                    if constexpr (Q8) {
+                        s[nb][e] = p * (vsc[wkey + nb * 8 + 2 * t + (e & 1)] * pv_unit);
+                    } else {
+                        s[nb][e] = p;
                     }
                 }
-            }
-        } else if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
 #pragma unroll
-            for (int nb = 0; nb < NO; ++nb) {
-                o[nb][0] *= o_alpha[0]; o[nb][1] *= o_alpha[0];
-                o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1];
-            }
-        }
-
-        // O += P V: P (bf16; fp16 for the INT8 decode shape) is the A operand straight from the S accumulators
-        // (HALF: O^T += V^T P^T, P^T the B operand from the S accumulators' rows g).
-#pragma unroll
-        for (int kk = 0; kk < NB / 2; ++kk) {
+            for (int h = 0; h < NH; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
             if constexpr (HALF) {
-                const u32 pt[2] = {S::DIRECT ? pack_f16x2(s[2 * kk][0], s[2 * kk][1]) : pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                                   S::DIRECT ? pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])
-                                             : pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])};
-                if constexpr (S::DIRECT) {
-                    direct_pv_t(st + KT * HD, pt, o, wkey, lane);
+                if (!keep) {
+                    // O^T's columns are rows 2t and 2t + 1, whose factors the lanes of g = 2t and 2t + 1 hold.
+                    const float a0 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t);
+                    const float a1 = __shfl_sync(0xffffffffu, o_alpha[0], 8 * t + 4);
+                    if (a0 != 1.f || a1 != 1.f) {
+#pragma unroll
+                        for (int i = 0; i < NO; ++i) {
+                            o[i][0] *= a0; o[i][1] *= a1; o[i][2] *= a0; o[i][3] *= a1;
+                        }
+                    }
+                }
+            } else if (o_alpha[0] != 1.f || o_alpha[1] != 1.f) {  // the running maxima moved (rare after the first tiles)
+#pragma unroll
+                for (int nb = 0; nb < NO; ++nb) {
+                    o[nb][0] *= o_alpha[0]; o[nb][1] *= o_alpha[0];
+                    o[nb][2] *= o_alpha[1]; o[nb][3] *= o_alpha[1];
+                }
+            }
+
+            // O += P V: P (bf16; fp16 for the INT8 decode shape) is the A operand straight from the S accumulators
+            // (HALF: O^T += V^T P^T, P^T the B operand from the S accumulators' rows g).
+#pragma unroll
+            for (int kk = 0; kk < NB / 2; ++kk) {
+                if constexpr (HALF) {
+                    const u32 pt[2] = {S::DIRECT ? pack_f16x2(s[2 * kk][0], s[2 * kk][1]) : pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                                       S::DIRECT ? pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])
+                                                 : pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])};
+                    if constexpr (S::DIRECT) {
+                        direct_pv_t(st + KT * HD, pt, o, wkey, lane);
+                    } else {
+#pragma unroll
+                        for (int dp = 0; dp < 8; ++dp) {
+                            u32 vb[4];  // as below; as A: channels 16 dp + g and + 8 x keys 2t.. and 8 + 2t..
+                            ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                     dp * 2 + (lane >> 4))));
+                            const u32 a[4] = {vb[0], vb[2], vb[1], vb[3]};
+                            mma_bf16_16816(o[dp], a, pt);
+                        }
+                    }
+                } else if constexpr (S::DIRECT) {
+                    const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]), pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
+                                      pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                      pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                    direct_pv(st + KT * HD, a, o, wkey, lane);
                 } else {
+                    const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                      pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                      pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
                     for (int dp = 0; dp < 8; ++dp) {
-                        u32 vb[4];  // as below; as A: channels 16 dp + g and + 8 x keys 2t.. and 8 + 2t..
+                        u32 vb[4];
                         ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                                  dp * 2 + (lane >> 4))));
-                        const u32 a[4] = {vb[0], vb[2], vb[1], vb[3]};
-                        mma_bf16_16816(o[dp], a, pt);
+                        const u32 b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+                        mma_bf16_16816(o[2 * dp], a, b0);
+                        mma_bf16_16816(o[2 * dp + 1], a, b1);
                     }
-                }
-            } else if constexpr (S::DIRECT) {
-                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]), pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
-                                  pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-                direct_pv(st + KT * HD, a, o, wkey, lane);
-            } else {
-                const u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                                  pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-                for (int dp = 0; dp < 8; ++dp) {
-                    u32 vb[4];
-                    ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                             dp * 2 + (lane >> 4))));
-                    const u32 b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-                    mma_bf16_16816(o[2 * dp], a, b0);
-                    mma_bf16_16816(o[2 * dp + 1], a, b1);
                 }
             }
         }
@@ -637,9 +780,9 @@ __device__ __forceinline__ void attention_body(
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int h = 0; h < NH; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    for (int h = 0; h < NH; ++h) {  // a row's keys: over the lanes of one g (ST: of one t)
+#pragma unroll
+        for (int off = ST ? 4 : 1; off < (ST ? 32 : 4); off <<= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], off);
     }
 
     if constexpr (KEYS) {
@@ -655,10 +798,17 @@ __device__ __forceinline__ void attention_body(
             for (int i = 0; i < NO; ++i) {
                 const int c0 = S::DIRECT ? 32 * (i >> 1) + 16 * (i & 1) + 2 * g : 16 * i + g;
                 const int c1 = S::DIRECT ? c0 + 1 : c0 + 8;
-                dst[c0] = o[i][0] * unit; dst[HD + c0] = o[i][1] * unit;
-                dst[c1] = o[i][2] * unit; dst[HD + c1] = o[i][3] * unit;
+                dst[c0] = (o[i][0] - psum[0]) * unit; dst[HD + c0] = (o[i][1] - psum[1]) * unit;
+                dst[c1] = (o[i][2] - psum[2]) * unit; dst[HD + c1] = (o[i][3] - psum[3]) * unit;
             }
-            if (t == 0) { sM[warp * 16 + g] = m[0]; sL[warp * 16 + g] = l[0]; }
+            if constexpr (ST) {
+                if (g == 0) {
+                    sM[warp * 16 + 2 * t] = m[0]; sL[warp * 16 + 2 * t] = l[0];
+                    sM[warp * 16 + 2 * t + 1] = m[1]; sL[warp * 16 + 2 * t + 1] = l[1];
+                }
+            } else if (t == 0) {
+                sM[warp * 16 + g] = m[0]; sL[warp * 16 + g] = l[0];
+            }
         } else {
 #pragma unroll
         for (int h = 0; h < NH; ++h) {
