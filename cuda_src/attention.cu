@@ -27,7 +27,13 @@
 // Queries: q[token, head, HD] for the step's tokens; cu_q[b]..cu_q[b+1] are sequence b's.
 // kv_lens[b] counts sequence b's positions including this step's, so the step's first token
 // sits at position kv_lens[b] - q_len and attends to every position up to its own.
-#include "common.cuh"
+//
+// Fused input (the decode _h8 builds, a step of one token a sequence): given the QKV product (`qkv` not
+// null), a block does attn_input's work for its own token instead of reading q: its warps RMSNorm and rotate
+// the group's query heads into the Q tile (bf16, times the smoothing factors: what attn_input writes), and the
+// block whose split holds the new position stores the new key and value into the cache before it requests
+// that tile. The step then skips the attn_input launch (tileinfer/kernels/attention.py fuses_input).
+#include "attn_input.cuh"
 
 #define HD 128
 #define KT 64
@@ -350,6 +356,17 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x, results below 2^-
     return r;
 }
 
+// The fused input's arguments (see the top of the file); qkv null: the queries come from q (attn_input ran).
+struct FusedInput {
+    const bf16 *qkv;
+    const int *positions, *slots;
+    const bf16 *q_norm_w, *k_norm_w;
+    const float *inv_freq, *smooth;  // smooth: the INT8 cache's key-smoothing factors, or null
+    void *k_pool, *v_pool;           // the cache attention reads, written at the new position
+    float *k_scale, *v_scale;
+    float eps;
+};
+
 // A compile-time flag for a generic lambda's argument (decltype(arg)::value).
 template <bool V> struct Flag { static constexpr bool value = V; };
 
@@ -370,7 +387,7 @@ __device__ __forceinline__ void attention_body(
         bf16 *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_ml,
         const int *__restrict__ cu_q, const int *__restrict__ kv_lens, const int *__restrict__ block_tables,
         int bt_stride, int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q,
-        float scale_log2) {
+        float scale_log2, const FusedInput &fin) {
     using S = Smem<Q8, KEYS, HALF>;
     static_assert(KEYS || !HALF, "HALF is a decode-shape build");
     constexpr int ROWS = S::ROWS, STAGES = S::STAGES;
@@ -443,9 +460,52 @@ __device__ __forceinline__ void attention_body(
                 cp_async_commit();
             }
         }
+        // Fused input: this warp's first head prepared before the wait (what no kernel writes). Tasks: the
+        // group's query heads (rows 0 .. G - 1), then, in the block whose split holds the new position, its key
+        // head (with the value head).
+        const bool fused = HALF && fin.qkv != nullptr;
+        const int kt_new = (kv_len - 1) / KT;
+        const int n_tasks = G + (kt_new >= kt_begin && kt_new < kt_end ? 1 : 0);
+        auto task_head = [&](int task) { return task < G ? kv_head * G + task : num_heads + kv_head; };
+        HeadInput hin;
+        bool hwork = false;
+        float f0 = 1.f, f1 = 1.f;
+        if (fused) {
+            if (Q8 && fin.smooth) { f0 = fin.smooth[2 * lane]; f1 = fin.smooth[2 * lane + 1]; }
+            if (warp < n_tasks)
+                hwork = prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq, q0,
+                                     task_head(warp), num_heads, num_kv_heads, hin);
+        }
         pdl_start();
-        load_q();
-        cp_async_commit();
+        if (fused) {
+            for (int task = warp; task < n_tasks; task += 4) {
+                if (task != warp)
+                    hwork = prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq, q0,
+                                         task_head(task), num_heads, num_kv_heads, hin);
+                if (!hwork) continue;  // the key head of a padding token
+                finish_head(fin.qkv, q0, num_heads, num_kv_heads, fin.eps, hin);
+                if (hin.is_q) {  // row `task`: channels 2l, 2l+1 in chunk l / 4, 64+2l, 64+2l+1 in chunk 8 + l / 4
+                    u32 lo, hi;
+                    query_pairs(hin, f0, f1, lo, hi);
+                    *reinterpret_cast<u32 *>(sQ + swz(task, lane >> 2) + 2 * (lane & 3)) = lo;
+                    *reinterpret_cast<u32 *>(sQ + swz(task, 8 + (lane >> 2)) + 2 * (lane & 3)) = hi;
+                } else if constexpr (Q8) {
+                    store_key_value_int8(hin, f0, f1, static_cast<signed char *>(fin.k_pool),
+                                         static_cast<signed char *>(fin.v_pool), fin.k_scale, fin.v_scale, num_heads,
+                                         num_kv_heads, page_size);
+                } else {
+                    store_key_value(hin, static_cast<bf16 *>(fin.k_pool), static_cast<bf16 *>(fin.v_pool), num_heads,
+                                    num_kv_heads, page_size);
+                }
+            }
+            for (int idx = threadIdx.x; idx < (ROWS - G) * (HD / 8); idx += THREADS)  // rows past the group: zero
+                st16(sQ + swz(G + idx / (HD / 8), idx % (HD / 8)), vec16{});
+            __threadfence_block();  // the new key and value before this block's copy of their tile
+            __syncthreads();
+        } else {
+            load_q();
+        }
+        cp_async_commit();  // (an empty group when fused: the waits below count it all the same)
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s >= early) {
@@ -892,17 +952,23 @@ __device__ __forceinline__ void attention_body(
 // ============================================================================= kernels
 // The entry points: {BF16, INT8 cache} x {rows mode, keys mode}, and the keys mode for blocks of at most
 // 8 rows (_h8: HALF, decode steps of a group <= 8). k_scale / v_scale are null for BF16.
+// The fused input's arguments (qkv .. eps) matter to the decode _h8 builds only; the others ignore them.
 #define ATTENTION_KERNEL(NAME, Q8, KEYS, HALF, BOUNDS)                                                       \
     extern "C" __global__ void BOUNDS NAME(                                                                 \
-            const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,   \
-            const float *__restrict__ k_scale, const float *__restrict__ v_scale, bf16 *__restrict__ out,    \
+            const bf16 *__restrict__ q, void *__restrict__ k_pool, void *__restrict__ v_pool,               \
+            float *__restrict__ k_scale, float *__restrict__ v_scale, bf16 *__restrict__ out,                \
             float *__restrict__ part_o, float *__restrict__ part_ml, const int *__restrict__ cu_q,           \
             const int *__restrict__ kv_lens, const int *__restrict__ block_tables, int bt_stride,            \
-            int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2) {  \
+            int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2,    \
+            const bf16 *__restrict__ qkv, const int *__restrict__ positions, const int *__restrict__ slots,  \
+            const bf16 *__restrict__ q_norm_w, const bf16 *__restrict__ k_norm_w,                           \
+            const float *__restrict__ inv_freq, const float *__restrict__ smooth, float eps) {              \
         if (!KEYS) pdl_start();  /* the decode shape waits inside, after its first loads */                \
+        const FusedInput fin{qkv, positions, slots, q_norm_w, k_norm_w, inv_freq, smooth,                   \
+                             k_pool, v_pool, k_scale, v_scale, eps};                                        \
         attention_body<Q8, KEYS, HALF>(q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,  \
                                  block_tables, bt_stride, num_heads, num_kv_heads, page_size, num_splits,   \
-                                 total_q, scale_log2);                                                      \
+                                 total_q, scale_log2, fin);                                                 \
     }
 
 // The INT8 _h8 build must fit 4 blocks an SM (<= 128 registers), as the engine's decode splits count on

@@ -161,6 +161,8 @@ def render_profile(name: str, rows: list[dict], what: str = "one decode step", t
 # (every product a GEMV), and larger batches (tensor-core products, separate RMSNorm launches).
 ABLATE_GROUPS = (
     ("attention: attn_input, attention, combine", ("attn_input", "attention")),
+    ("  of it: attn_input alone", ("attn_input",)),
+    ("  of it: attention_combine alone", ("attention_combine",)),
     ("QKV GEMV, RMSNorm fused", ("gemv_norm_m1_e0",)),
     ("gate/up GEMV, RMSNorm fused", ("gemv_norm_m1_e2",)),
     ("o_proj + down_proj GEMV", ("gemv_m1_e1", "gemv_pipe_m1_e1")),

@@ -19,10 +19,11 @@ import pytest
 
 from tileinfer.cuda import DeviceArray, PinnedBuffer
 from tileinfer.engine import sampler
-from tileinfer.kernels import argmax, attention, attn_input, embedding, fetch_step, linear, norm_linear, rmsnorm, sample
+from tileinfer.kernels import (FusedInput, argmax, attention, attn_input, attn_input_int8, embedding, fetch_step,
+                               fuses_input, linear, norm_linear, rmsnorm, sample)
 from tileinfer.kernels.linear import head_key_count
 from tileinfer.kv import BlockManager, Sequence
-from tileinfer.kv.int8 import attention_int8, dequantize, quantize
+from tileinfer.kv.int8 import attention_int8, dequantize, quantize, smoothing_factors
 from tileinfer.model import reference
 
 from gpu_helpers import POISON, Buffers, attn_input_tensors, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
@@ -688,6 +689,85 @@ def test_attention_int8_long_decode(buf, stream):
     check_attention(got_16, ref, batch.vmax, batch.label(16))
     check_attention(got_1, ref, batch.vmax, batch.label(1))
     check_splits_agree(got_1, got_16, batch.vmax, batch.label(16))
+
+
+# Fused input: a decode step (one token a sequence) on the _h8 builds does attn_input's work inside the
+# attention launch (attention.cu, "fused input"). Against attn_input then attention on the same inputs: the
+# same output and the same cache, bit for bit (both run attn_input.cuh's arithmetic), for BF16 and INT8
+# caches, smoothing on and off, groups of 2, 4 and 8, awkward lengths, pages and splits, a padding token.
+FUSED_CASES = [
+    pytest.param([(1, 1)], 16, 64, 1, id="kv1-G2"),
+    pytest.param([(1, 65)], 32, 64, 1, id="kv65-G4"),
+    pytest.param([(1, 4097)], 32, 16, 4, id="kv4097-page16-splits4"),
+    pytest.param([(1, 300), (1, 63), (1, 64), (1, 1000)], 32, 64, 16, id="batch-splits16-padding"),
+    pytest.param([(1, 130), (0, 0), (1, 7)], 64, 24, 3, id="G8-page24-splits3"),
+]
+
+
+@pytest.mark.parametrize("int8, smooth", [(False, False), (True, False), (True, True)], ids=["bf16", "int8", "int8-smooth"])
+@pytest.mark.parametrize("spec, H, page_size, num_splits", FUSED_CASES)
+def test_attention_fused_input(spec, H, page_size, num_splits, int8, smooth, buf, stream):
+    KV, eps = 8, 1e-6
+    rng = np.random.default_rng(seed_of("fused-input", spec, H, page_size, num_splits, int8, smooth))
+    batch = PagedBatch(rng, spec, H, KV, page_size, int8=int8)
+    assert fuses_input(max_q_len=batch.max_q_len, num_heads=H, num_kv_heads=KV)
+    T = batch.T
+    qkv, q_norm, k_norm = attn_input_tensors(rng, T, H, KV, HD)
+    # Token t is its sequence's new position kv_len - 1, stored at that position's slot.
+    kv_of_token = np.array([kv for q, kv in spec for _ in range(q)], np.int32)
+    seq_of_token = np.array([b for b, (q, _) in enumerate(spec) for _ in range(q)])
+    positions = kv_of_token - 1
+    slots = (batch.block_tables[seq_of_token, positions // page_size] * page_size + positions % page_size).astype(np.int32)
+    if T > 2:
+        slots[1] = -1  # a padding token: nothing stored, its queries still attend
+    inv_freq = reference.rope_inv_freq(HD, 1e6)
+    c = smoothing_factors(to_f32(k_norm)) if smooth else None
+    d_qkv, d_pos, d_slots, d_qn, d_kn, d_freq = (buf.upload(a) for a in (qkv, positions, slots, q_norm, k_norm, inv_freq))
+    d_c = buf.upload(c) if smooth else None
+    cu_q, kv_lens, tables = (buf.upload(a) for a in (batch.cu_q, batch.kv_lens, batch.block_tables))
+
+    def run(fused: bool):
+        pools = [buf.upload(a) for a in ((batch.k_pool, batch.v_pool, batch.k_scale, batch.v_scale) if int8
+                                          else (batch.k_pool, batch.v_pool))]
+        q = buf.poisoned((T, H, HD), BF16)
+        out = buf.poisoned((T, H, HD), BF16)
+        partials = None
+        if num_splits > 1:
+            partials = (buf.poisoned((num_splits, T, H, HD), F32), buf.poisoned((num_splits, T, H, 2), F32))
+        scales = tuple(pools[2:]) or None
+        fin = None
+        if fused:
+            fin = FusedInput(d_qkv, d_pos, d_slots, d_qn, d_kn, d_freq, d_c, eps)
+        elif int8:
+            attn_input_int8(d_qkv, d_pos, d_slots, d_qn, d_kn, d_freq, d_c, q, *pools, H, KV, eps, stream)
+        else:
+            attn_input(d_qkv, d_pos, d_slots, d_qn, d_kn, d_freq, q, *pools, H, KV, eps, stream)
+        attention(q, pools[0], pools[1], out, cu_q, kv_lens, tables, max_q_len=1, num_splits=num_splits,
+                  partials=partials, scales=scales, fused=fin, stream=stream)
+        return out.to_host(stream), [p.to_host(stream) for p in pools]
+
+    want_out, want_pools = run(False)
+    got_out, got_pools = run(True)
+    label = batch.label(num_splits) + (" int8" if int8 else " bf16") + (" smoothed" if smooth else "")
+    assert_exact(got_out.view(np.uint16), want_out.view(np.uint16), f"fused input output, {label}")
+    for name, got, want in zip(("k_pool", "v_pool", "k_scale", "v_scale"), got_pools, want_pools):
+        assert_exact(got.view(np.uint8), want.view(np.uint8), f"fused input {name}, {label}")
+
+
+def test_attention_fused_input_refuses_other_shapes(buf, stream):
+    # Two tokens a sequence, or a group over 8 (the 16-row build), cannot take the fused input.
+    assert not fuses_input(max_q_len=2, num_heads=32, num_kv_heads=8)
+    assert not fuses_input(max_q_len=1, num_heads=64, num_kv_heads=4)
+    assert not fuses_input(max_q_len=1, num_heads=32, num_kv_heads=8, decode_shape=False)
+    rng = np.random.default_rng(seed_of("fused-refuse"))
+    batch = PagedBatch(rng, [(2, 70)], 32, 8, 64)
+    arrays = [buf.upload(a) for a in (batch.q, batch.k_pool, batch.v_pool, batch.cu_q, batch.kv_lens, batch.block_tables)]
+    qkv, q_norm, k_norm = attn_input_tensors(rng, 2, 32, 8, HD)
+    fin = FusedInput(buf.upload(qkv), buf.upload(np.array([68, 69], np.int32)), buf.upload(np.array([0, 1], np.int32)),
+                     buf.upload(q_norm), buf.upload(k_norm), buf.upload(reference.rope_inv_freq(HD, 1e6)), None, 1e-6)
+    with pytest.raises(ValueError, match="one token a sequence"):
+        attention(arrays[0], arrays[1], arrays[2], buf.poisoned((2, 32, HD), BF16), *arrays[3:], max_q_len=2,
+                  fused=fin, stream=stream)
 
 
 # ============================================================================= argmax

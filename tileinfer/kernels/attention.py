@@ -3,6 +3,7 @@
 a BF16 cache on Hopper (`kernel_name`)."""
 import math
 import os
+from typing import NamedTuple
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
@@ -42,6 +43,31 @@ KEYS_MAX_ROWS = 64
 # it allows (int8_decode_blocks). TILEINFER_ATTN_H8=0 keeps the 16-row build (A/B runs).
 HALF_ROWS = 8
 ATTN_H8 = os.environ.get("TILEINFER_ATTN_H8", "1") != "0"
+
+
+# A decode step (one token a sequence) whose attention runs an _h8 build skips attn_input: the attention kernel
+# norms and rotates its group's queries itself, and the block that holds the new position stores its key and
+# value (attention.cu, "fused input"). TILEINFER_FUSED_INPUT=0 launches attn_input as before (A/B runs).
+FUSED_INPUT = os.environ.get("TILEINFER_FUSED_INPUT", "1") != "0"
+
+
+class FusedInput(NamedTuple):
+    """attn_input's inputs, for an attention launch that does its work (`fuses_input`)."""
+    qkv: DeviceArray          # [T, (H + 2 KV) * 128] bf16, the QKV product
+    positions: DeviceArray    # [T] int32
+    slots: DeviceArray        # [T] int32, < 0: a padding token (nothing stored)
+    q_norm: DeviceArray       # [128] bf16
+    k_norm: DeviceArray       # [128] bf16
+    inv_freq: DeviceArray     # [64] float32
+    smoothing: DeviceArray | None  # INT8 cache: [128] float32 key-smoothing factors, or None
+    eps: float
+
+
+def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_shape: bool = True) -> bool:
+    """Whether an attention launch of this shape does attn_input's work itself (pass `fused=`): a decode step of
+    one token a sequence on an _h8 build, unless TILEINFER_FUSED_INPUT=0."""
+    group = num_heads // num_kv_heads
+    return FUSED_INPUT and max_q_len == 1 and half_build(decode_shape and group <= KEYS_MAX_ROWS, group)
 
 
 def stages(int8: bool, keys_mode: bool, half: bool = False) -> int:
@@ -96,7 +122,8 @@ def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: 
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
               cu_q: DeviceArray, kv_lens: DeviceArray, block_tables: DeviceArray, *,
               max_q_len: int, num_splits: int = 1, partials: tuple[DeviceArray, DeviceArray] | None = None,
-              scales: tuple[DeviceArray, DeviceArray] | None = None, decode_shape: bool = True, stream) -> None:
+              scales: tuple[DeviceArray, DeviceArray] | None = None, decode_shape: bool = True,
+              fused: FusedInput | None = None, stream) -> None:
     """out [T, H, 128] = causal attention of q [T, H, 128] over each sequence's cached positions.
 
     cu_q [B+1] are the sequences' query offsets into q, kv_lens [B] their cached lengths after
@@ -109,6 +136,10 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
 
     An INT8 cache (int8 pools) needs `scales` = (k_scale, v_scale) float32 [pages, KV, page_size];
     its queries must already carry the key-smoothing factors if the keys were stored smoothed.
+
+    `fused` (only where `fuses_input` says so): attn_input's inputs; the launch then does its work (the
+    queries from `fused.qkv`, `q` unread; the new keys and values stored into the pools) and the caller skips
+    attn_input.
     """
     T, H, hd = q.shape
     if hd != HEAD_DIM:
@@ -145,6 +176,20 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         expect("part_o", part_o, (num_splits, T, H, hd), FLOAT32)
         expect("part_ml", part_ml, (num_splits, T, H, 2), FLOAT32)
     group = H // KV
+    if fused is not None:
+        if not fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, decode_shape=decode_shape):
+            raise ValueError(f"attention: fused input needs a decode step of one token a sequence on an _h8 build "
+                             f"(max_q_len {max_q_len}, group {group}; fuses_input)")
+        expect("qkv", fused.qkv, (T, (H + 2 * KV) * hd), BF16)
+        expect("positions", fused.positions, (T,), INT32)
+        expect("slots", fused.slots, (T,), INT32)
+        expect("q_norm", fused.q_norm, (hd,), BF16)
+        expect("k_norm", fused.k_norm, (hd,), BF16)
+        expect("inv_freq", fused.inv_freq, (hd // 2,), FLOAT32)
+        if fused.smoothing is not None:
+            if not int8:
+                raise ValueError("attention: smoothing factors were given for a BF16 cache")
+            expect("smoothing", fused.smoothing, (hd,), FLOAT32)
     keys_mode = decode_shape and max_q_len * group <= KEYS_MAX_ROWS
     name = kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits,
                        pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch,
@@ -157,6 +202,11 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         kernel("attention_wg.cu", name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
                                                stream, smem=WG_SMEM)
         return
+    if fused is None:
+        args += [None] * 7 + [F32(0.0)]
+    else:
+        args += [fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, fused.smoothing,
+                 F32(fused.eps)]
     grid = (cdiv(max_q_len * group, rows_per_block(keys_mode)), KV, B * num_splits)
     kernel("attention.cu", name).launch(grid, (128,), args, stream,
                                         smem=smem_bytes(int8, keys_mode, name.endswith("_h8")))

@@ -5,7 +5,7 @@ launches whose arguments are fixed addresses. That is what lets a decode step be
 once into a CUDA graph and replayed as the sequence grows.
 
     resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V,
-    quantized for an INT8 cache) ->
+    quantized for an INT8 cache; a decode step on attention's _h8 build does this inside the attention launch) ->
     paged attention -> O GEMM (+= residual) -> rmsnorm -> gate/up GEMM with SiLU*mul ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
 
@@ -108,6 +108,8 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     eps = c.rms_norm_eps
     ss_post, ss_input = (ws.ss_post.rows(0, n), ws.ss_input.rows(0, n)) if epi_norm else (None, None)
     layers = weights.layers
+    fuse_input = K.fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
+                               num_kv_heads=c.num_key_value_heads, decode_shape=not batch_invariant)
     if not embedded:
         K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
         K.embedding(tokens, weights.embed, resid, stream)
@@ -117,7 +119,11 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
         else:
             K.norm_linear(resid, lw.input_norm, eps, x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
         scales = cache.layer_scales(i)
-        if scales is None:
+        fused = None
+        if fuse_input:  # the attention launch does attn_input's work (kernels/attention.py fuses_input)
+            fused = K.FusedInput(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq,
+                                 None if scales is None else cache.layer_smoothing(i), c.rms_norm_eps)
+        elif scales is None:
             K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, cache.k_pool(i),
                          cache.v_pool(i), c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, stream)
         else:
@@ -126,7 +132,7 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
                               c.num_key_value_heads, c.rms_norm_eps, stream)
         K.attention(q, cache.k_pool(i), cache.v_pool(i), attn, cu_q, kv_lens, tables, max_q_len=shape.max_q_len,
                     num_splits=num_splits, partials=partials, scales=scales, decode_shape=not batch_invariant,
-                    stream=stream)
+                    fused=fused, stream=stream)
         if epi_norm:
             K.linear(attn_flat, lw.w_o, resid, "residual", stream, norm_out=(lw.post_norm, x, ss_post))
             K.linear(x, lw.w_gu, act, "silu_mul", stream, row_norm=(ss_post, eps))
