@@ -46,7 +46,7 @@ __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)
 // staging buffer per stage (int8 K and V codes and their scales). Decode is bound by how many bytes
 // are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (72 KB: its
 // decode shape reads the int8 tiles directly, no bf16 tiles; 3 blocks per SM, as its 158 registers allow).
-// The INT8 _h8 build (124 registers) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
+// The INT8 _h8 build (115 registers with nvcc 13.0 for sm_90a) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
 // KV heads is then one wave of 512 blocks, not 1.3 (H200, against 4 stages and 3 blocks an SM in one call:
 // qwen3-0.6b batch 64, INT8 cache, 32,111 -> 36,102 tok/s; qwen3-4b at 32,768 positions 279.4 -> 284.0).
 template <bool Q8, bool KEYS, bool HALF = false>
@@ -280,22 +280,6 @@ __device__ __forceinline__ void direct_pv(const unsigned char *v_codes, const u3
     }
 }
 
-// The _h8 builds' P V, transposed: O^T += V^T P^T, the 16 channels of a slice as the mma's M and the block's 8
-// rows as its N, so no accumulator row is padding (half the mmas and half the accumulators of direct_pv).
-// P^T's B fragment is the S accumulators' rows g as they are (b0: keys 2t, 2t+1; b1: keys 8 + 2t, 9 + 2t).
-// V^T's A fragment is w[d] as widen_values gives it: its rows g / g + 8 are the even / odd channels. So
-// ot[2j + d] holds channels 32j + 16d + 2g (c0, c1) and + 1 (c2, c3), of rows 2t and 2t + 1.
-__device__ __forceinline__ void direct_pv_t(const unsigned char *v_codes, const u32 (&p)[2], float (&ot)[8][4],
-                                            int wkey, int lane) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 w[2][4];
-        widen_values(v_codes, j, wkey, lane, w);
-#pragma unroll
-        for (int d = 0; d < 2; ++d) mma_f16_16816(ot[2 * j + d], w[d], p);
-    }
-}
-
 // The INT8 _h8 build ("ST"): Q K^T transposed too, S^T = K Q^T, the warp's 16 keys as the mma's M and the block's
 // 8 rows as its N, so no score is padding (half the mmas of direct_qk, half the query fragments). K's A fragment
 // is what direct_qk widens (a0 / a1: keys g / g + 8, channels 4t, 4t + 1 of the slice; a2 / a3: 4t + 2, 4t + 3),
@@ -326,9 +310,13 @@ __device__ __forceinline__ void load_values_t(const unsigned char *v_codes, int 
         ldmatrix_x4_trans(r[j], smem_addr(v_codes + key * HD + ((blk ^ (key & 7)) << 4)));
     }
 }
-// direct_pv_t on codes widened without the bias' subtraction: each value enters as 1152 + code, and psum
-// accumulates 1152 x the sum of P (the same mma with 1152 for every value), which the end subtracts from O^T
-// (psum c0 / c1: rows 2t / 2t + 1, as O^T's). Two permutes and a xor per four values instead of also two
+// The INT8 _h8 build's P V, transposed: O^T += V^T P^T, the 16 channels of a slice as the mma's M and the block's
+// 8 rows as its N, so no accumulator row is padding (half the mmas and half the accumulators of direct_pv).
+// P^T's B fragment: b0 keys 2t, 2t+1, b1 keys 8 + 2t, 9 + 2t, of row g. V^T's A fragment is what widen_values
+// gives (r: load_values_t): its rows g / g + 8 are the even / odd channels. So ot[2j + d] holds channels
+// 32j + 16d + 2g (c0, c1) and + 1 (c2, c3), of rows 2t and 2t + 1. The codes are widened without the bias'
+// subtraction: each value enters as 1152 + code, and psum accumulates 1152 x the sum of P (the same mma with
+// 1152 for every value), which the end subtracts from O^T (psum c0 / c1: rows 2t / 2t + 1, as O^T's). Two permutes and a xor per four values instead of also two
 // packed subtractions; the products are exact in fp32 (11-bit P x 11-bit integer) and O's sum in fp32 loses
 // to the bias at most log2(1279 / 127) ~ 3.3 of its 24 bits, against INT8's 8.
 __device__ __forceinline__ void direct_pv_t_biased(const u32 (&r)[4][4], const u32 (&p)[2], float (&ot)[8][4],
@@ -378,8 +366,8 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // HALF (decode shape only): the block has at most 8 rows (a decode step: one token x a group of G <= 8), so
 // the score accumulator rows 8-15 each thread holds (h = 1 below; the mma computes them anyway) are padding:
 // their scaling, softmax and P packing are skipped, about half the per-key FP32 work. And O is kept
-// transposed, O^T = V^T P^T with the 8 rows as the mma's N (direct_pv_t): half the P V mmas and accumulators
-// (INT8: 159 -> 124 registers, which lets 4 blocks share an SM).
+// transposed, O^T = V^T P^T with the 8 rows as the mma's N (direct_pv_t_biased): half the P V mmas and accumulators
+// (INT8: 159 -> 124 registers, which let 4 blocks share an SM; 115 since Q K^T is transposed too, direct_qk_t).
 template <bool Q8, bool KEYS, bool HALF = false>
 __device__ __forceinline__ void attention_body(
         const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,
@@ -537,7 +525,7 @@ __device__ __forceinline__ void attention_body(
     float m[2] = {-TI_INF, -TI_INF}, l[2] = {0.f, 0.f};
     int vexp = 1;  // DIRECT: the largest biased exponent of a value scale this warp has seen (see direct_pv)
     // O: 16 rows x 128 channels in 16 accumulators of 8 channels; HALF: O^T, 128 channels x 8 rows in 8
-    // accumulators of 16 channels (see direct_pv_t; BF16 alike: ot[dp] holds channels 16 dp + g and + 8).
+    // accumulators of 16 channels (see direct_pv_t_biased; BF16: ot[dp] holds channels 16 dp + g and + 8).
     constexpr int NO = HALF ? 8 : 16;
     float o[NO][4];
 #pragma unroll
@@ -720,8 +708,9 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
                     for (int e1 = 0; e1 < 2; ++e1) vm = fmaxf(vm, vsc[wkey + nb * 8 + 2 * t + e1]);
             }
-            // HALF: m is the row's reference maximum, not always its running maximum. A tile whose every score is
-            // at most m + REF_SLACK (and, DIRECT, no value scale above P's unit) keeps m, pv_unit and O as they
+            // HALF (here the BF16 _h8 build; the INT8 one, above, does the same with its value scales' unit in the
+            // vote): m is the row's reference maximum, not always its running maximum. A tile whose every score is
+            // at most m + REF_SLACK (INT8: and no value scale above P's unit) keeps m, pv_unit and O as they
             // are, decided by one vote instead of the lanes' shuffles, and with no rescale: P = 2^(s - m) then stays
             // below 2^REF_SLACK (fp16 holds it, as it does P's smaller values, to 11 bits). The merges downstream
             // take any common reference. Otherwise m moves to the running maximum, as in the other builds.
@@ -729,7 +718,6 @@ __device__ __forceinline__ void attention_body(
             bool keep = false;
             if constexpr (HALF) {
                 bool ok = mx[0] <= m[0] + REF_SLACK;  // m = -inf: only a tile with no visible key yet
-                if constexpr (S::DIRECT) ok = ok && (int)(__float_as_uint(vm) >> 23) <= vexp;
                 keep = __all_sync(0xffffffffu, ok);
             }
             float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f}, o_alpha[2] = {1.f, 1.f};
@@ -754,7 +742,7 @@ __device__ __forceinline__ void attention_body(
                         const int up = eb - vexp;
                         const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
                         o_alpha[0] *= shrink;
-                        o_alpha[1] *= HALF ? 1.f : shrink;
+                        o_alpha[1] *= shrink;
                         vexp = eb;
                     }
                 }
@@ -800,20 +788,15 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
             for (int kk = 0; kk < NB / 2; ++kk) {
                 if constexpr (HALF) {
-                    const u32 pt[2] = {S::DIRECT ? pack_f16x2(s[2 * kk][0], s[2 * kk][1]) : pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                                       S::DIRECT ? pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])
-                                                 : pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])};
-                    if constexpr (S::DIRECT) {
-                        direct_pv_t(st + KT * HD, pt, o, wkey, lane);
-                    } else {
+                    const u32 pt[2] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                                       pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1])};
 #pragma unroll
-                        for (int dp = 0; dp < 8; ++dp) {
-                            u32 vb[4];  // as below; as A: channels 16 dp + g and + 8 x keys 2t.. and 8 + 2t..
-                            ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                     dp * 2 + (lane >> 4))));
-                            const u32 a[4] = {vb[0], vb[2], vb[1], vb[3]};
-                            mma_bf16_16816(o[dp], a, pt);
-                        }
+                    for (int dp = 0; dp < 8; ++dp) {
+                        u32 vb[4];  // as below; as A: channels 16 dp + g and + 8 x keys 2t.. and 8 + 2t..
+                        ldmatrix_x4_trans(vb, smem_addr(tV + swz(wkey + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                 dp * 2 + (lane >> 4))));
+                        const u32 a[4] = {vb[0], vb[2], vb[1], vb[3]};
+                        mma_bf16_16816(o[dp], a, pt);
                     }
                 } else if constexpr (S::DIRECT) {
                     const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]), pack_f16x2(s[2 * kk][2], s[2 * kk][3]),

@@ -83,7 +83,7 @@ def half_build(keys_mode: bool, rows: int) -> bool:
 
 def int8_decode_blocks(rows: int) -> int:
     """Blocks an SM of the INT8 decode kernel for blocks of `rows` query rows (attention.cu's Smem and
-    registers): the _h8 build (124 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
+    registers): the _h8 build (115 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
     return 4 if half_build(True, rows) else 3
 
 
