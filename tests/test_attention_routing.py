@@ -107,3 +107,22 @@ def test_decode_splits_fill_one_wave_of_the_kernels_blocks(monkeypatch, int8, h8
     monkeypatch.setattr(attention_module, "ATTN_H8", h8)
     assert Model._splits_for(_FakeModel(int8), batch, 1 << 30) == want
     assert Model._splits_for(_FakeModel(int8), batch, 5) == min(want, 5)  # at most one split a key tile
+
+
+@pytest.mark.parametrize("max_q_len, H, KV, splits, switch, want", [
+    (1, 32, 8, 48, "", True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
+    (1, 32, 8, 16, "", True),
+    (1, 32, 8, 11, "", False),     # 512 positions: attn_input launched (slower fused, FUSED_MIN_SPLITS)
+    (1, 32, 8, 11, "1", True),
+    (1, 32, 8, 48, "0", False),
+    (2, 32, 8, 48, "", False),     # two tokens a sequence: the queries of several positions
+    (1, 64, 4, 48, "1", False),    # a group of 16: the 16-row build, which has no fused input
+    (1, 16, 8, 48, "", True),      # qwen3-0.6b's group of 2
+])
+def test_engine_fuses_the_attention_input_of_long_decode_steps(monkeypatch, max_q_len, H, KV, splits, switch, want):
+    monkeypatch.setattr(attention_module, "FUSED_INPUT", switch)
+    monkeypatch.setattr(attention_module, "ATTN_H8", True)
+    got = attention_module.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
+    assert got == want
+    assert not attention_module.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
+                                                   decode_shape=False)

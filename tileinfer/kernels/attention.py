@@ -45,10 +45,16 @@ HALF_ROWS = 8
 ATTN_H8 = os.environ.get("TILEINFER_ATTN_H8", "1") != "0"
 
 
-# A decode step (one token a sequence) whose attention runs an _h8 build skips attn_input: the attention kernel
+# A decode step (one token a sequence) whose attention runs an _h8 build can skip attn_input: the attention kernel
 # norms and rotates its group's queries itself, and the block that holds the new position stores its key and
-# value (attention.cu, "fused input"). TILEINFER_FUSED_INPUT=0 launches attn_input as before (A/B runs).
-FUSED_INPUT = os.environ.get("TILEINFER_FUSED_INPUT", "1") != "0"
+# value (attention.cu, "fused input"). The engine does so from FUSED_MIN_SPLITS key splits on (a long cache).
+# Measured (H200, GPU ms a batch-1 decode step, attn_input launched -> fused; qwen3-4b unless named): 32,768
+# positions, 48 splits: INT8 3.392 / 3.393 -> 3.272 / 3.274, BF16 3.803 / 3.805 -> 3.767 / 3.766; 1,024
+# positions, 19 splits: BF16 2.723 -> 2.572, INT8 2.717 -> 2.621; 512 positions, 11 splits: BF16 2.516 / 2.516 ->
+# 2.556 / 2.555, qwen3-0.6b 0.643 / 0.642 -> 0.654 / 0.655. (Where between 11 and 19 the gain starts is not
+# measured.) TILEINFER_FUSED_INPUT=0 never fuses, =1 always where the shape allows (A/B runs).
+FUSED_INPUT = os.environ.get("TILEINFER_FUSED_INPUT", "")
+FUSED_MIN_SPLITS = 16
 
 
 class FusedInput(NamedTuple):
@@ -64,10 +70,19 @@ class FusedInput(NamedTuple):
 
 
 def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_shape: bool = True) -> bool:
-    """Whether an attention launch of this shape does attn_input's work itself (pass `fused=`): a decode step of
-    one token a sequence on an _h8 build, unless TILEINFER_FUSED_INPUT=0."""
+    """Whether an attention launch of this shape can do attn_input's work itself (pass `fused=`): a decode step
+    of one token a sequence on an _h8 build."""
     group = num_heads // num_kv_heads
-    return FUSED_INPUT and max_q_len == 1 and half_build(decode_shape and group <= KEYS_MAX_ROWS, group)
+    return max_q_len == 1 and half_build(decode_shape and group <= KEYS_MAX_ROWS, group)
+
+
+def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int,
+                       decode_shape: bool = True) -> bool:
+    """Whether the engine's forward pass fuses the input of an attention launch: where the shape allows it, from
+    FUSED_MIN_SPLITS splits on (TILEINFER_FUSED_INPUT=0: never, =1: at any split count)."""
+    if FUSED_INPUT == "0" or (FUSED_INPUT != "1" and num_splits < FUSED_MIN_SPLITS):
+        return False
+    return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
 
 
 def stages(int8: bool, keys_mode: bool, half: bool = False) -> int:

@@ -5,7 +5,7 @@ launches whose arguments are fixed addresses. That is what lets a decode step be
 once into a CUDA graph and replayed as the sequence grows.
 
     resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V,
-    quantized for an INT8 cache; a decode step on attention's _h8 build does this inside the attention launch) ->
+    quantized for an INT8 cache; a decode step over a long cache does this inside the attention launch) ->
     paged attention -> O GEMM (+= residual) -> rmsnorm -> gate/up GEMM with SiLU*mul ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
 
@@ -108,8 +108,9 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
     eps = c.rms_norm_eps
     ss_post, ss_input = (ws.ss_post.rows(0, n), ws.ss_input.rows(0, n)) if epi_norm else (None, None)
     layers = weights.layers
-    fuse_input = K.fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
-                               num_kv_heads=c.num_key_value_heads, decode_shape=not batch_invariant)
+    fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
+                                      num_kv_heads=c.num_key_value_heads, num_splits=num_splits,
+                                      decode_shape=not batch_invariant)
     if not embedded:
         K.resolve_tokens(tokens, d["token_src"].rows(0, n), steps.sampled, stream)
         K.embedding(tokens, weights.embed, resid, stream)
