@@ -121,7 +121,7 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, steps: S
             K.norm_linear(resid, lw.input_norm, eps, x, lw.w_qkv, qkv, "bf16", stream, force=linear_path)
         scales = cache.layer_scales(i)
         fused = None
-        if fuse_input:  # the attention launch does attn_input's work (kernels/attention.py fuses_input)
+        if fuse_input:  # the attention launch does attn_input's work (kernels/attention.py engine_fuses_input)
             fused = K.FusedInput(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq,
                                  None if scales is None else cache.layer_smoothing(i), c.rms_norm_eps)
         elif scales is None:
