@@ -35,7 +35,7 @@
 // that tile. The step then skips the attn_input launch (tileinfer/kernels/attention.py fuses_input).
 #include "attn_input.cuh"
 
-#define HD 128
+// HD (head_dim, 128): attn_input.cuh
 #define KT 64
 #define THREADS 128
 
@@ -316,9 +316,10 @@ __device__ __forceinline__ void load_values_t(const unsigned char *v_codes, int 
 // gives (r: load_values_t): its rows g / g + 8 are the even / odd channels. So ot[2j + d] holds channels
 // 32j + 16d + 2g (c0, c1) and + 1 (c2, c3), of rows 2t and 2t + 1. The codes are widened without the bias'
 // subtraction: each value enters as 1152 + code, and psum accumulates 1152 x the sum of P (the same mma with
-// 1152 for every value), which the end subtracts from O^T (psum c0 / c1: rows 2t / 2t + 1, as O^T's). Two permutes and a xor per four values instead of also two
-// packed subtractions; the products are exact in fp32 (11-bit P x 11-bit integer) and O's sum in fp32 loses
-// to the bias at most log2(1279 / 127) ~ 3.3 of its 24 bits, against INT8's 8.
+// 1152 for every value), which the end subtracts from O^T (psum c0 / c1: rows 2t / 2t + 1, as O^T's). Two
+// permutes and a xor per four values instead of also two packed subtractions; the products are exact in fp32
+// (11-bit P x 11-bit integer) and O's sum in fp32 loses to the bias at most log2(1279 / 127) ~ 3.3 of its 24
+// bits, against INT8's 8.
 __device__ __forceinline__ void direct_pv_t_biased(const u32 (&r)[4][4], const u32 (&p)[2], float (&ot)[8][4],
                                                    float (&psum)[4]) {
 #pragma unroll
@@ -332,6 +333,17 @@ __device__ __forceinline__ void direct_pv_t_biased(const u32 (&r)[4][4], const u
         }
     const u32 bias[4] = {0x64806480u, 0x64806480u, 0x64806480u, 0x64806480u};  // 1152 in every element
     mma_f16_16816(psum, bias, p);
+}
+// INT8 decode: raise P's unit to cover vm, the largest value scale of the warp's keys in this tile (the same in
+// every lane). vexp is the largest biased exponent seen so far (P goes to fp16 in units of 2^(vexp - 126)).
+// False when vm fits the unit already; otherwise true, with `shrink` the factor O takes, 2^-(the rise).
+__device__ __forceinline__ bool raise_value_unit(float vm, int &vexp, float &shrink) {
+    const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
+    if (eb <= vexp) return false;
+    const int up = eb - vexp;
+    shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
+    vexp = eb;
+    return true;
 }
 __device__ __forceinline__ u32 movmatrix_trans(u32 x) {  // the transpose's fragment of an 8 x 8 b16 matrix
     u32 r;
@@ -531,6 +543,7 @@ __device__ __forceinline__ void attention_body(
 #pragma unroll
     for (int i = 0; i < NO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float psum[4] = {0.f, 0.f, 0.f, 0.f};  // ST: O^T's bias (direct_pv_t_biased)
+    constexpr float REF_SLACK = 8.f;       // HALF: how far above the reference maximum a tile may go (below)
     u32 qf[8][4];
 
     for (int kt = kt_begin; kt < kt_end; ++kt) {
@@ -607,7 +620,6 @@ __device__ __forceinline__ void attention_body(
             float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
             float vm = fmaxf(vs0, vs1);
             // The reference maximum, as in the other _h8 build (below): one vote keeps m, P's unit and O.
-            constexpr float REF_SLACK = 8.f;
             const bool keep = __all_sync(0xffffffffu, mx[0] <= m[0] + REF_SLACK && mx[1] <= m[1] + REF_SLACK &&
                                                           (int)(__float_as_uint(vm) >> 23) <= vexp);
             float alpha[2] = {1.f, 1.f}, m_use[2], shrink = 1.f;
@@ -626,12 +638,7 @@ __device__ __forceinline__ void attention_body(
                 }
 #pragma unroll
                 for (int off = 4; off < 32; off <<= 1) vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, off));
-                const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
-                if (eb > vexp) {
-                    const int up = eb - vexp;
-                    shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
-                    vexp = eb;
-                }
+                raise_value_unit(vm, vexp, shrink);
             }
             const float pv_unit = __uint_as_float((u32)(253 - vexp) << 23);  // 2^(126 - vexp)
             float rowsum[2] = {0.f, 0.f};
@@ -714,7 +721,6 @@ __device__ __forceinline__ void attention_body(
             // are, decided by one vote instead of the lanes' shuffles, and with no rescale: P = 2^(s - m) then stays
             // below 2^REF_SLACK (fp16 holds it, as it does P's smaller values, to 11 bits). The merges downstream
             // take any common reference. Otherwise m moves to the running maximum, as in the other builds.
-            constexpr float REF_SLACK = 8.f;
             bool keep = false;
             if constexpr (HALF) {
                 bool ok = mx[0] <= m[0] + REF_SLACK;  // m = -inf: only a tile with no visible key yet
@@ -737,13 +743,10 @@ __device__ __forceinline__ void attention_body(
                 if constexpr (S::DIRECT) {
                     vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 1));
                     vm = fmaxf(vm, __shfl_xor_sync(0xffffffffu, vm, 2));  // the same in every lane
-                    const int eb = min(max((int)(__float_as_uint(vm) >> 23), 1), 252);  // vm < 2^(eb - 126)
-                    if (eb > vexp) {
-                        const int up = eb - vexp;
-                        const float shrink = up <= 126 ? __uint_as_float((u32)(127 - up) << 23) : 0.f;  // 2^-up
+                    float shrink;
+                    if (raise_value_unit(vm, vexp, shrink)) {
                         o_alpha[0] *= shrink;
                         o_alpha[1] *= shrink;
-                        vexp = eb;
                     }
                 }
             }

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
+from .attn_input import check_inputs
 
 HEAD_DIM = 128
 KEY_TILE = 64
@@ -195,12 +196,7 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         if not fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, decode_shape=decode_shape):
             raise ValueError(f"attention: fused input needs a decode step of one token a sequence on an _h8 build "
                              f"(max_q_len {max_q_len}, group {group}; fuses_input)")
-        expect("qkv", fused.qkv, (T, (H + 2 * KV) * hd), BF16)
-        expect("positions", fused.positions, (T,), INT32)
-        expect("slots", fused.slots, (T,), INT32)
-        expect("q_norm", fused.q_norm, (hd,), BF16)
-        expect("k_norm", fused.k_norm, (hd,), BF16)
-        expect("inv_freq", fused.inv_freq, (hd // 2,), FLOAT32)
+        check_inputs(fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, q, H, KV)
         if fused.smoothing is not None:
             if not int8:
                 raise ValueError("attention: smoothing factors were given for a BF16 cache")

@@ -5,8 +5,8 @@ from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 HEAD_DIM = 128
 
 
-def _check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads) -> int:
-    """The checks both variants share; returns the number of tokens."""
+def check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads) -> int:
+    """The checks both variants (and attention's fused input) share; returns the number of tokens."""
     n = qkv.shape[0]
     hd = HEAD_DIM
     expect("qkv", qkv, (n, (num_heads + 2 * num_kv_heads) * hd), BF16)
@@ -23,7 +23,7 @@ def attn_input(qkv: DeviceArray, positions: DeviceArray, slots: DeviceArray, q_n
                k_norm: DeviceArray, inv_freq: DeviceArray, q_out: DeviceArray, k_pool: DeviceArray,
                v_pool: DeviceArray, num_heads: int, num_kv_heads: int, eps: float, stream) -> None:
     """qkv [n, (H + 2 KV) * 128] -> q_out [n, H, 128]; keys/values into pools [pages, KV, page_size, 128]."""
-    n = _check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads)
+    n = check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads)
     hd = HEAD_DIM
     pages, kv, page_size, _ = k_pool.shape
     expect("k_pool", k_pool, (pages, num_kv_heads, page_size, hd), BF16)
@@ -41,7 +41,7 @@ def attn_input_int8(qkv: DeviceArray, positions: DeviceArray, slots: DeviceArray
     """As attn_input, into an INT8 cache: pools int8 [pages, KV, page_size, 128] and scales float32
     [pages, KV, page_size] (tileinfer/kv/int8.py). smoothing: float32 [128] factors c (keys stored
     as k / c, queries written as q * c), or None for no smoothing."""
-    n = _check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads)
+    n = check_inputs(qkv, positions, slots, q_norm, k_norm, inv_freq, q_out, num_heads, num_kv_heads)
     hd = HEAD_DIM
     if smoothing is not None:
         expect("smoothing", smoothing, (hd,), FLOAT32)
