@@ -31,8 +31,8 @@ from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import cached_checkpoint
 
-ROOFLINE_BYTES_PER_S = 4.3e12   # measured read bandwidth of the H200 (../shared/GPU.md)
-MATMUL_FLOPS = 790e12            # measured bf16 matrix-product rate of the H200
+ROOFLINE_BYTES_PER_S = 4.3e12   # the H200's measured read bandwidth (docs/benchmarks.md, Rooflines)
+MATMUL_FLOPS = 790e12            # the H200's measured bf16 matrix-product rate
 
 
 def weight_bytes(cfg) -> int:
@@ -280,7 +280,7 @@ def bench_prefill(model, n: int, repeats: int) -> dict:
 
 
 def peer_command(peer: Path, name: str, context: int, new: int, batch: int = 1) -> list[str]:
-    """The command that runs the peer on one case (peer_gptfast.py MODEL BATCH CONTEXT NEW)."""
+    """The command that runs the peer on one case (bench/peer_gptfast.py MODEL BATCH CONTEXT NEW)."""
     return [sys.executable, str(peer), name, str(batch), str(context), str(new)]
 
 
@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="decode tokens timed per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill", default="512,4096", help="prompt lengths for the prefill benchmark ('' = none)")
-    ap.add_argument("--peer", type=Path, help="path to peer_gptfast.py (runs the same decode case)")
+    ap.add_argument("--peer", type=Path, help="path to the peer, bench/peer_gptfast.py (runs the same decode case)")
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--profile", action="store_true", help="also print the per-kernel time of one decode step")

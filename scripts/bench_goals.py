@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Issue 8's goals table from one run: every case measured in one process, the peer beside it.
+"""The performance goals' table from one run: every case measured in one process, the peer beside it.
 
-    python3 scripts/bench_goals.py --peer path/to/peer_gptfast.py [--profile] [--peer-prewarm] [--out DIR]
+    python3 scripts/bench_goals.py --peer bench/peer_gptfast.py [--profile] [--peer-prewarm] [--out DIR]
 
 Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scripts/bench.py, whose
 functions this calls):
@@ -81,7 +81,7 @@ def goals_table(values: dict) -> str:
 
 # Tokens one decode step of a case makes (the goals are tokens/s): its step time is tokens / rate.
 STEP_TOKENS = {"0.6b_b1": 1, "4b_b1": 1, "8b_b1": 1, "4b_32k_bf16": 1, "4b_32k_int8": 1, "0.6b_b64": 64}
-ROOFLINE_TB_S = 4.3  # the measured read bandwidth (../shared/GPU.md), as bench.py's roofline
+ROOFLINE_TB_S = 4.3  # the measured read bandwidth, as bench.py's roofline
 
 
 def gaps_md(values: dict) -> str:
@@ -181,8 +181,8 @@ def peer_commands(peer: Path) -> list[list[str]]:
 
 def prewarm_peer(peer: Path, timeout: int) -> float:
     """Run every one of the peer's cases at once, results discarded, so that its torch.compile caches
-    (on disk) are warm when measure() runs each case alone: on a fresh machine the compiles alone took
-    336 s one after another (session 8). Returns the seconds taken."""
+    (on disk) are warm when measure() runs each case alone: on a fresh machine its compiles, one after
+    another, take minutes. Returns the seconds taken."""
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OUT": os.environ.get("TMPDIR", "/tmp")}  # its JSON files aside
     procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -276,13 +276,12 @@ def measure(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peer", type=Path, help="path to peer_gptfast.py (run beside each decode case)")
+    ap.add_argument("--peer", type=Path, help="path to the peer, bench/peer_gptfast.py (run beside each decode case)")
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--profile", action="store_true",
                     help="also profile the single-sequence cases' steps per kernel (the cause of each gap)")
     ap.add_argument("--peer-prewarm", action="store_true",
-                    help="first run all of the peer's cases at once, untimed, to fill its compile caches (not yet "
-                         "measured whether the timed runs' warm-up then shrinks)")
+                    help="first run all of the peer's cases at once, untimed, to fill its compile caches")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args()
     if args.peer and args.peer_prewarm:
