@@ -7,7 +7,7 @@
 For each model's attention shape (query heads, KV heads), context, batch and number of key-range
 splits: microseconds per launch (attention + combine), the cache bytes one launch must read (keys
 and values of every cached position, plus the INT8 scales) and GB/s, against the 4.3 TB/s read
-ceiling (../shared/GPU.md). One launch is one layer's attention of a decode step.
+ceiling (docs/benchmarks.md, Rooflines). One launch is one layer's attention of a decode step.
 
 Timing: `calls` launches in one CUDA graph (a Python launch costs ~9 us, more than a short kernel),
 cycling through enough layers' pools to exceed the L2 cache, so every launch reads from HBM as a

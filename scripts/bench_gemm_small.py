@@ -10,7 +10,7 @@ bytes a decode step must read) for the default path (linear.default_path). --swa
 GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
 rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8.
 
-Timing: a Python launch costs ~9 us (GPU.md), more than many of these kernels, so `calls` launches are
+Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
 cycle through enough copies of W to exceed the L2 cache three times over, so every call reads its
 weights from HBM as in a decode step; x and out stay the same (they are hot in a real step too).
@@ -33,7 +33,7 @@ from tileinfer.kernels import linear
 from tileinfer.kernels.linear import GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, default_path, swap_config
 from tileinfer.model.config import preset
 
-ROOFLINE_BYTES_PER_S = 4.3e12  # measured read bandwidth of the H200 (../shared/GPU.md)
+ROOFLINE_BYTES_PER_S = 4.3e12  # the H200's measured read bandwidth (docs/benchmarks.md, Rooflines)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 

@@ -7,8 +7,6 @@ in `launch`, against the GPU time of the batch-1 graph replayed back to back (be
 A gap near zero means the host keeps the GPU fed (decode is pipelined: step t + 1 is launched before step
 t's token is read back), so a wall time per token above the replay's GPU time is the steps themselves.
 --max-splits overrides the engine's cap on decode attention's key splits (engine/model.py MAX_SPLITS).
-Its first version ran in session 20 (call 8, as .carry/hostgap.py): qwen3-4b at 32k INT8, 3.281 ms a step,
-gaps of 1.3 us; this form (argparse, the same measurement) has not run on a GPU yet.
 """
 from __future__ import annotations
 
