@@ -41,7 +41,7 @@ __device__ __forceinline__ u32 resolved(u32 token, u32 src, int j, int ntok, con
 
 // A decode step's inputs, fetched by the step itself: dst (the step buffers on the device) <- src (their
 // page-locked host mirror, mapped into the device's address space), n16 16-byte pieces, one a thread, all
-// requested at once. The first kernel of a decode step (engine/model.py), in place of a host-to-device
+// requested at once. The first kernel of a decode step (runner/gpu.py), in place of a host-to-device
 // copy before the step: a copy is one more operation in the stream, and at batch 1 it costs far more than
 // the bytes it moves. It also does resolve_tokens' work: the ntok token ids from piece tok0 on are replaced by
 // sampled[token_src[i]] where token_src[i] >= 0, token_src being the field src_delta pieces after them.

@@ -155,7 +155,7 @@ __device__ u32 bisect_threshold(const float *z, int vocab, float inv_t, float zm
 // the output (0: prompt only). Repetition scales every such logit (divides a positive one, multiplies the
 // rest); presence and frequency subtract for output tokens only. Ids outside [0, vocab) are skipped; a
 // row without entries is left alone. Each operation is rounded on its own (no fma), exactly as the numpy
-// mirror (engine/sampler.py) computes it. The block's threads share the entries.
+// mirror (runner/sampler.py) computes it. The block's threads share the entries.
 __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const int *__restrict__ offsets,
                                              const int *__restrict__ tokens, const int *__restrict__ counts,
                                              const float *__restrict__ repetition, const float *__restrict__ presence,

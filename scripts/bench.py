@@ -25,7 +25,7 @@ import numpy as np
 
 import tileinfer
 from tileinfer.cuda import Event, Graph, Kernel, get_device
-from tileinfer.engine.step import prepare_step
+from tileinfer.runner.step import prepare_step
 from tileinfer.graphs import bucket_for
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
@@ -353,7 +353,7 @@ def engine(args, name: str, path: Path) -> dict:
         with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False,
                            kv_quantize="int8" if kv == "int8" else None) as llm:
             out["capture_s"] = llm.capture_seconds
-            out["num_graphs"] = len(llm.model.graphs.graphs)
+            out["num_graphs"] = len(llm.runner.graphs.graphs)
             out["startup"] = dataclasses.asdict(llm.startup)
             print(f"{name}: {llm.startup.format()}", flush=True)
             out["memory"] = llm.memory_report.as_dict() if llm.memory_report else None
@@ -366,10 +366,10 @@ def engine(args, name: str, path: Path) -> dict:
                 print(f"{name}: batch {b} decode{' (INT8 cache)' if kv == 'int8' else ''} {r['decode_tok_s']:.0f} tok/s "
                       f"in total ({r['ms_per_step']:.2f} ms/step, "
                       f"{r['gpu_wait_ms_per_step']:.2f} ms of it waiting for the GPU)", flush=True)
-                if args.profile and b in llm.model.buckets:
+                if args.profile and b in llm.runner.buckets:
                     r["profile"] = live_step(llm, b, args.context, profile_step)
                     print(render_profile(f"{name} batch {b}", r["profile"]), flush=True)
-                if args.ablate and b in llm.model.buckets:
+                if args.ablate and b in llm.runner.buckets:
                     r["ablation"] = live_step(llm, b, args.context, ablate_step)
                     print(render_ablation(f"{name} batch {b}", r["ablation"]), flush=True)
                 out["batch_decode"].append(r)
@@ -389,7 +389,7 @@ def engine(args, name: str, path: Path) -> dict:
             if args.ablate and r["decode_steps"]:
                 # A decode step like the run's average: its mean rows (rounded up to a graph's batch) at
                 # its mean positions, each kernel group's cost inside the graph.
-                rows = bucket_for(round(r["decode_rows"] / r["decode_steps"]), llm.model.buckets)
+                rows = bucket_for(round(r["decode_rows"] / r["decode_steps"]), llm.runner.buckets)
                 context = round(r["decode_positions"] / r["decode_rows"])
                 try:
                     r["typical_step"] = dict(batch=rows, context=context,

@@ -32,14 +32,14 @@ def batch_decode(llm: LLM, batch: int, context: int, new: int) -> dict:
     full_steps, t_first, t_last, wait0 = 0, None, None, None
     while llm.has_unfinished_requests():
         llm.step()
-        launched = llm._inflight.rows if llm._inflight is not None else []
+        launched = llm.engine._inflight.rows if llm.engine._inflight is not None else []
         now = time.perf_counter()
         if len(launched) == batch and all(r.count == 1 for r in launched):
             if t_first is None:
-                t_first, wait0 = now, llm.model.wait_seconds
+                t_first, wait0 = now, llm.runner.wait_seconds
             else:
                 full_steps += 1
-                t_last, wait1 = now, llm.model.wait_seconds
+                t_last, wait1 = now, llm.runner.wait_seconds
     outs = llm.finished_outputs()
     assert sorted(o.request_id for o in outs) == sorted(ids) and all(len(o.token_ids) == new for o in outs)
     dt = t_last - t_first
@@ -61,11 +61,11 @@ def live_step(llm: LLM, batch: int, context: int, inspect):
     try:
         for out in stream:
             counts[out.index] += len(out.token_ids)
-            step = llm._inflight
+            step = llm.engine._inflight
             if min(counts) >= 2 and step is not None and len(step.rows) == batch and \
                     all(r.count == 1 for r in step.rows):
-                llm.model.stream.synchronize()
-                return inspect(llm.model, batch)
+                llm.runner.stream.synchronize()
+                return inspect(llm.runner, batch)
         raise RuntimeError(f"the {batch} requests finished before all of them decoded together")
     finally:
         stream.close()

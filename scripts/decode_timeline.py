@@ -6,7 +6,7 @@ in `launch`, against the GPU time of the batch-1 graph replayed back to back (be
 
 A gap near zero means the host keeps the GPU fed (decode is pipelined: step t + 1 is launched before step
 t's token is read back), so a wall time per token above the replay's GPU time is the steps themselves.
---max-splits overrides the engine's cap on decode attention's key splits (engine/model.py MAX_SPLITS).
+--max-splits overrides the engine's cap on decode attention's key splits (runner/gpu.py MAX_SPLITS).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import tileinfer
-import tileinfer.engine.model as engine_model
+import tileinfer.runner.gpu as engine_model
 from tileinfer.cuda import Event
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -27,7 +27,7 @@ def timeline(model, prompt: list[int], kv_quantize: str | None, new: int) -> dic
     """One generate of `new` tokens with an event pair around each launch: per decode step its GPU ms,
     the gap after it (ms) and the host's ms in launch()."""
     marks = []
-    original = engine_model.Model.launch
+    original = engine_model.GPURunner.launch
 
     def launch(self, *args, **kwargs):
         start, end = Event(), Event()
@@ -39,11 +39,11 @@ def timeline(model, prompt: list[int], kv_quantize: str | None, new: int) -> dic
         marks.append((start, end, host_ms))
         return slot
 
-    engine_model.Model.launch = launch
+    engine_model.GPURunner.launch = launch
     try:
         result = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False, kv_quantize=kv_quantize)
     finally:
-        engine_model.Model.launch = original
+        engine_model.GPURunner.launch = original
     steps = marks[-(new - 1):]  # the decode steps (the prefill's launches come first)
     out = dict(tok_s=result.decode_tokens_per_second,
                step_ms=np.array([s.elapsed_ms(e) for s, e, _ in steps]),

@@ -62,7 +62,7 @@ def one_pass(path, args, prompts, params) -> dict:
                     raise SystemExit(f"request {o.request_id} ended with {o.finish_reason!r}")
                 digest.update(np.asarray(o.token_ids, np.int32).tobytes())
             rss.append(rss_mb())
-        free_ok = llm.cache.manager.num_free_pages == args.num_pages
+        free_ok = llm.runner.cache.manager.num_free_pages == args.num_pages
         stats = llm.stats.as_dict()
     return dict(seconds=time.perf_counter() - t0, digest=digest.hexdigest(), free_pages_ok=free_ok,
                 rss_first_mb=rss[0], rss_last_mb=rss[-1], rss_growth_mb=rss[-1] - rss[0], **stats)

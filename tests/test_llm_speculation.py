@@ -9,15 +9,16 @@ tokens follow the target's distribution (a chi-square test).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 from test_llm_pipeline import VOCAB, FakeModel, expected, fake_llm, next_token, workload
 
+from tileinfer.engine.engine import Engine
 from tileinfer.engine.params import SamplingParams
-from tileinfer.engine.spec_batch import DraftRunner
-from tileinfer.engine.speculative import common_prefix
+from tileinfer.engine.speculative import DraftRunner, common_prefix
 from tileinfer.kv import BlockManager
 
 
@@ -37,8 +38,8 @@ def target_logits(token: int, position: int) -> np.ndarray:
 class FakeTarget(FakeModel):
     """FakeModel plus the verify step: each fed token's argmax (or logits) at its position."""
 
-    def __init__(self, manager, max_verify_tokens=1000):
-        super().__init__()
+    def __init__(self, manager, budget, max_verify_tokens=1000):
+        super().__init__(manager, budget)
         self.manager = manager
         self.max_verify_tokens = max_verify_tokens
         self.verify_steps = 0
@@ -82,11 +83,14 @@ class FakeDraft:
 
 def spec_llm(*, k=3, oracle=False, num_pages=64, draft_pages=64, max_num_seqs=4, budget=16, max_verify_tokens=1000):
     llm = fake_llm(num_pages=num_pages, max_num_seqs=max_num_seqs, budget=budget, async_scheduling=True)
-    llm.model = FakeTarget(llm.scheduler.manager, max_verify_tokens)
-    llm.draft = FakeDraft(draft_pages, llm.page_size, oracle=oracle, max_batch_tokens=budget,
+    target = FakeTarget(llm.scheduler.manager, budget, max_verify_tokens)
+    llm.draft = FakeDraft(draft_pages, llm.config.page_size, oracle=oracle, max_batch_tokens=budget,
                           max_num_seqs=max_num_seqs)
-    llm.drafter = DraftRunner(llm.draft)
-    llm.num_draft_tokens = k
+    config = dataclasses.replace(llm.config, draft_model="unused-draft", num_draft_tokens=k)
+    llm.config, llm.runner, llm.model = config, target, target
+    llm.engine = Engine(config, target, llm.tokenizer, llm.eos_token_ids, DraftRunner(llm.draft))
+    llm.engine.scheduler.watermark_pages = 0
+    llm.scheduler, llm.drafter = llm.engine.scheduler, llm.engine.drafter
     return llm
 
 
@@ -149,11 +153,11 @@ def test_an_oracle_draft_is_always_accepted():
         assert s.target_steps == math.ceil(s.emitted / 5)
 
 
-def test_verify_steps_ask_for_a_graph_of_k_plus_one_tokens_a_row_when_on():
+def test_verify_steps_ask_for_a_graph_of_k_plus_one_tokens_a_row_with_graphs():
     prompts, params = workload(1)
     for on, widths in ((False, {None}), (True, {4})):
         llm = spec_llm(k=3)
-        llm._verify_graphs = on  # TILEINFER_VERIFY_GRAPHS
+        llm.runner.use_graphs = on
         outs = run_checked(llm, prompts, params)
         assert [o.token_ids for o in outs] == [expected(p, sp) for p, sp in zip(prompts, params)]
         assert llm.model.graph_widths == widths

@@ -1,4 +1,4 @@
-"""The numpy sampling rule (tileinfer.engine.sampler), on the CPU: min-p and the penalties.
+"""The numpy sampling rule (tileinfer.runner.sampler), on the CPU: min-p and the penalties.
 
 sampler is the specification the GPU kernels are tested against (tests/gpu/test_sampling.py),
 so its own semantics are pinned here: min_p = 0 is the rule as it was before min-p existed,
@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tileinfer.engine import sampler
+from tileinfer.runner import sampler
 
 F32 = np.float32
 

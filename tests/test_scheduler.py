@@ -144,7 +144,7 @@ def test_request_that_can_never_fit_is_rejected_up_front():
 
 
 def test_decode_buckets_cover_max_num_seqs():
-    from tileinfer.engine.model import decode_buckets
+    from tileinfer.runner.gpu import decode_buckets
     assert decode_buckets(256)[:8] == (1, 2, 4, 8, 16, 24, 32, 40)
     assert decode_buckets(256)[-1] == 256 and decode_buckets(100)[-1] == 100
     assert decode_buckets(1) == (1,) and decode_buckets(6) == (1, 2, 4, 6)

@@ -8,18 +8,19 @@ Many requests at once (continuous batching, prefix caching):
                                 tileinfer.SamplingParams(max_tokens=32, temperature=0)):
             print(out.text)
 
-One sequence, the smallest path through the engine:
+One sequence, the same engine loop:
 
-    model = tileinfer.load_model("path/to/Qwen3-checkpoint")
+    model = tileinfer.load_model("path/to/Qwen3-checkpoint")      # device="cpu" runs without a GPU
     result = tileinfer.generate(model, "The capital of France is", max_new_tokens=32)
 """
-from .engine.chat import ChatSession, ContextFullError
-from .engine.generate import GenerationResult, generate
-from .engine.llm import LLM, RequestOutput, StreamOutput
-from .engine.model import Model, load_model
+from .chat import ChatSession, ContextFullError
+from .config import EngineConfig
+from .engine.outputs import RequestOutput, StreamOutput
 from .engine.params import SamplingParams
 from .engine.speculative import OracleDraft
+from .generate import GenerationResult, generate, load_model
+from .llm import LLM
 
-__all__ = ["ChatSession", "ContextFullError", "GenerationResult", "LLM", "Model", "OracleDraft", "RequestOutput", "SamplingParams",
-           "StreamOutput", "generate", "load_model"]
+__all__ = ["ChatSession", "ContextFullError", "EngineConfig", "GenerationResult", "LLM", "OracleDraft",
+           "RequestOutput", "SamplingParams", "StreamOutput", "generate", "load_model"]
 __version__ = "0.1.0"

@@ -163,7 +163,7 @@ def test_attention_wg_repeatable(buf, stream):
 
 
 def test_attention_wg_query_is_summed_alike_wherever_it_sits(buf, stream):
-    # Batch-invariant mode (engine/model.py) runs every BF16 attention launch in the rows shape, so on Hopper
+    # Batch-invariant mode (runner/gpu.py) runs every BF16 attention launch in the rows shape, so on Hopper
     # on attention_wg: a query must give the same bits as a decode step (one query over its cached prefix) as
     # in a prefill chunk (another row of another block, whose key range runs further), alone or beside others.
     batch = PagedBatch(np.random.default_rng(seed_of("wg-invariant")), [(300, 300)], 32, 8, 16)

@@ -1,7 +1,7 @@
 """ChatSession on the GPU: every reply of a multi-turn greedy chat equals a fresh generation of
 the same rendered conversation with a full prefill, while each turn computes only its new tokens.
 
-The model runs batch-invariant (engine/model.py): a chat turn prefills only its new tokens, in
+The model runs batch-invariant (runner/gpu.py): a chat turn prefills only its new tokens, in
 other chunks than a full prefill, and the default kernels may then differ in the last bits.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import tileinfer
-from tileinfer.engine.chat import ChatSession
+from tileinfer.chat import ChatSession
 from tileinfer.model.synthetic import cached_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ Prompts are random token ids at awkward lengths (around page boundaries, longer 
 chunk). Greedy requests use ignore_eos so every request runs its full max_tokens.
 
 Exact token equality across different batches, chunkings and recomputation needs the
-batch-invariant mode (engine/model.py): by default the kernels differ with the batch size, and
+batch-invariant mode (runner/gpu.py): by default the kernels differ with the batch size, and
 random synthetic models have many near-ties, so a last-bit difference can flip a greedy token.
 Graphs on == off holds in the default mode (the same launches either way).
 """
@@ -60,7 +60,7 @@ def test_batch_gives_each_prompt_its_tokens_alone(which, kv, tiny_checkpoint, sm
     prompts = prompts_of(LENGTHS, seed=1)
     params = [greedy(m) for m in (24, 9, 30, 17, 33, 12, 28, 20)]
     with engine(path, batch_invariant=True, kv_quantize=kv) as llm:
-        assert llm.cache.int8 == (kv == "int8")
+        assert llm.runner.cache.int8 == (kv == "int8")
         together = llm.generate(prompts, params)
         alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
         assert llm.stats.graph_steps > 0
@@ -186,12 +186,12 @@ def test_stream_matches_generate(tiny_llm):
 
 
 def test_stream_closed_early_frees_pages(tiny_llm):
-    manager = tiny_llm.cache.manager
+    manager = tiny_llm.runner.cache.manager
     free = manager.num_free_pages
     gen = tiny_llm.generate_stream(prompts_of([50, 90], seed=11), greedy(40))
     next(gen)
     gen.close()
-    assert manager.num_free_pages == free and not tiny_llm.scheduler.has_unfinished
+    assert manager.num_free_pages == free and not tiny_llm.engine.scheduler.has_unfinished
 
 
 def test_bad_requests_raise_clear_errors(tiny_llm):
@@ -203,7 +203,7 @@ def test_bad_requests_raise_clear_errors(tiny_llm):
         tiny_llm.generate([""], greedy(2))
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         tiny_llm.generate([[1], [2], [3]], [greedy(1), greedy(1)])
-    assert not tiny_llm.scheduler.has_unfinished
+    assert not tiny_llm.engine.scheduler.has_unfinished
 
 
 def test_text_prompts_and_close_frees_everything(tiny_checkpoint):
@@ -223,9 +223,9 @@ def test_int8_pool_and_memory_report(tiny_checkpoint):
     from tileinfer.kv import sizing
     with LLM(tiny_checkpoint, max_num_seqs=4, max_context=512, kv_quantize="int8", progress=False) as llm:
         report = llm.memory_report
-        assert report.kv_dtype == "int8" and llm.cache.int8 and llm.cache.smoothing is not None
-        per_page = sizing.bytes_per_page(llm.config, llm.page_size, "int8")
-        assert report.kv_pool == llm.cache.layout.num_pages * per_page == llm.cache.layout.nbytes
+        assert report.kv_dtype == "int8" and llm.runner.cache.int8 and llm.runner.cache.smoothing is not None
+        per_page = sizing.bytes_per_page(llm.model_config, llm.config.page_size, "int8")
+        assert report.kv_pool == llm.runner.cache.layout.num_pages * per_page == llm.runner.cache.layout.nbytes
         outs = llm.generate(prompts_of([5, 70], seed=9), greedy(12))
         assert [len(o.token_ids) for o in outs] == [12, 12]
     with pytest.raises(ValueError, match="kv_quantize"):
@@ -238,7 +238,7 @@ def test_startup_times(tiny_checkpoint):
         with LLM(tiny_checkpoint, max_num_seqs=8, max_context=512, progress=False) as llm:
             s = llm.startup
             print(s.format())
-            assert s.graphs == len(llm.model.graphs.graphs) > 0
+            assert s.graphs == len(llm.runner.graphs.graphs) > 0
             assert min(s.weights, s.kernels, s.warm_up, s.capture) >= 0
             assert s.weights + s.kernels + s.warm_up + s.capture <= s.total
     assert s.kernels_compiled == 0

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tileinfer.cuda import DeviceArray, PinnedBuffer
-from tileinfer.engine import sampler
+from tileinfer.runner import sampler
 from tileinfer.kernels import (FusedInput, argmax, attention, attn_input, attn_input_int8, embedding, fetch_step,
                                fuses_input, linear, norm_linear, rmsnorm, sample)
 from tileinfer.kernels.linear import head_key_count

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tileinfer import LLM, SamplingParams
+from tileinfer.cuda import pci_bus_id
 from tileinfer.kv import sizing
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -18,12 +19,12 @@ pytestmark = pytest.mark.gpu
 def check_report(llm: LLM, utilization: float) -> None:
     r = llm.memory_report
     print("\n" + r.format())
-    free, total, used = sizing.nvml_memory(pci_bus_id=llm._bus)
+    free, total, used = sizing.nvml_memory(pci_bus_id=pci_bus_id(0))
     assert r.total == total
     # The parts add up to what NVML sees, within 2% of the memory in use.
     assert abs(r.unaccounted) <= 0.02 * r.used, f"unaccounted {r.unaccounted / 2**30:.2f} GiB of {r.used / 2**30:.2f}"
     assert abs(used - r.used) <= 0.02 * r.used  # nothing allocated since start-up
-    assert r.kv_pages == llm.cache.layout.num_pages and r.kv_pool == llm.cache.layout.nbytes
+    assert r.kv_pages == llm.runner.cache.layout.num_pages and r.kv_pool == llm.runner.cache.layout.nbytes
     # The pool used the budget: what is free now is about (1 - u) x total plus the graph reserve.
     assert used <= utilization * total + 2**30
     assert used >= utilization * total - 2 * 2**30
@@ -70,7 +71,7 @@ def test_int8_pool_holds_19x_the_positions_of_bf16(tiny_checkpoint):
                  progress=False) as llm:
             check_report(llm, 0.5)
             assert llm.memory_report.kv_dtype == (kv or "bf16")
-            positions[kv] = llm.cache.capacity
+            positions[kv] = llm.runner.cache.capacity
     ratio = positions["int8"] / positions[None]
     print(f"pool positions at 0.5 of the GPU: BF16 {positions[None]:,}, INT8 {positions['int8']:,} ({ratio:.3f}x)")
     assert ratio >= 1.9

@@ -1,4 +1,4 @@
-"""min-p sampling and the penalties it applies first (cuda_src/sampling.cu) against tileinfer.engine.sampler.
+"""min-p sampling and the penalties it applies first (cuda_src/sampling.cu) against tileinfer.runner.sampler.
 
 Conventions as in test_kernels.py: every case draws fresh random inputs from
 np.random.default_rng(<seed fixed per case>) at awkward vocabulary sizes, outputs are poisoned
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tileinfer.cuda import DeviceArray
-from tileinfer.engine import sampler
+from tileinfer.runner import sampler
 from tileinfer.kernels import sample
 
 from gpu_helpers import Buffers, seed_of  # noqa: E402

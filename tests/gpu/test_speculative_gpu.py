@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 import tileinfer
-from tileinfer.engine.speculative import ModelDecoder, ModelDraft, OracleDraft, Sampling, speculative_decode
+from tileinfer.engine.params import SamplingParams
+from tileinfer.engine.scheduler import FINISHED
+from tileinfer.engine.speculative import OracleDraft, distribution
+from tileinfer.generate import engine_over
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import write_checkpoint
@@ -53,28 +56,29 @@ def test_greedy_speculation_equals_plain_greedy(models, which, k):
 
 
 def test_caches_hold_exactly_the_accepted_positions(models):
+    # After every round the target's sequence holds the committed tokens but the last (its block table no
+    # more pages than that), the draft's a prefix of them; every page of both comes back at the end.
     target, other, _ = models
     prompt = np.random.default_rng(5).integers(0, 151643, 130).tolist()
-    t_dec, d_dec = ModelDecoder(target, target.ensure_cache(400)), ModelDecoder(other, other.ensure_cache(400))
-    draft = ModelDraft(d_dec)
-    seen = []
-
-    def on_round(committed, accepted):
-        # num_positions and block tables: the target holds committed[:-1], the draft a prefix of committed.
-        assert t_dec.seq.num_positions == len(committed) - 1
-        assert len(t_dec.seq.block_table) == -(-(len(committed) - 1) // t_dec.cache.page_size)
-        assert d_dec.seq.num_positions == len(draft.fed) and draft.fed == committed[:len(draft.fed)]
-        assert len(d_dec.seq.block_table) == -(-len(draft.fed) // d_dec.cache.page_size)
-        seen.append(accepted)
-
-    try:
-        out, stats = speculative_decode(t_dec, draft, prompt, max_new_tokens=60, num_draft_tokens=4,
-                                        on_round=on_round)
-    finally:
-        t_dec.release()
-        d_dec.release()
-    assert len(out) == 60 and len(seen) == stats.target_steps
+    engine = engine_over(target, 400, draft=other, num_draft_tokens=4)
+    req = engine.make_request(prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    engine.add(req)
+    rounds = 0
+    while req.status != FINISHED:
+        engine.step()
+        if req.status == FINISHED or req.spec.target_steps == rounds:
+            continue
+        rounds = req.spec.target_steps
+        assert req.seq.num_positions == req.num_tokens - 1
+        assert len(req.seq.block_table) == -(-(req.num_tokens - 1) // target.cache.page_size)
+        seq, fed = engine.drafter.held[req.request_id]
+        assert seq.num_positions == len(fed) and fed == req.token_ids[:len(fed)]
+        assert len(seq.block_table) == -(-len(fed) // other.cache.page_size)
+    engine.drain()
+    engine.step()  # the finished request's draft sequence is released at the next step
+    assert len(req.output_ids) == 60 and rounds > 0
     assert target.cache.manager.num_free_pages == target.cache.layout.num_pages
+    assert other.cache.manager.num_free_pages == other.cache.layout.num_pages
 
 
 def test_oracle_draft_accepts_everything(models):
@@ -158,68 +162,72 @@ def small_vocab_models(tmp_path_factory):
     draft.close()
 
 
-def next_distributions(model, sampling, prefix: list[int], depth: int) -> dict:
-    """{tokens: probability} of every `depth`-token continuation of `prefix` under `model` and `sampling`
+def next_distributions(model, params: SamplingParams, prefix: list[int], depth: int) -> dict:
+    """{tokens: probability} of every `depth`-token continuation of `prefix` under `model` and `params`
     (the GPU's logits, float64 softmax as the acceptance rule computes it)."""
-    dec = ModelDecoder(model, model.cache)
+    seq, manager = Sequence(), model.cache.manager
     try:
-        dec.extend(prefix[:-1], logits="none")
+        model.extend(seq, prefix[:-1], logits="none")
         out = {}
 
         def walk(tokens: list[int], prob: float):
             fed = tokens[-1:] or prefix[-1:]  # the cache holds prefix[:-1] + tokens[:-1]
-            p = sampling.distribution(dec.extend(fed, logits="last")[-1])
+            p = distribution(model.extend(seq, fed, logits="last")[-1], params.temperature, params.top_k,
+                             params.top_p)
             for t in np.nonzero(p)[0]:
                 if len(tokens) + 1 == depth:
                     out[tuple(tokens) + (int(t),)] = prob * float(p[t])
                 else:
                     walk(tokens + [int(t)], prob * float(p[t]))
-            dec.truncate(len(prefix) - 1 + len(tokens))  # drop `fed` again
+            manager.truncate(seq, len(prefix) - 1 + len(tokens))  # drop `fed` again
 
         walk([], 1.0)
         return out
     finally:
-        dec.release()
+        manager.release(seq)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=2.0), Sampling(temperature=2.0, top_k=12, top_p=0.9)],
+@pytest.mark.parametrize("params", [SamplingParams(temperature=2.0), SamplingParams(temperature=2.0, top_k=12,
+                                                                                     top_p=0.9)],
                          ids=["T2", "T2-topk12-topp0.9"])
-def test_sampled_speculation_has_the_targets_distribution(small_vocab_models, sampling):
-    """The first three tokens of N = 3,000 seeded speculative runs (k = 2, the qwen3 draft and target on
-    the GPU, both caches rolled back after every round) against the target's exact distribution:
-    Pearson's chi-square on the joint of tokens 1-2 and on token 3's marginal, each at alpha = 1e-4,
-    cells expected below 5 pooled. Power, computed here from the two models' distributions: a bug that
-    accepts every proposal makes token 1 follow the draft, a noncentrality of N * sum((q - p)^2 / p)
-    over the pooled cells; the test asserts it is at least 4x the critical value (power ~1)."""
+def test_sampled_speculation_has_the_targets_distribution(small_vocab_models, params):
+    """The first three tokens of N = 3,000 seeded runs (the first from the prefill, the next two from a
+    round with one proposal of the qwen3-shaped draft; both caches rolled back) against the target's
+    exact distribution: Pearson's chi-square on the joint of tokens 1-2 and on token 3's marginal, each at
+    alpha = 1e-4, cells expected below 5 pooled. Power: a bug that accepts every proposal makes token 2
+    follow the draft's greedy choice, far from the target's distribution at temperature 2 (checked below
+    as a noncentrality of at least 4x the critical value)."""
     target, draft = small_vocab_models
-    target.ensure_cache(64)
-    draft.ensure_cache(64)
     prompt, n_runs = [5, 17, 30, 2], 3000
     counts12, counts3 = {}, {}
     for seed in range(n_runs):
-        t_dec, d_dec = ModelDecoder(target, target.cache), ModelDecoder(draft, draft.cache)
-        try:
-            out, _ = speculative_decode(t_dec, ModelDraft(d_dec), prompt, max_new_tokens=3, num_draft_tokens=2,
-                                        sampling=sampling, seed=seed)
-        finally:
-            t_dec.release()
-            d_dec.release()
-        counts12[tuple(out[:2])] = counts12.get(tuple(out[:2]), 0) + 1
-        counts3[(out[2],)] = counts3.get((out[2],), 0) + 1
-    assert_split_fits(next_distributions(target, sampling, prompt, 3), 2, counts12, counts3, n_runs,
+        out = tileinfer.generate(target, prompt, max_new_tokens=3, temperature=params.temperature,
+                                 top_k=params.top_k, top_p=params.top_p, seed=seed, stop_at_eos=False,
+                                 draft_model=draft, num_draft_tokens=2)
+        assert out.speculation.drafted == 1
+        tokens = out.token_ids
+        counts12[tuple(tokens[:2])] = counts12.get(tuple(tokens[:2]), 0) + 1
+        counts3[(tokens[2],)] = counts3.get((tokens[2],), 0) + 1
+    assert_split_fits(next_distributions(target, params, prompt, 3), 2, counts12, counts3, n_runs,
                       ("tokens 1-2", "token 3"))
-    # Power against "accept every proposal": token 1 drawn from the draft's distribution q.
-    p1 = next_distributions(target, sampling, prompt, 1)
-    q1 = next_distributions(draft, sampling, prompt, 1)
-    big = [c for c in p1 if p1[c] * n_runs >= 5]
-    rest_p = sum(p1[c] for c in p1 if c not in big)
-    rest_q = 1.0 - sum(q1.get(c, 0.0) for c in big)  # the pooled cell, and tokens the target never draws
-    lam = n_runs * sum((q1.get(c, 0.0) - p1[c]) ** 2 / p1[c] for c in big)
-    if rest_p > 0:
+    # Power against "accept every proposal": token 2 would be the draft's greedy token after token 1.
+    joint = next_distributions(target, params, prompt, 2)
+    bug: dict[tuple, float] = {}
+    for t1, p1 in next_distributions(target, params, prompt, 1).items():
+        seq = Sequence()
+        try:
+            row = draft.extend(seq, prompt + list(t1), logits="last")[-1]
+        finally:
+            draft.cache.manager.release(seq)
+        cell = (t1[0], int(np.argmax(row)))
+        bug[cell] = bug.get(cell, 0.0) + p1
+    big = [c for c in joint if joint[c] * n_runs >= 5]
+    rest_p = 1.0 - sum(joint[c] for c in big)
+    rest_q = 1.0 - sum(bug.get(c, 0.0) for c in big)
+    lam = n_runs * sum((bug.get(c, 0.0) - joint[c]) ** 2 / joint[c] for c in big)
+    if rest_p > 1e-12:
         lam += n_runs * (rest_q - rest_p) ** 2 / rest_p
-    elif rest_q > 1e-9:
-        lam = math.inf  # such a bug emits tokens of probability 0: chi2_statistic's stray check
-    crit = chi2_critical(len(big) - (rest_p == 0))
+    crit = chi2_critical(len(big) - (rest_p <= 1e-12))
     print(f"noncentrality against accepting every proposal: {lam:.0f} (critical {crit:.1f})")
     assert lam > 4 * crit
 
@@ -240,23 +248,24 @@ def llm_prompts():
     return [rng.integers(0, 151643, int(n)).tolist() for n in (1, 17, 70, 130, 5)]
 
 
-@pytest.mark.parametrize("which, graphs", [("other", False), ("same", False), ("other", True)])
-def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, which, graphs, monkeypatch):
-    monkeypatch.setenv("TILEINFER_VERIFY_GRAPHS", "1" if graphs else "0")  # verify steps replaying graphs
+@pytest.mark.parametrize("which, graphs", [("other", True), ("same", True), ("other", False)])
+def test_llm_greedy_speculation_equals_plain(tiny_checkpoint, draft_checkpoint, which, graphs):
     prompts = llm_prompts()
     params = [tileinfer.SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 41, 25, 37, 50)]
-    kw = dict(max_num_seqs=4, max_context=512, num_pages=64, page_size=16, batch_invariant=True, progress=False)
+    kw = dict(max_num_seqs=4, max_context=512, num_pages=64, page_size=16, batch_invariant=True, progress=False,
+              use_graphs=graphs)
     with tileinfer.LLM(tiny_checkpoint, **kw) as llm:
         want = [o.token_ids for o in llm.generate(prompts, params)]
     draft = draft_checkpoint if which == "other" else tiny_checkpoint
     with tileinfer.LLM(tiny_checkpoint, draft_model=draft, num_draft_tokens=4, **kw) as llm:
         outs = llm.generate(prompts, params)  # 5 requests through 4 rows: one waits, then joins
         assert [o.token_ids for o in outs] == want
-        assert llm.scheduler.manager.num_free_pages == 64 and llm.draft.cache.manager.num_free_pages == 64
+        draft_pages = llm.engine.drafter.runner.cache.manager.num_free_pages
+        assert llm.engine.scheduler.manager.num_free_pages == 64 and draft_pages == 64
         r = llm.memory_report
         if r is not None:  # the draft's memory is reported, and the report still adds up
             assert r.draft > 0 and abs(r.unaccounted) < 0.02 * r.total, r.format()
-        assert bool(llm.model.verify_graphs) == graphs
+        assert bool(llm.runner.verify_graphs) == graphs
     drafted = sum(o.speculation.drafted for o in outs)
     accepted = sum(o.speculation.accepted for o in outs)
     print(f"LLM, draft {which}, verify graphs {graphs}: {accepted}/{drafted} accepted")

@@ -25,6 +25,11 @@ Order of a step (vLLM's v1 policy):
 
 A request that could never fit (its prompt plus max_tokens beyond `max_context`, or more pages
 than the whole pool) is rejected when it is added.
+
+A request may arrive holding a sequence whose positions already hold a prefix of its prompt (a
+chat's earlier turns): it is admitted onto those pages, reserving the rest, and with `keep_seq`
+it keeps its sequence when it finishes instead of releasing it (its owner cuts it to
+`known_positions()` once no step is in flight). Preempted, it loses the held positions like any other request.
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     # Set by the engine when the request is admitted:
-    sampling_row: object | None = None     # engine.step.SamplingRow
+    sampling_row: object | None = None     # runner.step.SamplingRow
     penalties: object | None = None        # the penalty entries, when a penalty is on
     stop_ids: set[int] = field(default_factory=set)
     detokenizer: object | None = None
@@ -67,6 +72,7 @@ class Request:
     closed: bool = False      # finished by a stop or an abort: results still in flight are dropped
     spec: object | None = None      # speculative.SpecStats, when the engine speculates for this request
     spec_rng: object | None = None  # numpy Generator of its acceptance draws (sampling)
+    keep_seq: bool = False          # keep the sequence's pages when finished (a chat's next turn reuses them)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -87,6 +93,13 @@ class Request:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
+
+    def known_positions(self) -> int:
+        """Leading positions of the sequence whose tokens are known and were computed: never the last token
+        (no step fed it for certain) nor one behind a placeholder. Once no step is in flight, what a held
+        sequence may keep (ChatSession cuts it to this)."""
+        known = next((i for i, t in enumerate(self.token_ids) if t < 0), len(self.token_ids))
+        return max(0, min(self.seq.num_positions, self.num_computed, known, len(self.token_ids) - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +159,8 @@ class Scheduler:
         the same stream, so that is harmless.)"""
         if request.status == RUNNING:
             self.running.remove(request)
-            self.manager.release(request.seq)
+            if not request.keep_seq:  # a held sequence stays as it is: its owner trims it (Request.known_positions)
+                self.manager.release(request.seq)
         elif request.status == WAITING:  # preempted, then its last in-flight token ended it
             self.waiting.remove(request)
         request.status = FINISHED
@@ -188,9 +202,9 @@ class Scheduler:
                 if self.manager.num_free_pages - self.manager.pages_for(req.num_tokens) < self.watermark_pages \
                         and self.running:
                     break
-                if not self.manager.can_allocate_prompt(req.seq, req.token_ids):
+                cached = self._allocate(req)
+                if cached is None:
                     break
-                cached = self.manager.allocate_prompt(req.seq, req.token_ids)
                 self.waiting.popleft()
                 req.num_computed = cached
                 if req.first_scheduled_time is None:  # first admission (not a readmission after preemption)
@@ -202,6 +216,22 @@ class Scheduler:
                 rows.append(ScheduledRow(req, cached, count))
                 budget -= count
         return rows
+
+    def _allocate(self, req: Request) -> int | None:
+        """Pages for a waiting request's prompt; how many leading positions are cached already (None: no room).
+        A held sequence keeps its positions (at most all but the prompt's last token, whose logits start the
+        reply) and reserves the rest; an empty one shares the prefix cache's pages."""
+        seq = req.seq
+        if seq.num_positions:
+            held = min(seq.num_positions, req.num_tokens - 1)
+            self.manager.truncate(seq, held)
+            if not self.manager.can_reserve(seq, req.num_tokens - held):
+                return None
+            self.manager.reserve(seq, req.num_tokens - held)
+            return held
+        if not self.manager.can_allocate_prompt(seq, req.token_ids):
+            return None
+        return self.manager.allocate_prompt(seq, req.token_ids)
 
     def _preempt(self, req: Request) -> None:
         """Release a running request's pages; it is recomputed from its tokens when readmitted."""

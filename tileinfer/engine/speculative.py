@@ -1,72 +1,40 @@
 """Speculative decoding: a draft proposes k tokens, the target checks them all in one step.
 
-Each round, with T the tokens committed so far (prompt + output) and each model's cache holding a
-prefix of T:
+Each engine step, for the decoding requests that speculate (engine/engine.py `_verify`):
+  1. the draft catches up on the committed tokens it has not seen and proposes k tokens greedily,
+     every request together in batched steps (DraftRunner.propose);
+  2. the target runs one verify step over each request's last committed token and its proposals,
+     with k more positions reserved, and gets k + 1 next-token rows p_0..p_k per request;
+  3. `accept`: greedy keeps the proposals while each is argmax p_{i-1}, then the target's own token;
+     under sampling proposal x_i (a point mass: the draft is greedy) is kept with probability
+     p_{i-1}(x_i), and at the first rejection one token is drawn from p_{i-1} with x_i removed
+     (renormalised), so every emitted token follows the target's distribution exactly (Leviathan et
+     al. 2023; Chen et al. 2023); when all k pass one more comes from p_k;
+  4. rollback is free: both caches drop the rejected positions with BlockManager.truncate, a
+     block-table edit on the host; nothing is copied or cleared on the device.
 
-  1. The draft feeds what of T it lacks, then proposes x_1..x_k one step at a time: greedy, the
-     argmax; sampling, a draw from its distribution q_i (after the same temperature, top-k and
-     top-p as the target).
-  2. The target feeds what of T it lacks (normally T's last token) and x_1..x_k in one step, and
-     gets k + 1 distributions: p_{i-1} for the position x_i was proposed at, p_k after x_k.
-  3. Greedy: accept x_i while it is argmax p_{i-1}. Sampling: accept x_i with probability
-     min(1, p_{i-1}(x_i) / q_i(x_i)). At the first rejection, emit one token from the residual
-     max(0, p_{i-1} - q_i) renormalised (greedy: argmax p_{i-1}) and stop; if all k pass, emit
-     one more from p_k. So a round emits 1 to k + 1 tokens, and each is distributed exactly as
-     the target alone would draw it (Leviathan et al. 2023; Chen et al. 2023). Greedy output is
-     the target's greedy output, token for token, whatever the draft proposes.
-  4. Rollback is free: both caches are truncated to the committed prefix they hold (the target to
-     T minus its last token, which the next round feeds; the draft to what it fed that T kept).
-     On the GPU that is a block-table edit on the host (BlockManager.truncate): nothing is copied
-     or cleared, later writes overwrite the rejected positions.
-
-A model takes part through the `Decoder` protocol (extend, truncate, len): `ReferenceDecoder`
-wraps the float32 numpy reference, `ModelDecoder` a GPU `Model`. A draft is any `DraftSource`:
-`ModelDraft` (a smaller model on its own cache) or `OracleDraft`, which proposes a given
-continuation (the target's own greedy output, say) at no cost: acceptance 100%, the ceiling of
-the verify machinery.
+One sequence is batch 1 of the same path: `generate` and `ChatSession` speculate through it too.
+`OracleDraft` proposes a known continuation at no cost (acceptance 100%: the ceiling of the verify
+machinery, for benchmarks).
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence as Seq
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from .sampler import kept_mask, scaled
+from ..kv import Sequence
+from ..runner.sampler import kept_mask, scaled
 
 
-class Decoder(Protocol):
-    def extend(self, ids: list[int], logits: str = "all") -> np.ndarray | None:
-        """Append `ids` to the cached sequence; the next-token logits after each (logits="all",
-        [len(ids), vocab]), after the last one ("last", [1, vocab]), the argmax of each ("argmax",
-        int32 [len(ids)], lowest index on ties) or none ("none": None)."""
-
-    def truncate(self, n: int) -> None:
-        """Keep the first n cached positions."""
-
-    def __len__(self) -> int:
-        """Positions cached."""
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return not self.temperature > 0
-
-    def distribution(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution a token is drawn from: softmax(logits / T) over the min-p / top-k / top-p set. # float64"""
-        z = scaled(logits, self.temperature).astype(np.float64)
-        keep = kept_mask(logits, self.temperature, self.top_k, self.top_p, min_p=self.min_p)
-        p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
-        return p / p.sum()
+def distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0) -> np.ndarray:
+    """The distribution a token is drawn from: softmax(logits / T) over the min-p / top-k / top-p set. # float64"""
+    z = scaled(logits, temperature).astype(np.float64)
+    keep = kept_mask(logits, temperature, top_k, top_p, min_p=min_p)
+    p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+    return p / p.sum()
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -75,71 +43,12 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.size - 1))
 
 
-class DraftSource(Protocol):
-    def propose(self, committed: list[int], k: int, sampling: Sampling,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
-        """Up to k proposed tokens after `committed`, and the distributions they were drawn from
-        (None: each proposal was certain, a point mass)."""
-
-    def rollback(self, committed: list[int]) -> None:
-        """The round is over and `committed` is what was kept: drop anything cached beyond it."""
-
-
-class ModelDraft:
-    """A draft model on its own cache (any Decoder)."""
-
-    def __init__(self, decoder: Decoder):
-        self.decoder = decoder
-        self.fed: list[int] = []  # the tokens whose positions the draft's cache holds
-
-    def propose(self, committed, k, sampling, rng):
-        mode = "argmax" if sampling.greedy else "last"  # greedy needs only the argmax (found on the GPU)
-        missing = committed[len(self.fed):]
-        row = self.decoder.extend(missing, logits=mode)[-1]
-        self.fed += missing
-        tokens, dists = [], []
-        for i in range(k):
-            if sampling.greedy:
-                x = int(row)
-            else:
-                q = sampling.distribution(row)
-                x = draw(q, rng)
-                dists.append(q)
-            tokens.append(x)
-            if i + 1 < k:  # the last proposal is never fed: the next round starts from T
-                row = self.decoder.extend([x], logits=mode)[-1]
-                self.fed.append(x)
-        return tokens, (None if sampling.greedy else dists)
-
-    def rollback(self, committed):
-        # Keep what of T it holds, but at most all but T's last token: the next proposal needs the
-        # logits after T, which come from feeding at least one token.
-        keep = min(common_prefix(self.fed, committed), len(committed) - 1)
-        self.decoder.truncate(keep)
-        del self.fed[keep:]
-
-
-class OracleDraft:
-    """Proposes a given continuation of the prompt (e.g. the target's own greedy output), at no cost."""
-
-    def __init__(self, prompt_len: int, continuation: Seq[int]):
-        self.prompt_len, self.continuation = prompt_len, list(continuation)
-
-    def propose(self, committed, k, sampling, rng):
-        start = len(committed) - self.prompt_len
-        return self.continuation[start:start + k], None
-
-    def rollback(self, committed):
-        pass
-
-
 @dataclass
 class SpecStats:
     drafted: int = 0        # proposals the target checked
     accepted: int = 0       # of those, kept
     target_steps: int = 0   # verify steps of the target (one per round)
     emitted: int = 0        # tokens the rounds produced (before cutting at max_tokens or EOS)
-    prefill_seconds: float = 0.0  # the target's prompt prefill (all but the prompt's last token)
 
     @property
     def acceptance_rate(self) -> float:
@@ -148,31 +57,6 @@ class SpecStats:
     @property
     def tokens_per_target_step(self) -> float:
         return self.emitted / self.target_steps if self.target_steps else 0.0
-
-
-def check_count(name: str, value) -> None:
-    """A token count must be an integer >= 1; ValueError naming the field otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_draft_model(model, draft_model) -> None:
-    """A draft model must be a second model with the target's vocabulary."""
-    if draft_model is model:
-        raise ValueError("draft_model is the target model itself; load a second copy (generate also takes an "
-                         "OracleDraft)")
-    if draft_model.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"draft_model's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
-                         f"({model.config.vocab_size}); speculation needs the same tokenizer")
-
-
-def select_logits(rows: np.ndarray, logits: str) -> np.ndarray | None:
-    """What a Decoder's extend returns for logits="all", "last", "argmax" or "none", from every row's logits."""
-    if logits not in ("all", "last", "argmax", "none"):
-        raise ValueError(f"logits must be 'all', 'last', 'argmax' or 'none', got {logits!r}")
-    if logits == "argmax":
-        return rows.argmax(axis=1).astype(np.int32)
-    return rows if logits == "all" else rows[-1:] if logits == "last" else None
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -184,145 +68,152 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     return n
 
 
-def accept(proposals: Seq[int], q: list[np.ndarray] | None, p_logits, sampling: Sampling,
-           rng: np.random.Generator) -> tuple[list[int], int]:
-    """One round's verdict on k proposals: (the tokens it emits, how many proposals were accepted).
+def accept(proposals: Seq[int], p_rows, params, rng: np.random.Generator) -> tuple[list[int], int]:
+    """One round's verdict on k greedy proposals: (the tokens it emits, how many proposals were accepted).
 
-    p_logits: the target's k + 1 next-token rows after the last committed token and after each
-    proposal (logits, or under greedy their argmaxes). Greedy keeps the longest prefix of proposals
-    that match the target's argmax, then the target's token. Otherwise proposal x_i (drawn from
-    q_i, or certain when q is None) is kept with probability min(1, p_i(x_i) / q_i(x_i)); the first
-    rejected one is replaced by a draw from max(p_i - q_i, 0) renormalized, so every emitted token
-    follows the target's distribution exactly. When all k are kept, one more token comes from p_k."""
+    p_rows: the target's k + 1 next-token rows after the last committed token and after each proposal
+    (logits, or under greedy their argmaxes); params: the request's SamplingParams."""
+    greedy = not params.temperature > 0
     emitted, accepted = [], 0
     for i, x in enumerate(proposals):
-        if sampling.greedy:
-            best = int(p_logits[i])
+        if greedy:
+            best = int(p_rows[i])
             if x != best:
-                emitted.append(best)
-                return emitted, accepted
+                return emitted + [best], accepted
         else:
-            p = sampling.distribution(p_logits[i])
-            qx = q[i][x] if q is not None else 1.0
-            if not rng.random() < min(1.0, p[x] / qx):  # rejected: draw from the residual
-                residual = np.maximum(p - (q[i] if q is not None else np.eye(1, p.size, x)[0]), 0.0)
-                emitted.append(draw(residual, rng) if residual.sum() > 0 else draw(p, rng))
-                return emitted, accepted
+            p = distribution(p_rows[i], params.temperature, params.top_k, params.top_p, params.min_p)
+            if not rng.random() < p[x]:  # rejected: draw from p without x
+                residual = p.copy()
+                residual[x] = 0.0
+                return emitted + [draw(residual, rng) if residual.sum() > 0 else draw(p, rng)], accepted
         emitted.append(x)
         accepted += 1
-    last = p_logits[len(proposals)]  # every proposal kept: one more token from p_k
-    emitted.append(int(last) if sampling.greedy else draw(sampling.distribution(last), rng))
-    return emitted, accepted
+    last = p_rows[len(proposals)]  # every proposal kept: one more token from p_k
+    if greedy:
+        return emitted + [int(last)], accepted
+    return emitted + [draw(distribution(last, params.temperature, params.top_k, params.top_p, params.min_p),
+                           rng)], accepted
 
 
-def speculative_stream(target: Decoder, draft: DraftSource, prompt: list[int], *, max_new_tokens: int,
-                       num_draft_tokens: int, sampling: Sampling | None = None, seed: int = 0,
-                       eos_token_ids: Seq[int] = (), stats: SpecStats | None = None,
-                       on_round: Callable[[list[int], int], None] | None = None) -> Iterator[int]:
-    """Yield up to max_new_tokens after `prompt` (the last one an EOS token, if one comes), drawn as
-    the target alone would draw them, the draft proposing num_draft_tokens a round. Tokens come out
-    a round at a time; between rounds both caches hold only committed tokens.
+class OracleDraft:
+    """Proposes a given continuation of the prompt (e.g. the target's own greedy output), at no cost."""
 
-    The target's cache may already hold a prefix of the prompt (a chat's earlier turns), at most all
-    of it but the last token; the caller vouches that it is the prompt's prefix. `stats` (if given)
-    is filled in as the rounds go. on_round(committed, accepted) is called after every round, once
-    both caches are rolled back (tests use it to check that nothing rejected stays cached)."""
-    if not prompt:
-        raise ValueError("prompt is empty: give at least one token")
-    check_count("num_draft_tokens", num_draft_tokens)
-    check_count("max_new_tokens", max_new_tokens)
-    if len(target) > len(prompt) - 1:
-        raise ValueError(f"the target's cache holds {len(target)} positions; it may hold at most the prompt's "
-                         f"first {len(prompt) - 1} (the last one is fed with the first proposals)")
-    sampling = sampling or Sampling()
-    stats = stats if stats is not None else SpecStats()
-    rng = np.random.default_rng(seed)
-    eos = set(eos_token_ids)
-    committed = list(prompt)
-    # The target's cache holds committed[:-1]; each round feeds the last token with the proposals.
-    start = time.perf_counter()
-    if len(target) < len(prompt) - 1:
-        target.extend(prompt[len(target):-1], logits="none")
-    stats.prefill_seconds += time.perf_counter() - start
-    produced = 0
-    while produced < max_new_tokens:
-        k = min(num_draft_tokens, max_new_tokens - produced - 1)  # proposals beyond the budget are wasted
-        proposals, q = draft.propose(committed, k, sampling, rng) if k > 0 else ([], None)
-        fed = committed[len(target):] + list(proposals)
-        # p_0..p_k: the target's logits after each fed token, or under greedy only their argmaxes
-        p_logits = target.extend(fed, logits="argmax" if sampling.greedy else "all")[-(len(proposals) + 1):]
-        stats.target_steps += 1
-        stats.drafted += len(proposals)
-        emitted, accepted = accept(proposals, q, p_logits, sampling, rng)
-        stats.accepted += accepted
-        stats.emitted += len(emitted)
-        committed += emitted
-        # Roll back: the target keeps committed[:-1] (the last token is fed next round).
-        target.truncate(len(committed) - 1)
-        draft.rollback(committed)
-        if on_round is not None:
-            on_round(committed, accepted)
-        for token in emitted:
-            produced += 1
-            yield token
-            if token in eos or produced == max_new_tokens:
-                return
+    def __init__(self, prompt_len: int, continuation: Seq[int]):
+        self.prompt_len, self.continuation = prompt_len, list(continuation)
+        self.held: dict[int, None] = {}
 
-
-def speculative_decode(target: Decoder, draft: DraftSource, prompt: list[int], *,
-                       on_token: Callable[[int], None] | None = None, **kwargs) -> tuple[list[int], SpecStats]:
-    """speculative_stream collected: (tokens, statistics). on_token(token) is called with each token
-    as its round ends (streaming)."""
-    stats = SpecStats()
-    out = []
-    for token in speculative_stream(target, draft, prompt, stats=stats, **kwargs):
-        out.append(token)
-        if on_token is not None:
-            on_token(token)
-    return out, stats
-
-
-class ReferenceDecoder:
-    """The float32 numpy reference model as a Decoder (tests, and CPU checks of the algorithm)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.cache = model.new_cache()
-
-    def extend(self, ids, logits="all"):
-        return select_logits(self.model.forward(list(ids), self.cache), logits)
-
-    def truncate(self, n):
-        self.cache.truncate(n)
-
-    def __len__(self):
-        return len(self.cache)
-
-
-class ModelDecoder:
-    """One sequence of a GPU Model's attached cache as a Decoder: extend runs prefill chunks that
-    return every row's logits (Model.extend); truncate edits the block table on the host."""
-
-    def __init__(self, model, cache, seq=None, tokens: list[int] | None = None):
-        """seq: an existing sequence of `cache` holding `tokens` (a chat's), or None for a new one."""
-        from ..kv import Sequence
-        self.model, self.cache = model, cache
-        self.seq = seq if seq is not None else Sequence()
-        self.tokens = list(tokens or [])  # what the sequence's positions hold
-        if self.seq.num_positions != len(self.tokens):
-            raise ValueError(f"the sequence holds {self.seq.num_positions} positions, not {len(self.tokens)}")
-
-    def extend(self, ids, logits="all"):
-        out = self.model.extend(self.seq, list(ids), logits=logits)
-        self.tokens += ids
+    def propose(self, items: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        out = []
+        for _, committed, k in items:
+            start = len(committed) - self.prompt_len
+            out.append(self.continuation[start:start + k] if k > 0 else [])
         return out
 
-    def truncate(self, n):
-        self.cache.manager.truncate(self.seq, n)
-        del self.tokens[n:]
+    def rollback(self, request_id: int, committed: list[int]) -> None:
+        pass
 
-    def __len__(self):
-        return self.seq.num_positions
+    def release(self, request_id: int) -> None:
+        pass
 
-    def release(self) -> None:
-        self.cache.manager.release(self.seq)
+
+SHORT = 4  # catch-ups of at most this many tokens a row run as one-token decode steps (graph replays)
+
+
+class DraftRunner:
+    """The draft model's sequences, one per request, in its own paged cache. A request's draft
+    sequence holds a prefix of the request's committed tokens, never the last one (the next
+    proposals need the draft's logits after it, which come from feeding it)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.held: dict[int, tuple[Sequence, list[int]]] = {}  # request id -> (sequence, tokens it holds)
+
+    @property
+    def manager(self):
+        return self.runner.cache.manager
+
+    def propose(self, items: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        """items: (request id, committed tokens, k). Up to k greedy proposals for each; none for a
+        request the draft's pool has no room for this step (it then decodes one token as usual)."""
+        out: list[list[int]] = [[] for _ in items]
+        catch_up, live = [], []  # (seq, ids, start) rows; (item index, seq, next start, k)
+        for i, (rid, committed, k) in enumerate(items):
+            if k < 1:
+                continue
+            seq, fed = self.held.get(rid) or (Sequence(), [])
+            missing = list(committed[len(fed):])  # at least the last committed token
+            if not self.manager.can_reserve(seq, len(missing) + k - 1):
+                continue
+            self.held[rid] = seq, fed
+            self.manager.reserve(seq, len(missing) + k - 1)  # the sequence holds exactly `fed` between rounds
+            catch_up.append((seq, missing, len(fed)))
+            fed.extend(missing)
+            live.append((i, seq, len(fed), k))
+        firsts = self._run(catch_up)
+        for (i, _, _, _), token in zip(live, firsts):
+            out[i].append(int(token))
+        for j in range(1, max((k for *_, k in live), default=0)):
+            rows = [(i, seq, start + j - 1) for i, seq, start, k in live if k > j]
+            tokens = self.runner.step([(seq, [out[i][-1]], pos) for i, seq, pos in rows])
+            for (i, _, _), token in zip(rows, tokens):
+                self.held[items[i][0]][1].append(out[i][-1])
+                out[i].append(int(token))
+        return out
+
+    def _run(self, rows: list[tuple[Sequence, list[int], int]]) -> list[int]:
+        """Feed every row its ids (start: the first position); each row's greedy next token after its
+        last id. Short catch-ups (at most SHORT tokens a row: after a round, one or two) run as decode
+        steps of one token a row, aligned to end together, so they replay the draft's decode graphs;
+        longer ones (a new request's prompt) in steps of at most max_batch_tokens tokens and
+        max_num_seqs rows, a long row in chunks."""
+        if not rows:
+            return []
+        longest = max(len(ids) for _, ids, _ in rows)
+        if longest <= SHORT:
+            tokens = []
+            for t in range(longest):  # row r's token i goes in step longest - len(ids_r) + i
+                step = [(seq, [ids[i]], start + i) for seq, ids, start in rows
+                        for i in [t - longest + len(ids)] if i >= 0]
+                tokens = self.runner.step(step)
+            return [int(x) for x in tokens]  # every row is in the last step, in order
+        limit, max_rows = self.runner.max_batch_tokens, self.runner.max_num_seqs
+        result = [0] * len(rows)
+        step, owners, used = [], [], 0
+
+        def flush():
+            nonlocal step, owners, used
+            if step:
+                tokens = self.runner.step(step)
+                for owner, token in zip(owners, tokens):
+                    if owner is not None:
+                        result[owner] = int(token)
+            step, owners, used = [], [], 0
+
+        for r, (seq, ids, start) in enumerate(rows):
+            pos = 0
+            while pos < len(ids):
+                take = min(len(ids) - pos, limit - used)
+                step.append((seq, ids[pos:pos + take], start + pos))
+                owners.append(r if pos + take == len(ids) else None)
+                used += take
+                pos += take
+                if used == limit or len(step) == max_rows:
+                    flush()
+        flush()
+        return result
+
+    def rollback(self, request_id: int, committed: list[int]) -> None:
+        """A round is over and `committed` is what the request kept: drop the draft's positions past it
+        (and its last token, which is fed with the next proposals)."""
+        if request_id not in self.held:
+            return
+        seq, fed = self.held[request_id]
+        keep = min(common_prefix(fed, committed), len(committed) - 1)
+        self.manager.truncate(seq, keep)
+        del fed[keep:]
+
+    def release(self, request_id: int) -> None:
+        """The request is over: give its draft pages back."""
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.manager.release(held[0])

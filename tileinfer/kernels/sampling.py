@@ -25,7 +25,7 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
     distinct token ids tokens[e] of its prompt or output, counts[e] their occurrences in the output (0:
     prompt only): logits[r, t] is divided by repetition[r] when positive (else multiplied; 1 = off), then
     reduced by frequency[r] * counts[e] + (presence[r] if counts[e] > 0). Rows without entries are left
-    alone; ids outside the vocabulary are skipped. Rounded as engine/sampler.apply_penalties rounds.
+    alone; ids outside the vocabulary are skipped. Rounded as runner/sampler.apply_penalties rounds.
 
     head_keys: the per-block keys the batch-1 LM head wrote with the logits (linear(head_keys=)), for
     one row only; row 0's largest logit is then read from them (a few KB instead of the vocabulary)

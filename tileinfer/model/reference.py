@@ -158,6 +158,10 @@ class ReferenceCache:
         self.num_positions = end
         return start
 
+    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Everything cached for one layer: (keys, values, their positions)."""
+        return self.keys[layer], self.values[layer], self.positions
+
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store one layer's new keys and values at entries start..start+len(k)-1."""
         if self.int8:
@@ -313,12 +317,21 @@ class ReferenceModel:
         cache.write(index, start, k, v)
         if cache.smoothing is not None:
             q = q * cache.smoothing[index]  # the cache holds k / c
-        out = r(attention(r(q), cache.keys[index], cache.values[index], positions, cache.positions))
+        keys, values, key_positions = cache.read(index)
+        out = r(attention(r(q), keys, values, positions, key_positions))
         return out.reshape(n, c.q_size) @ layer.o_proj.T  # [n, hidden]
 
     @staticmethod
     def _mlp_block(layer: _Layer, x: np.ndarray, r) -> np.ndarray:
         return r(silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
+
+    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, cache, rows: slice | None = None) -> np.ndarray:
+        """Logits of the given rows (default all) of tokens `ids` at `positions`, over any cache with
+        `write(layer, start, k, v)`, `read(layer) -> (keys, values, positions)` and `smoothing` (the CPU
+        runner's paged numpy cache). The caller has placed the positions in the cache."""
+        h = self._layers(np.asarray(ids, np.int64), np.asarray(positions, np.int64), cache, 0, _rounding(False))
+        h = h if rows is None else h[rows]
+        return rms_norm(h, self.norm, self.config.rms_norm_eps) @ self.lm_head.T
 
     def greedy(self, prompt_ids, n: int) -> list[int]:
         """The n tokens greedy decoding appends to the prompt (prefill once, then one token a step)."""

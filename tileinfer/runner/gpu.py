@@ -1,10 +1,13 @@
-"""A loaded model on the GPU: weights, workspace, a paged KV cache, step buffers, decode graphs.
+"""The GPU runner: weights, workspace, a paged KV cache, step buffers and CUDA graphs on one device.
 
-`Model.step` runs one forward step for a batch of (sequence, new tokens[, start]) rows and
-returns the next token of each sequence. Decode steps (one new token per sequence, at most
-`max_num_seqs` of them) replay a CUDA graph per batch bucket; steps with prefill chunks run
-eagerly (their shapes vary), except `Model.extend` of one sequence by at most
-EXTEND_GRAPH_TOKENS tokens (a speculative verify step), which replays a graph per token count.
+`launch(batch, ...)` enqueues one forward step over (sequence, new token ids[, start]) rows and returns
+the slot its sampled tokens arrive in; `collect(slot, n)` waits for them (`step` does both). A decode
+step (one new token per sequence, at most `max_num_seqs` of them) is padded to its batch bucket and
+replays that bucket's CUDA graph; a step with prompt chunks runs eagerly (its shapes vary). `verify`
+runs a speculative verify step (every new token's logits) from a graph per (bucket, tokens a row);
+`extend` runs teacher-forced prompt chunks and returns their logits. The forward pass
+(model/qwen3.py) has one caller, `_forward`. The engine (tileinfer/engine) drives a runner; the CPU
+runner (runner/cpu.py) offers the same methods over the float32 reference.
 
 Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for 1
 or 2 rows, the small-M GEMM up to 64, the tensor-core GEMM beyond), decode attention runs in its
@@ -19,7 +22,6 @@ any chunks, or recomputed after preemption; decode is slower.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -36,21 +38,16 @@ from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import Checkpoint
 from ..model.qwen3 import Workspace, forward, head_keys_written
 from ..model.weights import DeviceWeights
-from .step import SamplingRow, StepBuffers, StepShape, prepare_step
+from ..model.inputs import StepShape
+from .step import SamplingRow, StepBuffers, prepare_step
 
 log = logging.getLogger(__name__)
 
 MAX_SPLITS = 48
 # Decode blocks an SM the splits aim at: the BF16 kernel fits 2; the INT8 kernel 3 (its 16-row build) or 4
-# (the _h8 build of a decode step, group <= 8), kernels/attention.py's int8_decode_blocks. Measured (H200,
-# qwen3-4b, 32,768 positions, INT8), 2 -> 3 (16-row build): 263.7 / 263.9 -> 268.9 / 268.6 tokens/s.
+# (the _h8 build of a decode step, group <= 8), kernels/attention.py's int8_decode_blocks.
 INT8_DECODE_BLOCKS_MAX = 4
-EXTEND_GRAPH_TOKENS = 16  # Model.extend by 1..16 tokens of one sequence replays a graph per count
-LOGITS_MODES = ("all", "last", "argmax", "none")  # what Model.extend returns
-# Decode steps fetch their inputs from the mapped mirror with their first kernel (K.fetch_step, which also
-# writes the step's embeddings) instead of a host-to-device copy before them; TILEINFER_FETCH_STEP=0 copies
-# them as before and launches resolve_tokens and embedding (A/B runs).
-FETCH_STEP = os.environ.get("TILEINFER_FETCH_STEP", "1") != "0"
+LOGITS_MODES = ("all", "last", "argmax", "none")  # what extend returns
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
 
 
@@ -68,7 +65,7 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-class Model:
+class GPURunner:
     def __init__(self, path: str | Path, *, device: int = 0, max_batch_tokens: int = 2048,
                  max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
                  progress: bool = True):
@@ -95,7 +92,7 @@ class Model:
                                    max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
-        self.graphs = self.extend_graphs = None
+        self.graphs: DecodeGraphs | None = None
         self.verify_graphs: dict[tuple[int, str], DecodeGraphs] = {}  # (tokens a row, logits) -> graph per bucket
         self.use_graphs = True
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
@@ -143,7 +140,7 @@ class Model:
         if (c is not None and c.capacity >= max_tokens and c.page_size == page_size and c.int8 == int8
                 and (c.smoothing is not None) == (int8 and smoothing)):
             return c
-        self._drop_cache()
+        self.detach_cache()
         cache = self.new_cache(max_tokens=max_tokens, page_size=page_size, kv_quantize=kv_quantize, smoothing=smoothing)
         self.attach_cache(cache, max_context=cache.capacity)
         log.info("KV cache (%s): %d pages of %d positions, %.2f GB", cache.layout.dtype_name, cache.layout.num_pages,
@@ -153,14 +150,12 @@ class Model:
     def attach_cache(self, cache: PagedKVCache, *, max_context: int, penalty_capacity: int = 0) -> None:
         """Use `cache` from now on (the previous one is freed): new step buffers, no graphs yet."""
         self._check_open()
-        self._drop_cache()
+        self.detach_cache()
         self.cache = cache
         self.max_context = max_context
         self.steps = StepBuffers(self.max_batch_tokens, self.max_num_seqs, cache.layout.block_table_width,
                                  penalty_capacity=penalty_capacity)
         self.graphs = DecodeGraphs(self._enqueue_decode, self.buckets)
-        self.extend_graphs = DecodeGraphs(self._enqueue_extend, range(1, EXTEND_GRAPH_TOKENS + 1),
-                                          kind="extend", bucket_unit="tokens")
 
     def _splits_for(self, batch: int, max_tiles: int, per_sm: int | None = None) -> int:
         """The most splits whose blocks fit one wave of `per_sm` decode blocks an SM (default: the attached
@@ -185,44 +180,35 @@ class Model:
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
-    def _enqueue(self, shape: StepShape, *, all_logits: bool, sample: bool, num_splits: int, stream,
-                 embedded: bool = False) -> None:
-        logits = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=all_logits,
-                         num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant,
-                         embedded=embedded)
-        if sample:
-            d, b = self.steps.dev, shape.num_seqs
-            penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
-                         d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
-            keyed = head_keys_written(logits, self.batch_invariant)  # batch 1: row 0's maximum is known
-            K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
-                     d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
-                     self.steps.sampled.rows(0, b), stream, penalties=penalties,
-                     head_keys=self.workspace.head_keys if keyed else None, host_out=self.steps.sampled_out,
-                     host_slot=d["sample_slot"])
+    def _forward(self, shape: StepShape, *, all_logits: bool, num_splits: int, stream, embedded: bool = False):
+        """Enqueue the forward pass of one step (its only caller); returns its logits rows."""
+        return forward(self.weights, self.workspace, self.cache, self.steps.inputs, shape, all_logits=all_logits,
+                       num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant, embedded=embedded)
 
-    def extend_splits(self, n: int) -> int:
-        """Key-range splits of a one-sequence step of n query tokens: a decode step's, as far as the
-        workspace's partial buffers allow (1 when batch-invariant)."""
-        ws = self.workspace
-        if self.batch_invariant or n > ws.max_decode_rows:
-            return 1
-        return max(1, min(self.decode_splits(1), ws.max_partial_rows // n))
-
-    def _enqueue_extend(self, n: int, stream):
-        shape = StepShape(num_tokens=n, num_seqs=1, max_q_len=n)
-        return forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True,
-                       num_splits=self.extend_splits(n), stream=stream, batch_invariant=self.batch_invariant)
+    def _enqueue_step(self, shape: StepShape, *, sample: bool, num_splits: int, stream, embedded: bool = False):
+        """A step's forward, then (sample=True) the sampling launch over each sequence's last logits row."""
+        logits = self._forward(shape, all_logits=False, num_splits=num_splits, stream=stream, embedded=embedded)
+        if not sample:
+            return
+        d, b = self.steps.dev, shape.num_seqs
+        penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
+                     d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
+        keyed = head_keys_written(logits, self.batch_invariant)  # batch 1: row 0's maximum is known
+        K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
+                 d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
+                 self.steps.sampled.rows(0, b), stream, penalties=penalties,
+                 head_keys=self.workspace.head_keys if keyed else None, host_out=self.steps.sampled_out,
+                 host_slot=d["sample_slot"])
 
     def _enqueue_decode(self, bucket: int, stream) -> None:
+        """A decode step of `bucket` rows (what its graph captures): its first kernel fetches the step's inputs
+        from the mapped host mirror, resolves tokens sampled by the step before and embeds them."""
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
-        if FETCH_STEP:  # the step reads its inputs from the mapped mirror itself (no copy before it)
-            d = self.steps.dev
-            K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
-                         stream, embed=(self.weights.embed, self.workspace.resid.rows(0, bucket)))
-            self.steps.record_fetched(stream)
-        self._enqueue(shape, all_logits=False, sample=True, num_splits=self.decode_splits(bucket), stream=stream,
-                      embedded=FETCH_STEP)
+        d = self.steps.dev
+        K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
+                     stream, embed=(self.weights.embed, self.workspace.resid.rows(0, bucket)))
+        self.steps.record_fetched(stream)
+        self._enqueue_step(shape, sample=True, num_splits=self.decode_splits(bucket), stream=stream, embedded=True)
 
     # ------------------------------------------------------------------ steps
     def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
@@ -248,22 +234,18 @@ class Model:
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
                          token_src=token_src)
             self.steps.set_sample_slot(self._slot)
-            if FETCH_STEP:
-                self.steps.upload_penalties(self.stream)
-            else:
-                self.steps.upload(self.stream)
+            self.steps.upload_penalties(self.stream)
             if self.use_graphs:
                 self.graphs.run(bucket, self.stream)
             else:
                 self._enqueue_decode(bucket, self.stream)
-            if FETCH_STEP:
-                self.steps.fetched()
+            self.steps.fetched()
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
                                  token_src=token_src)
             self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
-            self._enqueue(shape, all_logits=False, sample=sample, num_splits=1, stream=self.stream)
+            self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream)
         if not sample:
             return None
         slot = self._slot  # the sampling kernel writes the ids into this row of the mapped sampled_host
@@ -282,6 +264,10 @@ class Model:
         self.wait_seconds += time.perf_counter() - t
         return out
 
+    def logits_rows(self, n: int) -> np.ndarray:
+        """The last step's first n logits rows (after penalties, before temperature): for logprobs."""
+        return self.workspace.logits.rows(0, n).to_host(self.stream)
+
     def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
                smoothing: bool = True) -> np.ndarray:
         """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab].
@@ -290,7 +276,7 @@ class Model:
         earlier ones wrote, and to its own keys as the cache stores them), exactly as a prefill
         does; kv_quantize="int8" uses an INT8 cache (smoothed keys unless smoothing=False).
         """
-        ids = self._validate_ids(token_ids)
+        ids = self.validate_ids(token_ids)
         cache = self.ensure_cache(max(len(ids), 1), kv_quantize=kv_quantize, smoothing=smoothing)
         seq = Sequence()
         try:
@@ -312,7 +298,7 @@ class Model:
             raise RuntimeError("no KV cache is attached to this model: call ensure_cache() first")
         if logits not in LOGITS_MODES:
             raise ValueError(f"logits must be one of {', '.join(map(repr, LOGITS_MODES))}, got {logits!r}")
-        ids = self._validate_ids(token_ids)
+        ids = self.validate_ids(token_ids)
         chunk = min(chunk or self.workspace.max_logit_rows, self.workspace.max_logit_rows, self.max_batch_tokens)
         cache = self.cache
         every_row = logits in ("all", "argmax")
@@ -325,14 +311,7 @@ class Model:
             shape = prepare_step(self.steps, cache.manager, [(seq, part)])
             self.steps.upload(self.stream)
             n = len(part)
-            if n > EXTEND_GRAPH_TOKENS:  # without all rows, the LM head runs on the chunk's last row only
-                rows = forward(self.weights, self.workspace, cache, self.steps, shape, all_logits=every_row,
-                               num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
-            elif self.use_graphs:
-                self.extend_graphs.run(n, self.stream)
-                rows = self.workspace.logits.rows(0, n)
-            else:
-                rows = self._enqueue_extend(n, self.stream)
+            rows = self._forward(shape, all_logits=every_row, num_splits=1, stream=self.stream)
             if every_row:
                 out[start: start + n] = self._read_rows(rows, n, logits)
             elif logits == "last" and start + n == len(ids):
@@ -369,8 +348,7 @@ class Model:
         shape = prepare_step(self.steps, self.cache.manager, batch, **pad)
         self.steps.upload(self.stream)
         if bucket is None:
-            rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True,
-                           num_splits=1, stream=self.stream, batch_invariant=self.batch_invariant)
+            rows = self._forward(shape, all_logits=True, num_splits=1, stream=self.stream)
             t = time.perf_counter()
             out = self._read_rows(rows, n, logits)
         else:
@@ -399,8 +377,7 @@ class Model:
         argmax of every row's logits when logits="argmax"."""
         n = bucket * width
         shape = StepShape(num_tokens=n, num_seqs=bucket, max_q_len=width)
-        rows = forward(self.weights, self.workspace, self.cache, self.steps, shape, all_logits=True, num_splits=1,
-                       stream=stream, batch_invariant=self.batch_invariant)
+        rows = self._forward(shape, all_logits=True, num_splits=1, stream=stream)
         if logits == "argmax":
             K.argmax(rows, self.workspace.logit_argmax.rows(0, n), stream)
 
@@ -419,7 +396,7 @@ class Model:
         if copies:
             self.cache.copy_pages(copies, self.stream)
 
-    def _validate_ids(self, token_ids) -> list[int]:
+    def validate_ids(self, token_ids) -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("token_ids is empty: give at least one token")
@@ -433,10 +410,10 @@ class Model:
         if self._closed:
             raise RuntimeError("this Model was closed; load it again")
 
-    def _drop_cache(self) -> None:
+    def detach_cache(self) -> None:
+        """Free the attached cache, its step buffers and graphs."""
         if self.graphs is not None:
             self.graphs.destroy()
-            self.extend_graphs.destroy()
         for graphs in self.verify_graphs.values():
             graphs.destroy()
         self.verify_graphs = {}
@@ -444,26 +421,21 @@ class Model:
             self.steps.free()
         if self.cache is not None:
             self.cache.free()
-        self.cache = self.steps = self.graphs = self.extend_graphs = None
+        self.cache = self.steps = self.graphs = None
 
     def close(self) -> None:
         """Free every device allocation this model made."""
         if self._closed:
             return
         self.stream.synchronize()
-        self._drop_cache()
+        self.detach_cache()
         self.workspace.free()
         self.weights.free()
         self.stream.destroy()
         self._closed = True
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> "GPURunner":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def load_model(path: str | Path, **kwargs) -> Model:
-    """Load a Hugging Face Qwen3 checkpoint directory onto the GPU."""
-    return Model(path, **kwargs)

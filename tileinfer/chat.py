@@ -18,19 +18,19 @@ user/assistant turns (the system message stays) until it fits. Nothing is ever c
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..kv import Sequence
-from ..kv.paged_cache import check_kv_quantize
-from .speculative import (ModelDecoder, ModelDraft, Sampling, SpecStats, check_count, check_draft_model,
-                          speculative_stream)
-from ..model.tokenizer import CHAT_TEMPLATE
-from .detokenize import IncrementalDetokenizer
-from .generate import check_sampling
-from .step import SamplingRow
+from .engine.engine import Engine
+from .engine.params import SamplingParams
+from .engine.scheduler import FINISHED
+from .engine.speculative import SpecStats
+from .generate import engine_over
+from .kv import Sequence
+from .kv.paged_cache import check_kv_quantize
+from .llm import LLM
+from .model.tokenizer import CHAT_TEMPLATE
 
 
 class ContextFullError(ValueError):
@@ -86,11 +86,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ChatSession:
-    """A conversation with a loaded model (tileinfer.Model, or the model of an idle tileinfer.LLM).
+    """A conversation with a loaded model (a runner from `load_model`, or an idle `LLM`).
 
         chat = ChatSession(model, system="You are terse.")
         reply = chat.send("Hello!", max_tokens=64)
         print(reply, chat.last_turn)
+
+    Each turn is one request through the engine loop, holding the session's sequence: the engine admits
+    it onto the positions the sequence keeps (the common prefix), computes the rest, and leaves the
+    sequence cut to the known tokens when the reply ends.
     """
 
     def __init__(self, model, *, max_context: int = 4096, kv_quantize: str | None = None, system: str | None = None,
@@ -98,24 +102,24 @@ class ChatSession:
                  draft_model=None, num_draft_tokens: int = 4):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
-        check_count("num_draft_tokens", num_draft_tokens)
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         self.num_draft_tokens = num_draft_tokens
         if on_overflow not in ("error", "drop_oldest"):
             raise ValueError(f"on_overflow must be 'error' or 'drop_oldest', got {on_overflow!r}")
-        if hasattr(model, "scheduler"):  # an LLM: use its model and cache while it is idle
-            if model.has_unfinished_requests():
+        self.llm = model if isinstance(model, LLM) else None
+        if self.llm is not None:  # use its engine and pool while it is idle
+            if self.llm.has_unfinished_requests():
                 raise RuntimeError("the LLM has requests in flight; finish them before starting a chat on it")
-            if max_context > model.max_context:
-                raise ValueError(f"max_context {max_context} exceeds the LLM's max_context ({model.max_context}), "
-                                 f"which sizes its block tables; create the LLM with a larger max_context")
-            model = model.model
+            if max_context > self.llm.config.max_context:
+                raise ValueError(f"max_context {max_context} exceeds the LLM's max_context "
+                                 f"({self.llm.config.max_context}), which sizes its block tables; create the LLM "
+                                 f"with a larger max_context")
+            model = self.llm.runner
         self.model = model
-        if draft_model is not None:
-            check_draft_model(model, draft_model)
         self.draft_model = draft_model
-        self._draft: ModelDraft | None = None  # the draft's own cached sequence, reused across turns
         limit = model.config.max_position_embeddings
-        if not isinstance(max_context, int) or not 1 < max_context <= limit:
+        if not isinstance(max_context, int) or isinstance(max_context, bool) or not 1 < max_context <= limit:
             raise ValueError(f"max_context must be an integer in 2..{limit} (the model's positions), got {max_context!r}")
         self.max_context = max_context
         self.on_overflow = on_overflow
@@ -136,11 +140,6 @@ class ChatSession:
         if self._seq is not None and self._cache is not None and self._cache is self.model.cache:
             self._cache.manager.release(self._seq)
         self._seq, self._cache, self._cached = None, None, []
-        if self._draft is not None:
-            decoder = self._draft.decoder
-            if decoder.cache is self.draft_model.cache:
-                decoder.release()
-            self._draft = None
 
     def close(self) -> None:
         self._release()
@@ -186,57 +185,51 @@ class ChatSession:
         when the generator finishes (an abandoned turn leaves the history as it was)."""
         if not isinstance(message, str) or not message:
             raise ValueError("message must be a non-empty string")
-        check_sampling(temperature, top_k, top_p, max_tokens)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         messages = [dict(m) for m in self.messages] + [{"role": "user", "content": message}]
         ids, dropped = self._fit(messages, max_tokens, enable_thinking)
-        return self._turn(messages, ids, dropped, max_tokens,
-                          SamplingRow(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                                      seed=int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")))
+        return self._turn(messages, ids, dropped, params)
 
-    def _turn(self, messages, ids, dropped, max_tokens, row) -> Iterator[str]:
-        if self.draft_model is not None:
-            yield from self._speculative_turn(messages, ids, dropped, max_tokens, row)
-            return
-        model = self.model
-        cache, reused = self._keep_common_prefix(ids, self.max_context)
-        manager, seq = cache.manager, self._seq
+    def _engine(self) -> Engine:
+        """The engine of this turn: the LLM's, or one over the model whose cache holds max_context (and a
+        verify step's positions past it when speculating). A new cache means the held sequence is gone."""
+        if self.llm is not None:
+            engine = self.llm.engine
+        else:
+            room = self.max_context + (self.num_draft_tokens + 1 if self.draft_model is not None else 0)
+            engine = engine_over(self.model, room, kv_quantize=self.kv_quantize, kv_smoothing=self.kv_smoothing,
+                                 draft=self.draft_model, num_draft_tokens=self.num_draft_tokens)
+        if self._cache is not self.model.cache:  # first turn, or the model's cache was replaced since
+            self._seq, self._cache, self._cached = Sequence(), self.model.cache, []
+        return engine
+
+    def _turn(self, messages, ids, dropped, params: SamplingParams) -> Iterator[str]:
+        engine = self._engine()
+        # Keep the common prefix, at least the prompt's last token to compute (its logits start the reply).
+        reused = min(common_prefix(self._cached, ids), len(ids) - 1)
+        if self._seq.num_positions:
+            self._cache.manager.truncate(self._seq, min(reused, self._seq.num_positions))
+        req = engine.make_request(ids, params, seq=self._seq, keep_seq=True)
         start = time.perf_counter()
-        detok = IncrementalDetokenizer(model.tokenizer)
-        out: list[int] = []
-        eos = set(model.eos_token_ids)
+        engine.add(req, stream=True)
         completed = False
         try:
-            chunk = model.max_batch_tokens
-            pos = reused
-            token = None
-            while pos < len(ids):
-                part = ids[pos:pos + chunk]
-                manager.reserve(seq, len(part))
-                last = pos + len(part) == len(ids)
-                result = model.step([(seq, part, pos)], [row], sample=last)
-                self._cached.extend(part)
-                pos += len(part)
-                if last:
-                    token = int(result[0])
-            prefill_done = time.perf_counter()
-            while True:
-                out.append(token)
-                if token in eos:
-                    break
-                text = detok.add(token)
-                if text:
-                    yield text
-                if len(out) >= max_tokens:
-                    break
-                manager.reserve(seq, 1)
-                token = int(model.step([(seq, [token], len(self._cached))], [row])[0])
-                self._cached.append(out[-1])
+            while req.status != FINISHED or req.unresolved:
+                for r, token, _ in engine.step():
+                    text = r.detokenizer.stream_delta(r.status == FINISHED and not r.unresolved)
+                    if text:
+                        yield text
             completed = True
         finally:
-            if not completed:  # abandoned or failed: keep the cache consistent with what it holds
-                manager.truncate(seq, len(self._cached))
-        end = time.perf_counter()
-        self._finish_turn(messages, ids, out, reused, dropped, prefill_done - start, end - prefill_done)
+            if not completed:  # abandoned or failed: the request ends, the sequence keeps what is known
+                engine.abort(req)
+            engine.drain()
+            if self._seq.num_positions:
+                self._cache.manager.truncate(self._seq, req.known_positions())
+            self._cached = req.token_ids[:self._seq.num_positions]
+        first = req.first_token_time or start
+        self._finish_turn(messages, ids, req.output_ids, req.num_cached_tokens, dropped, first - start,
+                          (req.finish_time or first) - first, req.spec)
 
     def _finish_turn(self, messages, ids, out, reused, dropped, prefill_seconds, decode_seconds,
                      speculation: SpecStats | None = None) -> None:
@@ -248,47 +241,3 @@ class ChatSession:
                                    new_tokens=len(out), prefill_seconds=prefill_seconds,
                                    decode_seconds=decode_seconds, dropped_turns=dropped, token_ids=out,
                                    speculation=speculation)
-
-    def _keep_common_prefix(self, ids: list[int], positions: int):
-        """The model's cache (for at least `positions`), with the session's sequence cut back to its
-        common prefix with `ids`, always leaving the last prompt token to compute (its logits start
-        the reply). Returns (cache, positions reused)."""
-        cache = self.model.ensure_cache(positions, kv_quantize=self.kv_quantize, smoothing=self.kv_smoothing)
-        if self._cache is not cache:  # first turn, or the model's cache was replaced since
-            self._seq, self._cache, self._cached = Sequence(), cache, []
-        reused = min(common_prefix(self._cached, ids), len(ids) - 1)
-        cache.manager.truncate(self._seq, reused)
-        self._cached = self._cached[:reused]
-        return cache, reused
-
-    def _speculative_turn(self, messages, ids, dropped, max_tokens, row) -> Iterator[str]:
-        """A turn with the draft model proposing (engine/speculative.py): both models keep their
-        cached prefix of the conversation, and both caches end the turn holding only kept tokens."""
-        model, k = self.model, self.num_draft_tokens
-        room = self.max_context + k + 1  # a verify step feeds up to k + 1 positions past the committed ones
-        cache, reused = self._keep_common_prefix(ids, room)
-        draft_cache = self.draft_model.ensure_cache(room)
-        if self._draft is None or self._draft.decoder.cache is not draft_cache:
-            self._draft = ModelDraft(ModelDecoder(self.draft_model, draft_cache))
-        target = ModelDecoder(model, cache, self._seq, self._cached)
-        self._draft.rollback(ids)  # keep the draft's cached prefix of this prompt
-        stats = SpecStats()
-        detok = IncrementalDetokenizer(model.tokenizer)
-        eos = set(model.eos_token_ids)
-        out: list[int] = []
-        start = time.perf_counter()
-        try:
-            for token in speculative_stream(target, self._draft, ids, max_new_tokens=max_tokens, num_draft_tokens=k,
-                                            sampling=Sampling(row.temperature, row.top_k, row.top_p), seed=row.seed,
-                                            eos_token_ids=eos, stats=stats):
-                out.append(token)
-                if token not in eos:
-                    text = detok.add(token)
-                    if text:
-                        yield text
-        finally:
-            # Whatever happened, the session's record is what the target's sequence holds.
-            self._cached = target.tokens
-        end = time.perf_counter()
-        self._finish_turn(messages, ids, out, reused, dropped, stats.prefill_seconds,
-                          end - start - stats.prefill_seconds, stats)

@@ -9,7 +9,6 @@ addresses, so a graph captured at one length stays valid as sequences grow.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,16 +16,15 @@ from cuda.bindings import driver
 
 from ..cuda import DeviceArray, Event, PinnedBuffer, call
 from ..kv import BlockManager
+from ..model.inputs import StepInputs, StepShape
 
 _ALIGN = 16
-# TILEINFER_COPY_SAMPLES=1: also copy the sampled ids back after each step (what the engine did before the
-# sampling kernel wrote them into mapped memory), for A/B runs.
-COPY_SAMPLES = os.environ.get("TILEINFER_COPY_SAMPLES", "0") == "1"
 
 
 @dataclass(eq=False)
 class SamplingRow:
-    """One sequence's sampling parameters as the kernels read them (see engine/params.py)."""
+    """One sequence's sampling parameters packed as the sampling kernel reads them (the engine builds it
+    from a request's SamplingParams)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -38,14 +36,6 @@ class SamplingRow:
 
 
 _GREEDY = SamplingRow()
-
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """What the kernels of one step are launched for."""
-    num_tokens: int     # rows of the step (sum of the sequences' new tokens, padding included)
-    num_seqs: int       # sequences (padding included)
-    max_q_len: int      # most new tokens of any one sequence
 
 
 class StepBuffers:
@@ -94,6 +84,10 @@ class StepBuffers:
         # flight (two, row sample_slot), so a step's ids can be read while the next step runs and no copy
         # follows the step in the stream.
         self.sampled = DeviceArray((max_seqs,), np.int32)
+        d = self.dev
+        self.inputs = StepInputs(tokens=d["tokens"], token_src=d["token_src"], positions=d["positions"],
+                                 slots=d["slots"], cu_q=d["cu_q"], kv_lens=d["kv_lens"], last_rows=d["last_rows"],
+                                 block_tables=d["block_tables"], sampled=self.sampled)
         self.sampled_host = PinnedBuffer(2 * max_seqs * 4, mapped=True)
         self.sampled_out = self.sampled_host.device_array((2, max_seqs), np.int32)
         self.sampled_ready = [Event(), Event()]
@@ -153,9 +147,6 @@ class StepBuffers:
 
     def mark_sampled(self, slot: int, n: int, stream) -> None:
         """Record that slot's event after the step's launches (read the ids with read_sampled)."""
-        if COPY_SAMPLES:  # the former way, for A/B runs: copy the ids back after the step
-            call(driver.cuMemcpyDtoHAsync, self.sampled_host.ptr + slot * self.max_seqs * 4, self.sampled.ptr,
-                 n * 4, stream.handle)
         self.sampled_ready[slot].record(stream)
 
     def read_sampled(self, n: int, slot: int) -> np.ndarray:

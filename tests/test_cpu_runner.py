@@ -1,0 +1,131 @@
+"""The whole engine on the CPU runner (the float32 reference over a paged numpy cache), on the tiny
+synthetic checkpoint: the same path a GPU request takes (scheduler, chunked prefill, prefix caching,
+preemption, pipelining, speculation, chat), checked against the reference model computed directly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tileinfer
+from tileinfer import LLM, SamplingParams
+from tileinfer.chat import common_prefix
+from tileinfer.model.checkpoint import Checkpoint
+from tileinfer.model.config import preset
+from tileinfer.model.reference import ReferenceModel
+from tileinfer.model.synthetic import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint) -> ReferenceModel:
+    return ReferenceModel.from_checkpoint(Checkpoint.open(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-draft")
+    write_checkpoint(preset("tiny"), out, seed=1, progress=False)
+    return out
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 151_000, n).tolist() for n in lengths]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def cpu_llm(path, **kw) -> LLM:
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("max_context", 256)
+    return LLM(path, device="cpu", progress=False, **kw)
+
+
+def test_greedy_llm_output_equals_the_reference(tiny_checkpoint, reference):
+    prompts = prompts_of([5, 70, 1, 33])
+    with cpu_llm(tiny_checkpoint, max_num_batched_tokens=48) as llm:  # 70 tokens prefill in two chunks
+        outs = llm.generate(prompts, greedy(6))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference.greedy(p, 6)
+
+
+def test_batched_and_one_at_a_time_give_the_same_tokens(tiny_checkpoint):
+    prompts = prompts_of([9, 40, 3, 17, 60], seed=1)
+    params = [greedy(5), SamplingParams(max_tokens=5, temperature=1.0, top_k=20, seed=3), greedy(7),
+              SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=4, repetition_penalty=1.2), greedy(3)]
+    with cpu_llm(tiny_checkpoint) as llm:
+        together = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+
+
+def test_prefix_caching_on_and_off_give_the_same_tokens(tiny_checkpoint):
+    shared = prompts_of([130], seed=2)[0]
+    prompts = [shared + tail for tail in prompts_of([3, 20, 1], seed=3)]
+    with cpu_llm(tiny_checkpoint, page_size=16) as on, cpu_llm(tiny_checkpoint, page_size=16,
+                                                               enable_prefix_caching=False) as off:
+        on.generate(prompts[:1], greedy(4))  # fills the cache with the shared prefix
+        hits = on.generate(prompts, greedy(4))
+        plain = off.generate(prompts, greedy(4))
+    assert [o.token_ids for o in hits] == [o.token_ids for o in plain]
+    assert all(o.num_cached_tokens >= 128 for o in hits) and all(o.num_cached_tokens == 0 for o in plain)
+
+
+def test_preemption_and_recompute_give_the_same_tokens(tiny_checkpoint):
+    prompts = prompts_of([30, 25, 40, 20, 35], seed=5)
+    with cpu_llm(tiny_checkpoint, page_size=16) as roomy:
+        want = [o.token_ids for o in roomy.generate(prompts, greedy(16))]
+    with cpu_llm(tiny_checkpoint, page_size=16, max_context=96, num_pages=9) as tight:  # 144 positions, 4 x 64 wanted
+        outs = tight.generate(prompts, greedy(16))
+        assert tight.stats.preemptions > 0
+        assert tight.runner.cache.manager.num_free_pages == 9
+    assert [o.token_ids for o in outs] == want
+
+
+def test_speculative_greedy_equals_plain_greedy(tiny_checkpoint, draft_checkpoint):
+    prompts = prompts_of([12, 50, 4], seed=6)
+    with cpu_llm(tiny_checkpoint) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, greedy(10))]
+    with cpu_llm(tiny_checkpoint, draft_model=draft_checkpoint, num_draft_tokens=3) as spec:
+        outs = spec.generate(prompts, greedy(10))
+        assert spec.engine.drafter.runner.cache.manager.num_free_pages == \
+            spec.engine.drafter.runner.cache.manager.num_pages
+    assert [o.token_ids for o in outs] == want
+    assert all(o.speculation.target_steps > 0 for o in outs)
+
+
+def test_generate_and_logits_on_a_cpu_model(tiny_checkpoint, reference):
+    model = tileinfer.load_model(tiny_checkpoint, device="cpu")
+    prompt = prompts_of([21], seed=7)[0]
+    result = tileinfer.generate(model, prompt, max_new_tokens=5, stop_at_eos=False)
+    assert result.token_ids == reference.greedy(prompt, 5) and result.finish_reason == "length"
+    np.testing.assert_allclose(model.logits(prompt, chunk=8), reference.forward(prompt), rtol=1e-4, atol=1e-4)
+    int8 = model.logits(prompt, kv_quantize="int8", chunk=8)
+    np.testing.assert_allclose(int8, reference.forward(prompt, reference.new_cache(int8=True, smoothing=True)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_chat_reuses_its_prefix_and_says_what_it_computed(tiny_checkpoint):
+    with cpu_llm(tiny_checkpoint, max_context=512) as llm:
+        chat = tileinfer.ChatSession(llm, max_context=512, system="Be brief.")
+        chat.send("Hello there", max_tokens=6)
+        first = chat.last_turn
+        assert first.reused_tokens == 0 and first.computed_tokens == first.prompt_tokens
+        held = list(chat._cached)  # the first turn's prompt and reply (but its last token)
+        assert len(held) == first.prompt_tokens + first.new_tokens - 1
+        chat.send("And again", max_tokens=6)
+        second = chat.last_turn
+        prompt = chat.render(chat.messages[:-1])
+        assert second.reused_tokens == common_prefix(held, prompt) > first.prompt_tokens // 2
+        assert second.computed_tokens == second.prompt_tokens - second.reused_tokens
+        assert chat._seq.num_positions == len(chat._cached)
+        assert not llm.has_unfinished_requests()
+
+
+def test_logprobs_and_stop_strings_on_the_cpu(tiny_checkpoint):
+    with cpu_llm(tiny_checkpoint) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and max(entry.values()) == entry[token] and all(v <= 0 for v in entry.values())

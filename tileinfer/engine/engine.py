@@ -1,0 +1,435 @@
+"""The engine loop: schedule -> run -> accept, the one path every request takes.
+
+`LLM.generate`, `generate`, `ChatSession` and the server all add requests here and call `step()`:
+
+  1. schedule: the Scheduler picks this step's rows (decode tokens and prompt chunks, continuous
+     batching, preemption when the pool runs out);
+  2. run: the runner launches the step (runner/gpu.py or runner/cpu.py); decoding requests that
+     speculate instead get a draft-propose / verify round (`_verify`);
+  3. accept: the sampled tokens are appended, the detokenizer, stop strings, stop tokens, logprobs
+     and max_tokens see them, finished requests free their pages.
+
+Steps are pipelined: step k + 1 is planned and launched while step k runs on the GPU, and step k's
+tokens are read back afterwards. A decode row whose token step k has not returned yet takes it straight
+from the device (the runner's token_src); the host keeps a placeholder (-1) in the request's tokens
+until the value arrives. A request that step k ends (EOS, a stop) may still be in step k + 1: that
+row's result is dropped. Requests with penalties or logprobs need every token before the next step is
+planned, and so do speculative rounds; while one is running, steps are not pipelined.
+
+A request may hold a sequence from before (a chat's earlier turns, `Request.seq` with positions already
+computed, `keep_seq=True`): it is admitted onto its held pages, and when it finishes it keeps them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..cuda import CudaError
+from ..kv import BlockManager
+from ..runner.step import SamplingRow
+from .detokenize import IncrementalDetokenizer
+from .outputs import EngineStats, RequestOutput
+from .params import SamplingParams
+from .scheduler import FINISHED, Request, ScheduledRow, Scheduler
+from .speculative import SpecStats, accept
+
+Event = tuple[Request, int, str]  # (request, new token, the text it completes)
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its rows, the slot of its samples, and (row, request, token index) of every
+    placeholder it will fill."""
+    rows: list[ScheduledRow]
+    slot: int | None
+    samplers: list[tuple[int, Request, int]]
+
+    @property
+    def decode(self) -> bool:
+        """Every row is one new token (no prompt chunk)."""
+        return all(r.count == 1 for r in self.rows)
+
+
+@dataclass
+class _Penalties:
+    """One request's penalty entries: every distinct prompt/output token and its output count."""
+    index: dict[int, int] = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, token: int, output: bool) -> None:
+        at = self.index.get(token)
+        if at is None:
+            self.index[token] = at = len(self.ids)
+            self.ids.append(token)
+            self.counts.append(0)
+        if output:
+            self.counts[at] += 1
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self.ids, np.int32), np.asarray(self.counts, np.int32)
+
+
+def sampling_row(params: SamplingParams, seed: int) -> SamplingRow:
+    """A request's SamplingParams packed as the sampling kernel reads them."""
+    return SamplingRow(temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p),
+                       min_p=float(params.min_p), seed=seed, repetition=float(params.repetition_penalty),
+                       presence=float(params.presence_penalty), frequency=float(params.frequency_penalty))
+
+
+class Engine:
+    """Requests, a scheduler and a runner (plus, speculating, a drafter with its own cache)."""
+
+    def __init__(self, config: EngineConfig, runner, tokenizer, eos_token_ids, drafter=None):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.drafter = drafter
+        manager: BlockManager = runner.cache.manager
+        self.scheduler = Scheduler(manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=runner.max_batch_tokens, max_context=config.max_context)
+        self.stats = EngineStats()
+        self.broken: str | None = None  # the CUDA error that stopped the engine
+        self._next_id = 0
+        self._inflight: _InFlight | None = None
+        self._last_rows: dict[int, int] = {}  # request id -> its row in the step in flight (if it samples)
+
+    # ------------------------------------------------------------------ requests
+    def prompt_ids(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
+        """A prompt (text, UTF-8 bytes or token ids) as token ids, and its text; ValueError if unusable."""
+        if isinstance(prompt, (bytes, bytearray)):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"prompt {index} is not valid UTF-8 ({e}); pass text (str) or token ids") from None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty: give some text or token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids, prompt
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is an empty token list")
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {index}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        return ids, None
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, *, seq=None,
+                     keep_seq: bool = False) -> Request:
+        """A request for these tokens (checked to fit); seq: a held sequence whose positions hold a prefix."""
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        req = Request(request_id=self._next_id, prompt_ids=prompt_ids, params=params, seed=params.resolved_seed())
+        if seq is not None:
+            req.seq = seq
+        req.keep_seq = keep_seq
+        self._next_id += 1
+        return req
+
+    def add(self, req: Request, *, stream: bool = False) -> None:
+        """Queue a request: its sampling row, penalties, detokenizer and stops are set up here."""
+        self._check_usable()
+        p = req.params
+        req.sampling_row = sampling_row(p, req.seed)
+        req.penalties = None
+        if p.has_penalties:
+            req.penalties = _Penalties()
+            for t in req.prompt_ids:
+                req.penalties.add(t, output=False)
+        if p.stop or stream:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                                     stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+        if p.logprobs is not None:
+            req.logprobs = []
+        req.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        req.sync = p.has_penalties or p.logprobs is not None
+        if self.drafter is not None and not req.sync:  # penalties and logprobs decode one token a step
+            req.spec = SpecStats()
+            req.spec_rng = np.random.default_rng(req.seed)
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += req.num_prompt
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.abort(req)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or self._inflight is not None
+
+    def output(self, req: Request, prompt: str | None = None) -> RequestOutput:
+        out_ids = req.output_ids
+        if req.detokenizer is not None:
+            text = req.detokenizer.text
+        else:
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=req.params.skip_special_tokens)
+        t0 = req.arrival_time
+        return RequestOutput(
+            request_id=req.request_id, prompt=prompt, prompt_token_ids=req.prompt_ids, text=text, token_ids=out_ids,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=req.logprobs,
+            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
+            time_to_first_token=(req.first_token_time - t0) if req.first_token_time else 0.0,
+            seconds=(req.finish_time - t0) if req.finish_time else 0.0, speculation=req.spec)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Event]:
+        """Launch the next step (if any) and finish the previous one; (request, new token, new text) for
+        every token read back.
+
+        A CUDA error (often reported at the next synchronisation, not at the launch that caused it)
+        leaves the device state unknown: the engine refuses all further work and says why."""
+        self._check_usable()
+        start = time.perf_counter()
+        try:
+            events = self._speculative_step() if self.drafter is not None else self._pipelined_step()
+        except CudaError as e:
+            self.broken = str(e)
+            if "OUT_OF_MEMORY" in str(e):
+                raise MemoryError(f"the GPU ran out of memory during a step ({e}); another process probably took "
+                                  f"memory after start-up. Start with a lower gpu_memory_utilization.") from None
+            raise
+        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return events
+
+    def _pipelined_step(self) -> list[Event]:
+        start = time.perf_counter()
+        events: list[Event] = []
+        finished = None  # the last step this iteration waited for: its time is counted as that step's
+        sync = not self.config.async_scheduling or self._sync_needed()
+        if sync and self._inflight is not None:
+            events += self._finish(self._inflight)
+            finished, self._inflight = self._inflight, None
+        rows = self.scheduler.schedule() if self.scheduler.has_unfinished else []
+        launched = self._launch(rows) if rows else None
+        if self._inflight is not None:
+            events += self._finish(self._inflight)
+            finished = self._inflight
+        self._inflight = launched
+        if launched is not None and sync:
+            events += self._finish(launched)
+            finished, self._inflight = launched, None
+        self._check_progress(launched is not None, events)
+        if finished is not None and finished.decode:
+            self.stats.decode_seconds += time.perf_counter() - start
+        return events
+
+    def _speculative_step(self) -> list[Event]:
+        """Rows that are one decoding token of a request that speculates get a round (`_verify`); the others
+        (prompt chunks, requests with penalties or logprobs) run first as a plain step. Not pipelined: a
+        round's proposals depend on every token before them."""
+        events: list[Event] = []
+        rows = self.scheduler.schedule() if self.scheduler.has_unfinished else []
+        speculates = [r.count == 1 and r.samples and r.request.spec is not None for r in rows]
+        plain = [r for r, s in zip(rows, speculates) if not s]
+        if plain:
+            events += self._finish(self._launch(plain))
+        spec = [r for r, s in zip(rows, speculates) if s]
+        if spec:
+            events += self._verify(spec)
+        live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        for rid in [rid for rid in self.drafter.held if rid not in live]:
+            self.drafter.release(rid)  # finished or aborted: its draft pages go back
+        self._check_progress(bool(rows), events)
+        return events
+
+    def _check_progress(self, ran: bool, events: list) -> None:
+        """A step that ran nothing and returned nothing while requests wait would loop forever."""
+        if not ran and not events and self.scheduler.has_unfinished:
+            raise RuntimeError("the scheduler found nothing to run although requests are unfinished; "
+                               "this is a bug in the scheduler")
+
+    def _sync_needed(self) -> bool:
+        return any(r.sync for r in self.scheduler.running) or any(r.sync for r in self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ run
+    def _step_inputs(self, rows: list[ScheduledRow]):
+        """The runner's rows (sequence, token ids, start) and, per row, the previous step's row whose sample
+        is its token (-1: the token is known on the host)."""
+        batch, token_src = [], []
+        for r in rows:
+            req = r.request
+            ids = req.token_ids[r.start:r.start + r.count]
+            src = -1
+            if ids[-1] < 0:  # sampled by the step in flight: read it on the device
+                assert r.count == 1, "a placeholder token inside a prefill chunk"
+                src = self._last_rows[req.request_id]
+                ids = [0]
+            batch.append((req.seq, ids, r.start))
+            token_src.append(src)
+        return batch, token_src
+
+    def _launch(self, rows: list[ScheduledRow]) -> _InFlight:
+        batch, token_src = self._step_inputs(rows)
+        penalties = None
+        if any(r.request.penalties is not None for r in rows):
+            penalties = [r.request.penalties.arrays() if r.request.penalties is not None else None for r in rows]
+        slot = self.runner.launch(batch, [r.request.sampling_row for r in rows], sample=any(r.samples for r in rows),
+                                  penalties=penalties, token_src=token_src if max(token_src) >= 0 else None)
+        self.scheduler.update(rows)
+        self._count_step(rows)  # before the placeholders below change what r.samples says
+        samplers = []
+        self._last_rows = {}
+        for i, r in enumerate(rows):
+            if not r.samples:
+                continue
+            req = r.request
+            samplers.append((i, req, len(req.token_ids)))
+            req.token_ids.append(-1)
+            req.unresolved += 1
+            self._last_rows[req.request_id] = i
+            if req.num_output >= req.params.max_tokens:
+                self.scheduler.finish(req, "length")  # known now; its last token arrives with this step
+        return _InFlight(rows, slot, samplers)
+
+    def _count_step(self, rows: list[ScheduledRow]) -> None:
+        s = self.stats
+        decode = all(r.count == 1 for r in rows)
+        s.steps += 1
+        s.graph_steps += int(decode and self.runner.use_graphs)
+        s.decode_steps += int(decode)
+        s.decode_rows += len(rows) if decode else 0
+        s.decode_positions += sum(r.start + 1 for r in rows) if decode else 0
+        s.computed_tokens += sum(r.count for r in rows)
+        s.prefill_tokens += sum(r.count for r in rows
+                                if not (r.count == 1 and r.samples and r.start >= r.request.num_prompt))
+
+    # ------------------------------------------------------------------ accept
+    def _finish(self, step: _InFlight) -> list[Event]:
+        sampled = self.runner.collect(step.slot, len(step.rows))
+        self.scheduler.register(step.rows)
+        logprob_rows = [i for i, req, _ in step.samplers if req.logprobs is not None and not req.closed]
+        logprobs = self._logprobs(logprob_rows, step.rows, sampled) if logprob_rows else {}
+        events = []
+        for i, req, index in step.samplers:
+            if req.closed:
+                continue  # ended by a stop or an abort in an earlier step (its placeholders are gone)
+            req.unresolved -= 1
+            token = int(sampled[i])
+            req.token_ids[index] = token
+            events.append(self._accept(req, index, token, logprobs.get(i)))
+        return events
+
+    def _accept(self, req: Request, index: int, token: int, logprobs) -> Event:
+        """A token read back: the detokenizer, penalties, logprobs and the stop checks see it."""
+        self.stats.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        if req.penalties is not None:
+            req.penalties.add(token, output=True)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        text = req.detokenizer.add(token) if req.detokenizer is not None else ""
+        stop = None
+        if token in req.stop_ids:
+            stop = token
+        elif req.detokenizer is not None and req.detokenizer.stopped_by is not None:
+            stop = req.detokenizer.stopped_by
+        if stop is not None:
+            req.closed = True
+            req.unresolved = 0
+            del req.token_ids[index + 1:]  # tokens launched after this one are dropped
+            self.scheduler.finish(req, "stop", stop)
+        return req, token, text
+
+    def _logprobs(self, indices: list[int], rows: list[ScheduledRow], sampled) -> dict[int, dict[int, float]]:
+        """Top-n log-probabilities (of the logits after penalties, before temperature) per row."""
+        logits = self.runner.logits_rows(max(indices) + 1)
+        out = {}
+        for i in indices:
+            n = rows[i].request.params.logprobs
+            row = logits[i].astype(np.float64)
+            m = row.max()
+            lp = row - (m + np.log(np.exp(row - m).sum()))
+            top = np.argpartition(-lp, n)[:n] if n else np.array([], np.int64)
+            top = top[np.argsort(-lp[top], kind="stable")]
+            entry = {int(t): float(lp[t]) for t in top}
+            entry[int(sampled[i])] = float(lp[int(sampled[i])])
+            out[i] = entry
+        return out
+
+    # ------------------------------------------------------------------ speculation
+    def _proposal_counts(self, rows: list[ScheduledRow]) -> list[tuple[int, list[int], int]]:
+        """(request id, committed tokens, k) per row, k positions reserved: at most num_draft_tokens, none past
+        max_tokens (a round always emits one token more), none the pool or the verify step has no room for."""
+        manager = self.scheduler.manager
+        room = self.runner.max_verify_tokens - len(rows)
+        items = []
+        for r in rows:
+            req = r.request
+            k = min(self.config.num_draft_tokens, req.params.max_tokens - req.num_output - 1, room)
+            if k > 0 and manager.can_reserve(req.seq, k):
+                room -= k
+                manager.reserve(req.seq, k)
+            else:
+                k = 0
+            items.append((req.request_id, req.token_ids, k))
+        return items
+
+    def _verify(self, rows: list[ScheduledRow]) -> list[Event]:
+        """One speculative round for these decode rows: the draft's proposals, one target step over every
+        row's last token and proposals, each request's accepted tokens, both caches rolled back."""
+        items = self._proposal_counts(rows)
+        proposals = self.drafter.propose(items)
+        batch = []
+        for r, (_, _, k), props in zip(rows, items, proposals):
+            if len(props) < k:  # the draft's pool had no room for this request
+                self.scheduler.manager.truncate(r.request.seq, r.start + 1 + len(props))
+            batch.append((r.request.seq, [r.request.token_ids[-1]] + props, r.start))
+        greedy = all(not r.request.params.temperature > 0 for r in rows)
+        width = self.config.num_draft_tokens + 1 if self.runner.use_graphs else None
+        out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width)
+        self.scheduler.update(rows)
+        self.stats.steps += 1
+        self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)
+        events, at = [], 0
+        for r, props in zip(rows, proposals):
+            p_rows = out[at: at + len(props) + 1]
+            at += len(props) + 1
+            if not greedy and not r.request.params.temperature > 0:
+                p_rows = p_rows.argmax(axis=1)
+            events += self._accept_round(r, props, p_rows)
+        return events
+
+    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows) -> list[Event]:
+        req = r.request
+        emitted, accepted = accept(props, p_rows, req.params, req.spec_rng)
+        st = req.spec
+        st.target_steps += 1
+        st.drafted += len(props)
+        st.accepted += accepted
+        st.emitted += len(emitted)
+        keep = r.start + 1 + accepted  # the target keeps the committed tokens but the last (fed next round)
+        self.scheduler.manager.truncate(req.seq, keep)
+        req.num_computed = keep
+        events = []
+        for token in emitted:
+            index = len(req.token_ids)
+            req.token_ids.append(token)
+            events.append(self._accept(req, index, token, None))
+            if req.closed:
+                break
+            if req.num_output >= req.params.max_tokens:
+                self.scheduler.finish(req, "length")
+                break
+        if req.status != FINISHED:
+            self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
+            self.drafter.rollback(req.request_id, req.token_ids)
+        return events
+
+    # ------------------------------------------------------------------ lifetime
+    def drain(self) -> None:
+        """Collect a step still in flight (launched ahead for requests that have finished since)."""
+        if self._inflight is not None and not self.broken:
+            self._finish(self._inflight)
+            self._inflight = None
+
+    def _check_usable(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"this engine stopped after a GPU error ({self.broken}); its results can no longer "
+                               f"be trusted: close it and create a new one")

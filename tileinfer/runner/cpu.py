@@ -1,0 +1,292 @@
+"""The CPU runner: the float32 numpy reference (model/reference.py) over a paged numpy KV cache.
+
+It offers the GPU runner's methods (launch / collect / step, verify, extend, logits) and honours the
+same block tables, slots, token sources and sampling rule (runner/sampler.py is the sampling kernel's
+specification, bit for bit), so the whole engine (batching, chunked prefill, prefix caching with
+copy-on-write, preemption, speculation, chat) runs on a machine without a GPU: slowly and exactly.
+Each sequence of a step is computed on its own, so a request's logits never depend on the batch
+around it.
+
+The cache: per layer, keys and values [num_pages, kv_heads, page_size, head_dim] float32, written at
+the steps' slots; attention reads a sequence's positions through its block table. An INT8 cache stores
+each vector quantized and dequantized once when written (kv/int8.py), keys smoothed, as the
+reference's INT8 model does.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ..kv import BlockManager, Sequence
+from ..kv.int8 import dequantize, quantize, smoothing_factors
+from ..kv.paged_cache import cdiv, check_kv_quantize
+from ..model.checkpoint import Checkpoint
+from ..model.reference import ReferenceModel
+from .sampler import apply_penalties, sample as sample_token
+from .step import SamplingRow
+
+log = logging.getLogger(__name__)
+
+LOGITS_MODES = ("all", "last", "argmax", "none")
+DEFAULT_POOL_BYTES = 1 << 30  # a CPU pool sized without an explicit size holds at most this much
+
+
+class NumpyPagedCache:
+    """Paged keys and values in host memory, with the GPU cache's page layout and BlockManager."""
+
+    def __init__(self, config, *, num_pages: int, page_size: int = 64, enable_prefix_caching: bool = False,
+                 int8: bool = False, smoothing: list[np.ndarray] | None = None):
+        shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+        self.manager = BlockManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
+        self.page_size, self.num_pages, self.int8 = page_size, num_pages, int8
+        self.smoothing = smoothing  # per layer [head_dim]: the INT8 cache stores k / c
+        self.nbytes = 2 * sum(k.nbytes for k in self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages * self.page_size
+
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store new keys and values [n, kv_heads, head_dim] at flat slots (page * page_size + offset)."""
+        if self.int8:
+            if self.smoothing is not None:
+                k = k / self.smoothing[layer]
+            k, v = dequantize(*quantize(k)), dequantize(*quantize(v))
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        self.k[layer][pages, :, offsets] = k
+        self.v[layer][pages, :, offsets] = v
+
+    def gather(self, layer: int, block_table: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions 0..length-1 of a sequence: keys and values [length, kv_heads, head_dim]."""
+        positions = np.arange(length)
+        pages = np.asarray(block_table, np.int64)[positions // self.page_size]
+        offsets = positions % self.page_size
+        return self.k[layer][pages, :, offsets], self.v[layer][pages, :, offsets]
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole pages (src, dst) of every layer, in order (copy-on-write)."""
+        for src, dst in copies:
+            for pool in (*self.k, *self.v):
+                pool[dst] = pool[src]
+
+
+class _SequenceView:
+    """One sequence's rows of a step, as ReferenceModel's layers read a cache: writes go to the step's
+    slots, reads gather positions 0..end-1 through the block table."""
+
+    def __init__(self, cache: NumpyPagedCache, seq: Sequence, start: int, n: int):
+        self.cache, self.seq, self.end = cache, seq, start + n
+        self.slots = cache.manager.slots(seq, start, n).astype(np.int64)
+        self.smoothing = cache.smoothing
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.cache.write(layer, self.slots, k, v)
+
+    def read(self, layer: int):
+        keys, values = self.cache.gather(layer, self.seq.block_table, self.end)
+        return keys, values, np.arange(self.end)
+
+
+class CPURunner:
+    """The reference model as a runner. `max_num_seqs` and `max_batch_tokens` bound a step as on the GPU."""
+
+    use_graphs = False
+
+    def __init__(self, path: str | Path, *, max_batch_tokens: int = 2048, max_num_seqs: int = 8,
+                 max_logit_rows: int = 256, progress: bool = False):
+        self.checkpoint = Checkpoint.open(path)
+        self.config = self.checkpoint.config
+        self.eos_token_ids = list(self.checkpoint.eos_token_ids)
+        self.reference = ReferenceModel.from_checkpoint(self.checkpoint)
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
+        self.max_logit_rows = max(max_logit_rows, max_num_seqs)
+        self.cache: NumpyPagedCache | None = None
+        self.max_context = 0
+        self.wait_seconds = 0.0
+        self._pending: dict[int, np.ndarray] = {}  # slot -> sampled ids of a launched step
+        self._slot = 0
+        self._prev = np.zeros(0, np.int32)         # the last sampled step's ids (token_src reads them)
+        self._last_logits = np.zeros((0, self.config.vocab_size), np.float32)
+        self._tokenizer = None
+
+    # ------------------------------------------------------------------ tokenizer
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self.checkpoint.tokenizer()
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self, *, num_pages: int | None = None, max_tokens: int | None = None, page_size: int = 64,
+                  enable_prefix_caching: bool = False, kv_quantize: str | None = None, smoothing: bool = True,
+                  max_seq_len: int | None = None) -> NumpyPagedCache:
+        """A paged numpy cache of num_pages (or max_tokens positions); INT8 with smoothed keys if asked."""
+        if (num_pages is None) == (max_tokens is None):
+            raise ValueError("new_cache: give exactly one of num_pages or max_tokens")
+        int8 = check_kv_quantize(kv_quantize)
+        factors = [smoothing_factors(layer.k_norm) for layer in self.reference.layers] if int8 and smoothing else None
+        pages = num_pages if num_pages is not None else cdiv(max_tokens, page_size)
+        return NumpyPagedCache(self.config, num_pages=pages, page_size=page_size,
+                               enable_prefix_caching=enable_prefix_caching, int8=int8, smoothing=factors)
+
+    def default_pages(self, max_context: int, page_size: int, kv_quantize: str | None) -> int:
+        """Pages for max_num_seqs sequences of max_context, at most DEFAULT_POOL_BYTES, at least one sequence."""
+        c = self.config
+        page_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * page_size * c.head_dim * 4
+        one = cdiv(max_context, page_size)
+        return max(one, min(self.max_num_seqs * one, DEFAULT_POOL_BYTES // page_bytes))
+
+    def attach_cache(self, cache: NumpyPagedCache, *, max_context: int, penalty_capacity: int = 0) -> None:
+        self.cache, self.max_context = cache, max_context
+
+    def ensure_cache(self, max_tokens: int, page_size: int = 64, *, kv_quantize: str | None = None,
+                     smoothing: bool = True) -> NumpyPagedCache:
+        """A cache holding at least max_tokens positions of this kind (a new one if the attached one is not)."""
+        int8 = check_kv_quantize(kv_quantize)
+        c = self.cache
+        if (c is not None and c.capacity >= max_tokens and c.page_size == page_size and c.int8 == int8
+                and (c.smoothing is not None) == (int8 and smoothing)):
+            return c
+        cache = self.new_cache(max_tokens=max_tokens, page_size=page_size, kv_quantize=kv_quantize,
+                               smoothing=smoothing)
+        self.attach_cache(cache, max_context=cache.capacity)
+        return cache
+
+    # ------------------------------------------------------------------ steps
+    def _rows_logits(self, seq: Sequence, ids: list[int], start: int, every_row: bool) -> np.ndarray:
+        """One sequence's new tokens through the reference: [n or 1, vocab] logits."""
+        view = _SequenceView(self.cache, seq, start, len(ids))
+        positions = np.arange(start, start + len(ids))
+        return self.reference.forward_rows(np.asarray(ids), positions, view, None if every_row else slice(-1, None))
+
+    def _check_step(self, batch) -> list[tuple[Sequence, list[int], int]]:
+        rows = []
+        for i, item in enumerate(batch):
+            seq, ids = item[0], [int(t) for t in item[1]]
+            start = item[2] if len(item) > 2 else seq.num_positions - len(ids)
+            if not ids or start < 0 or start + len(ids) > seq.num_positions:
+                raise ValueError(f"step: sequence {i} computes positions [{start}, {start + len(ids)}) but has "
+                                 f"{seq.num_positions} reserved")
+            rows.append((seq, ids, start))
+        if len(rows) > self.max_num_seqs and not all(len(ids) == 1 for _, ids, _ in rows):
+            pass  # prompt steps are bounded by tokens, not rows
+        if sum(len(ids) for _, ids, _ in rows) > self.max_batch_tokens:
+            raise ValueError(f"step of {sum(len(ids) for _, ids, _ in rows)} tokens exceeds max_batch_tokens "
+                             f"({self.max_batch_tokens})")
+        return rows
+
+    def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
+               penalties: list | None = None, token_src: list[int] | None = None) -> int | None:
+        """Run one step now; returns the slot to `collect` its sampled tokens from (None with sample=False)."""
+        rows = self._check_step(batch)
+        self._copy_pending_pages()
+        if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
+            rows = [(seq, [int(self._prev[src])] if src >= 0 else ids, start)
+                    for (seq, ids, start), src in zip(rows, token_src)]
+        last = np.concatenate([self._rows_logits(seq, ids, start, False) for seq, ids, start in rows])
+        if not sample:
+            return None
+        out = np.zeros(len(rows), np.int32)
+        for i, (seq, ids, start) in enumerate(rows):
+            row = sampling[i] if sampling else SamplingRow()
+            if penalties is not None and penalties[i] is not None:
+                last[i] = apply_penalties(last[i], *penalties[i], row.repetition, row.presence, row.frequency)
+            out[i] = sample_token(last[i], temperature=row.temperature, top_k=row.top_k, top_p=row.top_p,
+                            min_p=row.min_p, seed=row.seed, counter=start + len(ids))
+        self._last_logits, self._prev = last, out
+        slot, self._slot = self._slot, self._slot ^ 1
+        self._pending[slot] = out
+        return slot
+
+    def collect(self, slot: int | None, n: int) -> np.ndarray | None:
+        return None if slot is None else self._pending.pop(slot)[:n]
+
+    def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
+             penalties: list | None = None) -> np.ndarray | None:
+        return self.collect(self.launch(batch, sampling, sample=sample, penalties=penalties), len(batch))
+
+    def logits_rows(self, n: int) -> np.ndarray:
+        """The last sampled step's first n logits rows, after penalties, before temperature (for logprobs)."""
+        return self._last_logits[:n]
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return min(self.max_batch_tokens, self.max_logit_rows)
+
+    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None) -> np.ndarray:
+        """Every new token's next-token logits ("all", [tokens, vocab]) or their argmaxes ("argmax", [tokens])."""
+        if logits not in ("argmax", "all"):
+            raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
+        rows = self._check_step(batch)
+        n = sum(len(ids) for _, ids, _ in rows)
+        if not rows or n > self.max_verify_tokens:
+            raise ValueError(f"verify: {n} tokens in {len(rows)} rows; a verify step takes 1..{self.max_verify_tokens}")
+        self._copy_pending_pages()
+        out = np.concatenate([self._rows_logits(seq, ids, start, True) for seq, ids, start in rows])
+        return out.argmax(axis=1).astype(np.int32) if logits == "argmax" else out
+
+    def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None,
+               logits: str = "all") -> np.ndarray | None:
+        """Append tokens to `seq` in chunks (pages reserved here) and return their logits as the GPU runner's
+        extend does: "all" [n, vocab], "last" [1, vocab], "argmax" [n], "none" None."""
+        if self.cache is None:
+            raise RuntimeError("no KV cache is attached to this runner: call ensure_cache() first")
+        if logits not in LOGITS_MODES:
+            raise ValueError(f"logits must be one of {', '.join(map(repr, LOGITS_MODES))}, got {logits!r}")
+        ids = self.validate_ids(token_ids)
+        chunk = min(chunk or self.max_logit_rows, self.max_logit_rows, self.max_batch_tokens)
+        parts = []
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            self.cache.manager.reserve(seq, len(part))
+            self._copy_pending_pages()
+            parts.append(self._rows_logits(seq, part, seq.num_positions - len(part), True))
+        rows = np.concatenate(parts)
+        if logits == "none":
+            return None
+        return rows[-1:] if logits == "last" else rows.argmax(axis=1).astype(np.int32) if logits == "argmax" else rows
+
+    def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
+               smoothing: bool = True) -> np.ndarray:
+        """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab]."""
+        ids = self.validate_ids(token_ids)
+        cache = self.ensure_cache(len(ids), kv_quantize=kv_quantize, smoothing=smoothing)
+        seq = Sequence()
+        try:
+            return self.extend(seq, ids, chunk=chunk)
+        finally:
+            cache.manager.release(seq)
+
+    def _copy_pending_pages(self) -> None:
+        copies = self.cache.manager.take_pending_copies()
+        if copies:
+            self.cache.copy_pages(copies)
+
+    def validate_ids(self, token_ids) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("token_ids is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids: {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def close(self) -> None:
+        self.cache = None
+
+    def __enter__(self) -> "CPURunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
