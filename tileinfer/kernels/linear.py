@@ -24,7 +24,6 @@ Which kernel (`default_path`), from scripts/bench_gemm_small.py and A/B runs on 
     batch 128 14,972 -> 18,671, batch 256 18,101 -> 22,012; qwen3-0.6b batch 128 32,873 -> 34,085,
     batch 256 42,544 -> 42,616.
 """
-import os
 from dataclasses import dataclass
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
@@ -53,9 +52,7 @@ SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 # The deep B = 16 builds (gemm_swap_b16d_*, DEEP_STAGES stages, one block an SM): for grids of at most one
 # block an SM whose blocks stream at least DEEP_STAGES k-chunks each (on the H200 they made qwen3-8b's verify
 # step 1.7% faster; on qwen3-0.6b's short rows, 2-8 chunks a block, every batch of 4-16 20% slower).
-# TILEINFER_SWAP_DEEP=0 keeps the ordinary builds (A/B runs).
 SWAP_DEEP_STAGES = 20
-SWAP_DEEP = os.environ.get("TILEINFER_SWAP_DEEP", "1") != "0"
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
 NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
 
@@ -259,7 +256,7 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
             ksplit //= 2
     elif ksplit not in SWAP_SPLITS:
         raise ValueError(f"swap_config: ksplit must be one of {SWAP_SPLITS}, got {ksplit}")
-    deep = SWAP_DEEP and B == 16 and tiles * ksplit <= sms and cdiv(K, SWAP_BK) >= SWAP_DEEP_STAGES * ksplit
+    deep = B == 16 and tiles * ksplit <= sms and cdiv(K, SWAP_BK) >= SWAP_DEEP_STAGES * ksplit
     stages = SWAP_DEEP_STAGES if deep else SWAP_STAGES[B]
     smem = stages * (SWAP_TILE + B) * SWAP_BK * 2 + 1024  # Cfg<B, 1, deep>::SMEM: the stages + alignment
     return SwapConfig(B, ksplit, (ksplit, tiles), smem, deep)
@@ -356,13 +353,6 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
 NORM_EPILOGUES = ("bf16", "silu_mul")  # the products that follow a norm: QKV and gate/up
 
 
-def fused_norm_default() -> bool:
-    """Whether norm_linear fuses the norm into the GEMV unless told: on, TILEINFER_FUSED_NORM=0 turns it
-    off. Measured on the H200 (bench.py, one call): qwen3-0.6b batch 1 1,073 -> 1,109 tok/s, qwen3-4b
-    318.7 -> 316.8 (within run-to-run noise)."""
-    return os.environ.get("TILEINFER_FUSED_NORM", "1") != "0"
-
-
 NORM_SHORT_K = 1024  # QKV rows this short take the 64-register build (gemv.cu, GEMV_NORM_KERNEL)
 
 
@@ -374,17 +364,14 @@ def norm_kernel_name(M: int, K: int, epilogue: str) -> str:
 
 
 def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,
-                out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
-                fused: bool | None = None) -> None:
+                out: DeviceArray, epilogue: str, stream, *, force: str | None = None) -> None:
     """out <- epilogue(rmsnorm(resid) * norm_w @ w.T), resid [M, K] float32: a product that follows a
-    norm. On the GEMV path (`fused`, default fused_norm_default()) each block normalizes the rows
+    norm. On the GEMV path at 1-2 rows (QKV, gate/up) each block normalizes the rows
     itself (cuda_src/gemv.cu, gemv_norm_*: bitwise what the rmsnorm kernel would write) and `x` is
     left as it was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs."""
     M, K = resid.shape
-    if fused is None:
-        fused = fused_norm_default()
     path = force or default_path(M, w.shape[0])
-    if not (fused and path == "gemv" and M in GEMV_DEFAULT_ROWS and epilogue in NORM_EPILOGUES):
+    if not (path == "gemv" and M in GEMV_DEFAULT_ROWS and epilogue in NORM_EPILOGUES):
         rmsnorm(resid, norm_w, x, eps, stream)
         linear(x, w, out, epilogue, stream, force=force)
         return
