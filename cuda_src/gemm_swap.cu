@@ -6,7 +6,7 @@
 // weights (Hugging Face [out, in]); K % 8 == 0, N % 8 == 0.
 //
 // Why swap: at M <= 64 a decode step is bound by HBM (every weight read once, ~M flops per byte).
-// A GEMM that tiles M by 32 rows (the deleted gemm_small.cu) reads each weight tile twice at M = 64;
+// A GEMM that tiles M by 32 rows reads each weight tile twice at M = 64;
 // a GEMV's CUDA cores stop keeping up with HBM past a few rows. Here the tensor cores compute the
 // transpose D[n, m] = sum_k W[n, k] x[m, k] with wgmma.m64nBk16: the wgmma
 // "A" operand (64 rows x 16 k) is a 64-row slice of W, the "B" operand (B x 16) is the whole batch,
@@ -62,7 +62,7 @@
 //
 // Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi), the producer ..._np(..., epi, next_w, next_x,
 // ss_out) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps): grid (KS, tiles), block 128 * WG,
-// dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py computes the same numbers);
+// dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py, swap_smem: the same numbers);
 // tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (16
 // kernels a norm role, not 64; only WG = 1 is built, see the end of the file). The deep builds
 // gemm_swap_b16d_* are B = 16 with DEEP_STAGES stages (Cfg's DEEP), for grids of one block an SM.
@@ -75,10 +75,11 @@
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 // Builds of the swap-AB GEMM: the plain one, and the norm statistics' producer (_np) and consumer (_nc), so
 // that the plain build carries none of their code (one build taking both as arguments made every product
-// slower: qwen3-8b verify 4.81 -> 5.02 ms on the H200, session 14).
+// slower).
 enum NormRole { NORM_NONE = 0, NORM_PRODUCER = 1, NORM_CONSUMER = 2 };
 
 #define BK 64  // k per chunk: one 128-byte shared-memory row
+#define SS_LOADS 3  // the consumer sums at most 32 * SS_LOADS = 96 partials a row (rows of up to 6,144)
 
 // Deep builds (the _b16d kernels): B = 16 with DEEP_STAGES stages (~201 KB, one block an SM), for grids of
 // at most one block an SM, where the ordinary build's 9 chunks ahead (72 KB a block) may be too few bytes
@@ -191,8 +192,6 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define SS_LOADS 3  // the consumer sums at most 32 * SS_LOADS = 96 partials a row (rows of up to 6,144)
-
 // The consumer's 1 / rms a row, from the prologue to the epilogue (a function so that only the consumer
 // builds have the static shared array).
 template <int B> __device__ __forceinline__ float *row_scale_smem() {
@@ -431,9 +430,8 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 2, __cluster_dims__(2, 1, 1))                                             \
     SWAP_KERNEL(TAG, B, WG, DEEP, 4, __cluster_dims__(4, 1, 1))                                             \
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
-// One warpgroup a block only: in the H200 sweep of qwen3-0.6b's and qwen3-4b's layer matrices at M = 16
-// and 64 (session 10), two warpgroups were at best 3-5% faster (0.6b QKV, 4b gate/up and down_proj at
-// M = 64) and often slower; the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
+// One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
+// slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
 SWAP_SPLITS(b16, 16, 1, false)
 SWAP_SPLITS(b32, 32, 1, false)
 SWAP_SPLITS(b64, 64, 1, false)

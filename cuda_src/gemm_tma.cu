@@ -12,7 +12,7 @@
 // accumulators in registers: BN / 2 a thread, both operands read from shared memory through
 // matrix descriptors), then runs the epilogue straight from its registers to global memory.
 // BN = 256 (gemm_tma_e*: 4 stages of 48 KB) or 128 (gemm_tma_n128_e*: 6 stages of 32 KB); the launcher
-// (tileinfer/kernels/linear.py, gemm_width) takes the one with the smaller (rounds of tiles per block) x (tile cost):
+// (tileinfer/kernels/linear.py, tma_width) takes the one with the smaller (rounds of tiles per block) x (tile cost):
 // 128 where 256-wide tiles would leave many SMs idle in the last round (N = 2560 at 4,096 tokens).
 //
 // Pipeline: per stage a "full" mbarrier (1 arrival: the producer's arrive.expect_tx of the stage's
@@ -47,15 +47,6 @@
 // A and W themselves are not read (the maps hold the addresses). Launch: grid (min(tiles, SMs)),
 // block (384), dynamic shared memory SMEM_BYTES.
 //
-// Against the cp.async wgmma GEMM it replaced (gemm.cu, since removed: 2 warpgroups, 128 x 128 tiles,
-// cp.async, all warps loading and multiplying, __syncthreads per k-step), measured on the H200 as an
-// A/B in one call (this kernel from an experiment harness with the same launch; qwen3-4b prefill of
-// 4,096 tokens, bench.py --profile, two runs each): gate/up 340-341 -> 683-690 TFLOP/s, QKV 392-395
-// -> 646-651, o_proj + down_proj 380-384 -> 555-556 (128-wide tiles); the whole prefill 313-314 ->
-// 420-421 TFLOP/s, 512 tokens 264-269 -> 367-397. In the tree (session 10, one call, two runs each):
-// 4,096 tokens 311-312 -> 418-419, 512 tokens 267-268 -> 394-397; the GPU suite passed with it on
-// every "gemm" product.
-//
 // Registers (ptxas, CUDA 13): 168 a thread at launch (384 threads, one block per SM), no spills; the
 // producer's code after setmaxnreg.dec uses < 24, the consumers' < 168 (232 available).
 //
@@ -80,8 +71,8 @@
 //      sums: deterministic, no atomics, no workspace), and runs the epilogue on them: every output
 //      element is stored (or, residual, added to `out`) by exactly one block, once;
 //   4. a second cluster barrier: no block exits (freeing its shared memory) while another reads it.
-// The producer and consumer code before that is the persistent kernel's (KS = 1 compiles to the same
-// SASS as before the split existed). The launcher (tileinfer/kernels/linear.py, tma_plan) picks KS and the width from (M, N, K)
+// The producer and consumer code before that is the persistent kernel's (KS = 1 is the persistent
+// kernel itself). The launcher (tileinfer/kernels/linear.py, tma_plan) picks KS and the width from (M, N, K)
 // and the number of clusters that fit at once (cuOccupancyMaxActiveClusters). Registers: 168, no spills.
 //
 // wgmma, TMA and setmaxnreg exist only on sm_90a: load_module compiles for it on

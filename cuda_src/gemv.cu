@@ -24,8 +24,7 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
 #define UNROLL 4
 #define PIPE_UNROLL 2
 // Norm-weight chunks (4 elements) a thread loads before the PDL wait (rows of up to 2,048 fully), in rows
-// longer than NORM_EARLY_MIN_K. Measured (H200, batch 1, GPU ms a step, against loading them after the
-// row's reduction): qwen3-4b 2.595 -> 2.566, 8b 4.245 -> 4.190, but 0.6b (rows of 1,024) 0.674 -> 0.682.
+// longer than NORM_EARLY_MIN_K; shorter rows load them after the row's reduction, which was faster there.
 #define NORM_CHUNKS 2
 #define NORM_EARLY_MIN_K 1024
 
@@ -288,10 +287,9 @@ GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
 // products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL). resid [M, K] float32;
 // dynamic shared memory M * K * 2 bytes; block (256) as the rmsnorm kernel's, K % 8 == 0.
 // MIN_BLOCKS 4 caps a kernel at 64 registers (4 blocks an SM, the wave gemv_ksplit plans for; the
-// compiler would give gate/up 68, QKV 72). Measured on the H200 (bench.py --ablate, GPU ms per step):
-// gate/up capped: qwen3-4b 2.720 -> 2.630, 0.6b and 8b unchanged (0.694 -> 0.692, 4.311 -> 4.305).
-// QKV capped (gemv_norm_m1_e0_b4): qwen3-0.6b 0.715 -> 0.686 (QKV 130 -> 99 us in-graph), but
-// qwen3-4b 2.614 -> 2.629 and 8b 4.248 -> 4.292; so norm_linear takes it for rows of <= 1,024 only.
+// compiler would give gate/up 68, QKV 72). Capped, gate/up was faster or no slower on every Qwen3 size;
+// QKV only on short rows, so norm_linear takes the capped QKV build (gemv_norm_m1_e0_b4) for rows of at
+// most 1,024 (linear.NORM_SHORT_K).
 #define GEMV_NORM_KERNEL(NAME, M, EPI, MIN_BLOCKS)                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                                \
         NAME(const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps, \

@@ -1,14 +1,20 @@
-"""Which kernel linear() runs for each decode and prefill shape (tileinfer.kernels.linear.default_path).
-The choices come from H200 measurements (scripts/bench_gemm_small.py, quoted in the module docstring);
-this pins them so a change to the routing is deliberate."""
-import pytest
-
+"""Which kernel linear() runs for each decode and prefill shape (the routing section of
+tileinfer.kernels.linear), and that the launcher's sizes and kernel names are the kernels' own. The
+choices come from H200 measurements (scripts/bench_gemm_small.py, docs/benchmarks.md); this pins them so
+a change to the routing is deliberate. CPU only."""
+import importlib
 import re
 
-from tileinfer.cuda.compiler import cuda_src_dir
-from tileinfer.kernels.linear import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE, default_path, gemv_ksplit,
-                                      norm_kernel_name, swap_config, tma_plan, tma_tiles, tma_width)
+import pytest
+
+from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.kernels.linear import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE, default_path,
+                                      fuses_norm, gemv_ksplit, norm_kernel_name, swap_config, tma_plan, tma_tiles,
+                                      tma_width)
 from tileinfer.model.config import preset
+
+# The module (the package's `linear` attribute is the launcher function of the same name).
+L = importlib.import_module("tileinfer.kernels.linear")
 
 
 def layer_matrices(name: str) -> dict[str, int]:
@@ -75,7 +81,7 @@ def test_tma_tma_width():
     assert tma_tiles(1, 8, False, 128) == 1
 
 
-H200_SLOTS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200 (session 10)
+H200_SLOTS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200
 
 
 def test_tma_plan_splits_only_within_one_wave():
@@ -125,7 +131,7 @@ def test_swap_config_matches_the_kernels():
 
 
 def test_swap_split_is_the_fewest_that_fill_the_gpu():
-    # The H200 sweep's best splits (session 10): qwen3-4b at M = 16: QKV (96 tiles) 2, o_proj and down_proj
+    # The H200 sweep's best splits: qwen3-4b at M = 16: QKV (96 tiles) 2, o_proj and down_proj
     # (40 tiles) 4, gate/up (304 tiles) 1; qwen3-0.6b's o_proj and down_proj (16 tiles) 8.
     assert swap_config(16, 6144, 2560, "bf16").ksplit == 2
     assert swap_config(16, 2560, 4096, "residual").ksplit == 4
@@ -133,3 +139,67 @@ def test_swap_split_is_the_fewest_that_fill_the_gpu():
     assert swap_config(16, 19456, 2560, "silu_mul").ksplit == 1
     assert swap_config(64, 1024, 3072, "residual").ksplit == 8
     assert swap_config(64, 1024, 8, "residual").ksplit == 1  # one k-chunk: nothing to split
+
+
+def test_deep_swap_builds_take_long_rows_on_one_block_an_sm():
+    # qwen3-8b's o_proj at a k = 4 verify step (5 rows): 64 tiles x 2 blocks, 64 k-chunks: the deep build.
+    # qwen3-0.6b's o_proj (16 tiles x 8 blocks, 32 k-chunks: 4 a block) and any batch past 16 rows keep
+    # the ordinary builds.
+    deep = swap_config(5, 4096, 4096, "residual")
+    assert deep.deep and deep.kernel_name == "gemm_swap_b16d_w1_c2" and deep.smem == L.swap_smem(16, True)
+    assert not swap_config(5, 1024, 2048, "residual").deep
+    assert not swap_config(17, 4096, 4096, "residual").deep
+
+
+def test_norm_linear_fuses_only_the_gemv_after_a_norm():
+    for M in (1, 2):
+        assert fuses_norm("gemv", M, "bf16") and fuses_norm("gemv", M, "silu_mul")
+        assert not fuses_norm("gemv", M, "residual") and not fuses_norm("gemm", M, "bf16")  # batch-invariant
+    assert not fuses_norm("gemv", 4, "bf16")  # a forced 4-row GEMV has no gemv_norm_* build
+    assert not fuses_norm("swap", 5, "bf16")
+
+
+def every_kernel_name() -> dict[str, set[str]]:
+    """Every build the launchers can ask for, by file."""
+    gemv = {L.gemv_kernel_name(M, e, False, False) for M in L.GEMV_ROWS for e in L.EPILOGUES}
+    gemv |= {L.gemv_kernel_name(1, e, True, False) for e in L.PIPE_EPILOGUES}
+    gemv |= {L.gemv_kernel_name(1, "f32", pipe, True) for pipe in (False, True)}
+    gemv |= {norm_kernel_name(M, K, e) for M in L.GEMV_DEFAULT_ROWS for e in L.NORM_EPILOGUES
+             for K in (L.NORM_SHORT_K, L.NORM_SHORT_K + 8)}
+    swap = {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
+            for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))
+            for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
+    tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
+    return {"gemv.cu": gemv, "gemm_swap.cu": swap, "gemm_tma.cu": tma}
+
+
+def launch_constants() -> dict[str, list[str]]:
+    """static_asserts that the launcher's sizes are the kernels' own, by file."""
+    epilogues = " && ".join(f"EPI_{e.upper()} == {v}" for e, v in L.EPILOGUES.items())
+    swap = [f"BK == {L.SWAP_BK} && SS_LOADS * 32 == {L.NORM_MAX_TILES} && DEEP_STAGES == {SWAP_DEEP_STAGES}",
+            f"Cfg<16, 1>::THREADS == {L.SWAP_THREADS} && Cfg<16, 1>::TR == {SWAP_TILE}",
+            f"Cfg<16, 1, true>::STAGES == {SWAP_DEEP_STAGES} && Cfg<16, 1, true>::SMEM == {L.swap_smem(16, True)}"]
+    swap += [f"Cfg<{B}, 1>::STAGES == {SWAP_STAGES[B]} && Cfg<{B}, 1>::SMEM == {L.swap_smem(B, False)}"
+             for B in SWAP_BATCHES]
+    tma = [f"BM == {L.TMA_BM} && BK == {L.TMA_BK} && THREADS == {L.TMA_THREADS} && SMEM_BYTES == {L.TMA_SMEM}"]
+    return {"gemv.cu": [f"WARPS == {L.GEMV_WARPS}", epilogues], "gemm_swap.cu": swap + [epilogues],
+            "gemm_tma.cu": tma + [epilogues]}
+
+
+@pytest.mark.parametrize("filename", ["gemv.cu", "gemm_swap.cu", "gemm_tma.cu"])
+def test_launcher_sizes_and_names_match_the_kernels(filename, tmp_path, monkeypatch):
+    # Compiled for plain sm_90 (its wgmma kernels trap, so the compile is quick); the sizes and names are
+    # the same on sm_90a.
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    asserts = "".join(f'static_assert({cond}, "{cond}");\n' for cond in launch_constants()[filename])
+    cubin = compile_source(f"{filename[:-3]}_constants.cu", f'#include "{filename}"\n{asserts}', "sm_90", None,
+                           cuda_src_dir())
+    missing = sorted(name for name in every_kernel_name()[filename] if name.encode() + b"\0" not in cubin)
+    assert not missing, f"{filename} lacks the builds {missing}"
+
+
+def test_gemv_segment_is_the_kernels():
+    # A warp's load covers 32 lanes x 8 bf16 of a row; its segments lie GEMV_SEGMENT * ksplit apart.
+    src = (cuda_src_dir() / "gemv.cu").read_text()
+    assert f"step = {L.GEMV_SEGMENT} * ksplit" in src and f"kpart * {L.GEMV_SEGMENT} + lane * 8" in src
+    assert L.GEMV_SEGMENT == 32 * 8

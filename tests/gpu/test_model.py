@@ -202,17 +202,27 @@ def test_extend_last_and_none_match_all(tiny_model, n):
 
 
 def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):
-    # Fused (the default): the batch-1 GEMVs after a norm normalize their own input; bitwise the same
-    # products as TILEINFER_FUSED_NORM=0, so the same greedy tokens (eager steps read the setting at launch).
+    # At 1-2 rows norm_linear fuses the norm into the GEMVs after it (QKV, gate/up normalize their own
+    # input): bitwise the same products as the rmsnorm kernel then the GEMV, so the same greedy tokens.
+    # The forward looks K.norm_linear up at every launch, so eager steps take the patched one.
+    K = tileinfer.kernels
+    calls = []
+
+    def rmsnorm_then_linear(resid, norm_w, eps, x, w, out, epilogue, stream, *, force=None):
+        calls.append(resid.shape[0])
+        K.rmsnorm(resid, norm_w, x, eps, stream)
+        K.linear(x, w, out, epilogue, stream, force=force)
+
     prompt = random_prompt(40, seed=21)
     tiny_model.use_graphs = False
     try:
-        monkeypatch.setenv("TILEINFER_FUSED_NORM", "0")
-        plain = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
-        monkeypatch.setenv("TILEINFER_FUSED_NORM", "1")
         fused = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
+        with monkeypatch.context() as patch:
+            patch.setattr(K, "norm_linear", rmsnorm_then_linear)
+            plain = tileinfer.generate(tiny_model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
     finally:
         tiny_model.use_graphs = True
+    assert 1 in calls, "the decode steps did not take the patched norm_linear"
     assert fused == plain
 
 
