@@ -13,6 +13,8 @@ One sequence, the smallest path through the engine:
     model = tileinfer.load_model("path/to/Qwen3-checkpoint")
     result = tileinfer.generate(model, "The capital of France is", max_new_tokens=32)
 """
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 from .engine.chat import ChatSession, ContextFullError
 from .engine.generate import GenerationResult, generate
 from .engine.llm import LLM, RequestOutput, StreamOutput
@@ -22,4 +24,3 @@ from .engine.speculative import OracleDraft
 
 __all__ = ["ChatSession", "ContextFullError", "GenerationResult", "LLM", "Model", "OracleDraft", "RequestOutput", "SamplingParams",
            "StreamOutput", "generate", "load_model"]
-__version__ = "0.1.0"
