@@ -47,10 +47,10 @@ def _sampling(args):
         raise ValueError(f"{_SAMPLING_OPTIONS.get(field, field)}: {e}") from None
 
 
-def _checked_checkpoint(option: str, path: str | None) -> Path | None:
-    """The checkpoint directory given as `option`, opened once to validate it (config.json, every tensor)."""
+def _check_checkpoint(option: str, path: str | None) -> None:
+    """The checkpoint directory given as `option` (if any), opened once to validate it: config.json, every tensor."""
     if not path:
-        return None
+        return
     from tileinfer.model.checkpoint import Checkpoint, CheckpointError
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{option} {path}: no such checkpoint directory")
@@ -58,7 +58,6 @@ def _checked_checkpoint(option: str, path: str | None) -> Path | None:
         Checkpoint.open(path)
     except CheckpointError as e:
         raise ValueError(f"{option}: {e}") from None
-    return Path(path)
 
 
 def _check_arguments(args):
@@ -68,8 +67,8 @@ def _check_arguments(args):
     sampling = _sampling(args)
     check_count("--max-context", args.max_context)
     check_count("--num-draft-tokens", args.num_draft_tokens)
-    _checked_checkpoint("--model", args.model)
-    _checked_checkpoint("--draft-model", args.draft_model)
+    _check_checkpoint("--model", args.model)
+    _check_checkpoint("--draft-model", args.draft_model)
     return sampling
 
 
