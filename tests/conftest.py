@@ -1,6 +1,7 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, the GPU tests' skip and the one-line-per-reason skip summary."""
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,23 @@ def stream(device):
     yield s
     s.synchronize()
     s.destroy()
+
+
+# ---------------------------------------------------------------------------- skip summary
+# pyproject.toml's -r leaves skips out (without a GPU, a thousand tests skip for one reason, and -rs
+# lists them once per test location); this prints one line per distinct reason with its count.
+
+def _skip_reason(report) -> str:
+    if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: reason")
+        reason = report.longrepr[2]
+        return reason.removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "skipped", False)]
+    if not skipped:
+        return
+    terminalreporter.write_sep("=", "skips by reason")
+    for reason, count in Counter(_skip_reason(r) for r in skipped).most_common():
+        terminalreporter.write_line(f"SKIPPED {count} test{'s' if count != 1 else ''}: {reason}")

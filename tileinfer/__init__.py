@@ -13,6 +13,8 @@ One sequence, the same engine loop:
     model = tileinfer.load_model("path/to/Qwen3-checkpoint")      # device="cpu" runs without a GPU
     result = tileinfer.generate(model, "The capital of France is", max_new_tokens=32)
 """
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 from .chat import ChatSession, ContextFullError
 from .config import EngineConfig
 from .engine.outputs import RequestOutput, StreamOutput
@@ -23,4 +25,3 @@ from .llm import LLM
 
 __all__ = ["ChatSession", "ContextFullError", "EngineConfig", "GenerationResult", "LLM", "OracleDraft",
            "RequestOutput", "SamplingParams", "StreamOutput", "generate", "load_model"]
-__version__ = "0.1.0"

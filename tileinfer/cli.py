@@ -3,10 +3,12 @@
     tileinfer generate --prompt TEXT [--model DIR]     continue a prompt, streaming the text
     tileinfer chat [--model DIR]                        an interactive chat (/reset, /exit)
     tileinfer size MODEL                                KV cache and weight sizes, what fits
+    tileinfer --version
 
 Without --model, a synthetic Qwen3-0.6B checkpoint (random weights: its text is noise) is written
 once to the user cache and used, so the commands run on a fresh machine with nothing else set up.
-Errors print one line and exit with status 1; Ctrl-C exits with status 130.
+The arguments and the checkpoint are checked before the GPU is touched. Errors print one line and
+exit with status 1 (a malformed command line: status 2); Ctrl-C exits with status 130.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tileinfer import sizing_cli
+from tileinfer import __version__, sizing_cli
 
 DEFAULT_PRESET = "qwen3-0.6b"
 
@@ -29,19 +31,60 @@ def _model_path(args) -> Path:
     return cached_checkpoint(DEFAULT_PRESET, progress=True)
 
 
+# The CLI option behind each SamplingParams field, to name in its ValueError.
+_SAMPLING_OPTIONS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                     "top_p": "--top-p", "seed": "--seed"}
+
+
+def _sampling(args):
+    """The sampling options as SamplingParams, whose checks say what is wrong before anything loads."""
+    from tileinfer.engine.params import SamplingParams
+    try:
+        return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ValueError(f"{_SAMPLING_OPTIONS.get(field, field)}: {e}") from None
+
+
+def _check_checkpoint(option: str, path: str | None) -> None:
+    """The checkpoint directory given as `option` (if any), opened once to validate it: config.json, every tensor."""
+    if not path:
+        return
+    from tileinfer.model.checkpoint import Checkpoint, CheckpointError
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{option} {path}: no such checkpoint directory")
+    try:
+        Checkpoint.open(path)
+    except CheckpointError as e:
+        raise ValueError(f"{option}: {e}") from None
+
+
+def _check_arguments(args):
+    """Everything the command line says, checked without the GPU: sampling, counts, the checkpoints.
+    Returns the SamplingParams."""
+    from tileinfer.engine.speculative import check_count
+    sampling = _sampling(args)
+    check_count("--max-context", args.max_context)
+    check_count("--num-draft-tokens", args.num_draft_tokens)
+    _check_checkpoint("--model", args.model)
+    _check_checkpoint("--draft-model", args.draft_model)
+    return sampling
+
+
 def _load(args):
     import tileinfer
-    from tileinfer.cuda import get_device
-    if args.model and not Path(args.model).is_dir():
-        raise FileNotFoundError(f"--model {args.model}: no such checkpoint directory")
-    get_device()  # no GPU: say so before writing a synthetic checkpoint
-    return tileinfer.load_model(_model_path(args), progress=True)
+    if args.device == "cuda":
+        from tileinfer.cuda import get_device
+        get_device()  # no GPU: say so before writing a synthetic checkpoint
+    return tileinfer.load_model(_model_path(args), device=args.device, progress=True)
 
 
 def _generate(args) -> int:
     import tileinfer
     from tileinfer.engine.detokenize import IncrementalDetokenizer
 
+    sp = _check_arguments(args)
     with _load(args) as model:
         detok = IncrementalDetokenizer(model.tokenizer)
 
@@ -56,9 +99,9 @@ def _generate(args) -> int:
                              f"--max-context ({args.max_context}); shorten the prompt or raise --max-context")
         draft = _load_draft(args)
         try:
-            result = tileinfer.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                        seed=args.seed, on_token=show, kv_quantize="int8" if args.kv_int8 else None,
+            result = tileinfer.generate(model, args.prompt, max_new_tokens=sp.max_tokens,
+                                        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+                                        seed=sp.seed, on_token=show, kv_quantize="int8" if args.kv_int8 else None,
                                         draft_model=draft, num_draft_tokens=args.num_draft_tokens)
         finally:
             if draft is not None:
@@ -116,14 +159,13 @@ def _load_draft(args):
     if not args.draft_model:
         return None
     import tileinfer
-    if not Path(args.draft_model).is_dir():
-        raise FileNotFoundError(f"--draft-model {args.draft_model}: no such checkpoint directory")
-    return tileinfer.load_model(args.draft_model, progress=True)
+    return tileinfer.load_model(args.draft_model, device=args.device, progress=True)
 
 
 def _chat(args) -> int:
     from tileinfer.engine.chat import ChatSession
 
+    sp = _check_arguments(args)
     with _load(args) as model:
         draft = _load_draft(args)
         try:
@@ -131,8 +173,8 @@ def _chat(args) -> int:
                                   on_overflow="drop_oldest" if args.drop_oldest else "error",
                                   kv_quantize="int8" if args.kv_int8 else None, draft_model=draft,
                                   num_draft_tokens=args.num_draft_tokens)
-            sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, enable_thinking=False if args.no_think else None)
+            sampling = dict(max_tokens=sp.max_tokens, temperature=sp.temperature, top_k=sp.top_k,
+                            top_p=sp.top_p, seed=sp.seed, enable_thinking=False if args.no_think else None)
             return chat_loop(session, sampling)
         finally:
             if draft is not None:
@@ -142,6 +184,8 @@ def _chat(args) -> int:
 def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--model", help="a Hugging Face Qwen3 checkpoint directory (default: a synthetic "
                                    f"{DEFAULT_PRESET} with random weights, made on first use)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda: the GPU (default); cpu: a float32 numpy runner, slow, for a machine without one")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -166,6 +210,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tileinfer", description="Qwen3 inference on one GPU.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt, streaming the text")
     g.add_argument("--prompt", required=True, help="the text to continue")

@@ -108,7 +108,7 @@ def compile_source(name: str, source: str, arch: str, defines: dict[str, object]
                    src_dir: Path | None = None) -> bytes:
     src_dir = src_dir or cuda_src_dir()
     headers = read_headers(source, src_dir)
-    options = [*BASE_OPTIONS, f"-arch={arch}", *(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))]
+    options = compile_options(arch, defines)
     key = cache_key(source, headers, options, arch)
     if key in _memory_cache:
         STATS.memory_hits += 1
@@ -119,7 +119,7 @@ def compile_source(name: str, source: str, arch: str, defines: dict[str, object]
         STATS.disk_hits += 1
     else:
         start = time.perf_counter()
-        cubin = _nvrtc_compile(name, source, headers, options)
+        cubin, _ = _nvrtc_compile(name, source, headers, options)
         STATS.seconds += time.perf_counter() - start
         STATS.compiled += 1
         _write_atomic(path, cubin)
@@ -128,16 +128,24 @@ def compile_source(name: str, source: str, arch: str, defines: dict[str, object]
     return cubin
 
 
-def ptx_of(filename: str, arch: str = "compute_90") -> str:
-    """The PTX NVRTC makes of `cuda_src/<filename>` for a virtual `arch` (not cached): to read or
-    check what the compiler produced, e.g. the order of instructions in an entry point."""
+def compile_options(arch: str, defines: dict[str, object] | None = None) -> list[str]:
+    """NVRTC's options for `arch` (e.g. 'sm_90a') and the -D defines."""
+    return [*BASE_OPTIONS, f"-arch={arch}", *(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))]
+
+
+def cubin_and_ptx(filename: str, arch: str) -> tuple[bytes, str]:
+    """One uncached compile of `cuda_src/<filename>` for a real `arch`, with compile_file's options:
+    the cubin and the PTX it was assembled from, to check what the compiler produced (e.g. the
+    order of instructions in an entry point) without compiling twice."""
     src_dir = cuda_src_dir()
     source = (src_dir / filename).read_text()
-    return _nvrtc_compile(filename, source, read_headers(source, src_dir), [*BASE_OPTIONS, f"-arch={arch}"],
-                          ptx=True).decode()
+    cubin, ptx = _nvrtc_compile(filename, source, read_headers(source, src_dir), compile_options(arch), ptx=True)
+    return cubin, ptx
 
 
-def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: list[str], ptx: bool = False) -> bytes:
+def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: list[str],
+                   ptx: bool = False) -> tuple[bytes, str | None]:
+    """(cubin, the PTX when asked for, else None) of one NVRTC compile; CompileError on failure."""
     names = sorted(headers)
     prog = call(nvrtc.nvrtcCreateProgram, source.encode(), name.encode(), len(names),
                 [headers[n].encode() for n in names], [n.encode() for n in names])
@@ -146,13 +154,17 @@ def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: lis
         log_text = _program_log(prog)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, log_text, options, source)
-        get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else \
-            (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
-        out = bytearray(call(get_size, prog))  # writable buffer: never hand NVRTC an immutable bytes object
-        call(get, prog, out)
-        return bytes(out).rstrip(b"\0") if ptx else bytes(out)
+        cubin = _program_output(prog, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+        text = _program_output(prog, nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX).rstrip(b"\0").decode() if ptx else None
+        return cubin, text
     finally:
         call(nvrtc.nvrtcDestroyProgram, prog)
+
+
+def _program_output(prog, get_size, get) -> bytes:
+    out = bytearray(call(get_size, prog))  # writable buffer: never hand NVRTC an immutable bytes object
+    call(get, prog, out)
+    return bytes(out)
 
 
 def _program_log(prog) -> str:

@@ -41,8 +41,26 @@ def _is_async_kernel_error(code) -> bool:
     return getattr(code, "name", None) in _ASYNC_KERNEL_ERRORS
 
 
+MIN_COMPUTE_CAPABILITY = (9, 0)  # the kernels use Hopper's TMA, wgmma and clusters
+NO_GPU_MESSAGE = ("an NVIDIA GPU with compute capability 9.0 (Hopper) and its driver are needed; "
+                  'device="cpu" (--device cpu on the command line) runs on the CPU, slowly')
+
+
 class NoDeviceError(CudaError):
-    """No usable CUDA device (no driver, or no GPU). Tests skip on it."""
+    """No usable CUDA device: no driver, no GPU, or one older than Hopper. Tests skip on it.
+
+    Every entry point (load_model, LLM, the CLI) reports the same one line: NO_GPU_MESSAGE, then
+    what was found in parentheses (`reason`, e.g. the driver's own error)."""
+
+    def __init__(self, call_name: str, code, reason: str):
+        self.call_name, self.code, self.reason = call_name, code, reason
+        RuntimeError.__init__(self, f"{NO_GPU_MESSAGE} ({reason})")
+
+
+def _short(text: str, limit: int = 120) -> str:
+    """The first sentence of a library's message, on one line, at most `limit` characters."""
+    first = " ".join(str(text).split()).split(". ", 1)[0].rstrip(".")
+    return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
 def _error_string(code) -> str:
@@ -90,24 +108,39 @@ class DeviceInfo:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
 
 
+def init_driver() -> None:
+    """cuInit, the first call into the driver: NoDeviceError (not a traceback from the bindings) when
+    there is no driver library or no GPU."""
+    try:
+        call(driver.cuInit, 0)
+    except CudaError as e:
+        raise NoDeviceError("cuInit", e.code, f"cuInit: {getattr(e.code, 'name', e.code)}") from None
+    except Exception as e:  # cuda.pathfinder raises DynamicLibNotFoundError without a driver
+        raise NoDeviceError("cuInit", type(e).__name__, f"{type(e).__name__}: {_short(e)}") from None
+
+
+def device_handle(ordinal: int = 0):
+    """The driver's handle of CUDA device `ordinal` (initialising the driver); NoDeviceError if absent."""
+    init_driver()
+    count = call(driver.cuDeviceGetCount)
+    if not 0 <= ordinal < count:
+        raise NoDeviceError("cuDeviceGet", driver.CUresult.CUDA_ERROR_NO_DEVICE,
+                            f"CUDA device {ordinal} requested, {count} present")
+    return call(driver.cuDeviceGet, ordinal)
+
+
 class Device:
     """One GPU with its primary context made current on this thread."""
 
     def __init__(self, ordinal: int = 0):
-        try:
-            call(driver.cuInit, 0)
-        except CudaError as e:
-            raise NoDeviceError("cuInit", e.code, "is an NVIDIA driver installed?") from None
-        except Exception as e:  # cuda.pathfinder raises DynamicLibNotFoundError without a driver
-            raise NoDeviceError("cuInit", type(e).__name__, str(e)) from None
-        count = call(driver.cuDeviceGetCount)
-        if ordinal >= count:
-            raise NoDeviceError("cuDeviceGet", driver.CUresult.CUDA_ERROR_NO_DEVICE,
-                                f"device {ordinal} requested, {count} present")
-        self.handle = call(driver.cuDeviceGet, ordinal)
+        self.handle = device_handle(ordinal)
+        self.info = self._read_info(ordinal)
+        if self.info.compute_capability < MIN_COMPUTE_CAPABILITY:
+            major, minor = self.info.compute_capability
+            raise NoDeviceError("cuDeviceGetAttribute", driver.CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU,
+                                f"GPU {ordinal} ({self.info.name}) has compute capability {major}.{minor}")
         self.context = call(driver.cuDevicePrimaryCtxRetain, self.handle)
         call(driver.cuCtxSetCurrent, self.context)
-        self.info = self._read_info(ordinal)
 
     def _attr(self, attr) -> int:
         return call(driver.cuDeviceGetAttribute, attr, self.handle)
@@ -139,9 +172,8 @@ class Device:
 
 def pci_bus_id(ordinal: int = 0) -> str:
     """The PCI bus id of CUDA device `ordinal`, e.g. "0000:19:00.0": how NVML names the same GPU
-    whatever CUDA_VISIBLE_DEVICES says. Creates no context."""
-    call(driver.cuInit, 0)
-    handle = call(driver.cuDeviceGet, ordinal)
+    whatever CUDA_VISIBLE_DEVICES says. Creates no context; raises NoDeviceError without a GPU."""
+    handle = device_handle(ordinal)
     raw = call(driver.cuDeviceGetPCIBusId, 32, handle)
     return (raw if isinstance(raw, (bytes, bytearray)) else str(raw).encode()).split(b"\0", 1)[0].decode()
 

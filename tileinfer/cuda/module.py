@@ -29,9 +29,9 @@ I32, U32, I64, U64, F32 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctype
 
 
 def _pdl_attributes() -> list:
-    """The launch attributes of every launch: programmatic dependent launch on sm_90 and newer,
-    unless TILEINFER_PDL=0."""
-    if os.environ.get("TILEINFER_PDL", "1") == "0" or get_device().info.compute_capability < (9, 0):
+    """The launch attributes of every launch: programmatic dependent launch (every device is sm_90 or
+    newer: Device refuses older ones), unless TILEINFER_PDL=0."""
+    if os.environ.get("TILEINFER_PDL", "1") == "0":
         return []
     attr = driver.CUlaunchAttribute()
     attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
