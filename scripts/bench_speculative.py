@@ -6,9 +6,9 @@
 Measures, in one process:
   * t_decode: one plain decode step of the target (tileinfer.generate's graph replay; wall time per
     token over --new tokens);
-  * t_verify: one greedy verify step of the target, k + 1 positions through Model.extend (their
-    argmaxes read back) on a sequence of --context positions, then truncated back (wall time,
-    median of --repeats);
+  * t_verify: one greedy verify step of the target, k + 1 positions through the runner's verify
+    (the graph of bucket 1 x (k + 1) tokens the engine replays; their argmaxes read back) on a
+    sequence of --context positions, then truncated back (wall time, median of --repeats);
   * the GPU time of both target steps (graph replays timed with events), with --profile each
     step's per-kernel GPU time, and with --ablate what each kernel group costs inside each step's
     graph (bench.ablate_step: the graph without the group, subtracted);
@@ -37,7 +37,6 @@ import numpy as np
 
 import bench  # scripts/bench.py: the decode step's GPU time and the per-kernel profile
 import tileinfer
-from tileinfer import kernels as K
 from tileinfer.kv import Sequence
 from tileinfer.model.synthetic import cached_checkpoint
 
@@ -62,28 +61,29 @@ VERIFY_ABLATE_GROUPS = (
 def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile: bool = False,
                         ablate: bool = False) -> tuple[float, float, list | None, dict | None]:
     """One greedy verify step: k + 1 positions appended to a sequence holding the prompt, their
-    argmaxes read back (what speculative_stream asks for under greedy). Returns its wall seconds
+    argmaxes read back (what the engine's greedy rounds ask for). Returns its wall seconds
     (median of `repeats`), its GPU seconds (replays of the captured verify graph and the argmax,
     timed with events: bench.replay_ms, as for a decode step), with `profile` its per-kernel profile
     (bench.profile_graph) and with `ablate` each kernel group's cost inside its graph."""
     cache = model.ensure_cache(len(prompt) + k + 1)
     seq = Sequence()
+    n = k + 1
     try:
         model.extend(seq, prompt, logits="none")
-        feed = prompt[-(k + 1):]
+        feed = prompt[-n:]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            model.extend(seq, feed, logits="argmax")
+            cache.manager.reserve(seq, n)
+            model.verify([(seq, feed, len(prompt))], logits="argmax", graph_width=n)
             times.append(time.perf_counter() - start)
             cache.manager.truncate(seq, len(prompt))
         # The step buffers still hold the last verify step's inputs; replaying it rewrites the same
-        # (now truncated, still unused) cache slots.
-        n, stream = k + 1, model.stream
-        graph = model.extend_graphs.graphs[n]
-        rows, best = model.workspace.logits.rows(0, n), model.workspace.logit_argmax.rows(0, n)
-        gpu = bench.replay_ms(stream, lambda s: (graph.launch(s), K.argmax(rows, best, s)), repeats) / 1e3
-        enqueue = lambda s: (model._enqueue_extend(n, s), K.argmax(rows, best, s))  # noqa: E731
+        # (now truncated, still unused) cache slots. Its graph computes the argmaxes itself.
+        stream = model.stream
+        graph = model.verify_graphs[(n, "argmax")].graphs[1]
+        gpu = bench.replay_ms(stream, lambda s: graph.launch(s), repeats) / 1e3
+        enqueue = lambda s: model._enqueue_verify(1, n, "argmax", s)  # noqa: E731
         prof = bench.profile_graph(model, enqueue) if profile else None
         ablation = bench.ablate_step(model, enqueue=enqueue, groups=VERIFY_ABLATE_GROUPS) if ablate else None
         return statistics.median(times[1:]), gpu, prof, ablation

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .config import check_count
 from .engine.engine import Engine
 from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED
@@ -102,8 +103,7 @@ class ChatSession:
                  draft_model=None, num_draft_tokens: int = 4):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+        check_count("num_draft_tokens", num_draft_tokens)
         self.num_draft_tokens = num_draft_tokens
         if on_overflow not in ("error", "drop_oldest"):
             raise ValueError(f"on_overflow must be 'error' or 'drop_oldest', got {on_overflow!r}")

@@ -63,7 +63,7 @@ def _check_checkpoint(option: str, path: str | None) -> None:
 def _check_arguments(args):
     """Everything the command line says, checked without the GPU: sampling, counts, the checkpoints.
     Returns the SamplingParams."""
-    from tileinfer.engine.speculative import check_count
+    from tileinfer.config import check_count
     sampling = _sampling(args)
     check_count("--max-context", args.max_context)
     check_count("--num-draft-tokens", args.num_draft_tokens)
@@ -163,7 +163,7 @@ def _load_draft(args):
 
 
 def _chat(args) -> int:
-    from tileinfer.engine.chat import ChatSession
+    from tileinfer.chat import ChatSession
 
     sp = _check_arguments(args)
     with _load(args) as model:

@@ -15,7 +15,8 @@ from .kv.sizing import DEFAULT_UTILIZATION, check_utilization
 DEVICES = ("cuda", "cpu")
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_count(name: str, value) -> None:
+    """A count must be an integer >= 1; ValueError naming the option otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
@@ -63,10 +64,10 @@ class EngineConfig:
         kind, ordinal = parse_device(self.device)
         set_(self, "device", "cpu" if kind == "cpu" else f"cuda:{ordinal}")
         for name in ("max_num_seqs", "max_context", "page_size", "max_num_batched_tokens", "num_draft_tokens"):
-            _check_positive_int(name, getattr(self, name))
+            check_count(name, getattr(self, name))
         for name in ("num_pages", "max_tokens"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                check_count(name, getattr(self, name))
         if self.num_pages is not None and self.max_tokens is not None:
             raise ValueError("give at most one of num_pages or max_tokens (or neither, to size from free memory)")
         check_utilization(self.gpu_memory_utilization)
