@@ -46,9 +46,8 @@ __device__ __forceinline__ int swz(int r, int c) { return r * HD + ((c ^ (r & 7)
 // staging buffer per stage (int8 K and V codes and their scales). Decode is bound by how many bytes
 // are in flight, so keys mode runs deeper: BF16 3 stages (100 KB, 2 blocks per SM), INT8 4 (72 KB: its
 // decode shape reads the int8 tiles directly, no bf16 tiles; 3 blocks per SM, as its 158 registers allow).
-// The INT8 _h8 build (115 registers with nvcc 13.0 for sm_90a) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
-// KV heads is then one wave of 512 blocks, not 1.3 (H200, against 4 stages and 3 blocks an SM in one call:
-// qwen3-0.6b batch 64, INT8 cache, 32,111 -> 36,102 tok/s; qwen3-4b at 32,768 positions 279.4 -> 284.0).
+// The INT8 _h8 build (under 128 registers) runs 3 stages (55 KB) and 4 blocks an SM: a batch of 64 sequences x 8
+// KV heads is then one wave of 512 blocks, not 1.3 (a grid just past one wave idles most SMs in its second).
 template <bool Q8, bool KEYS, bool HALF = false>
 struct Smem {
     static constexpr int ROWS = KEYS ? 16 : 64;
@@ -82,7 +81,7 @@ __device__ __forceinline__ int tile_row(int i) {
 // more instructions than the rest of the lookup, and decode attention is short of issue slots.)
 // Decode shape (KEYS): pages of KT positions (the engine's default) make a key tile one page, looked
 // up with one block-table read and no division (key0 is a multiple of KT and below kv_len). (Not in
-// the prefill builds: the second path costs attention 170 -> 204 registers.)
+// the prefill builds, where the second path costs some 30 registers a thread.)
 template <bool Q8, bool KEYS>
 __device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ table, int kv_head, int num_kv_heads,
                                                     int page_size, int kv_len, int key0) {
@@ -179,8 +178,6 @@ __device__ __forceinline__ void widen_tile(const unsigned char *stage, bf16 *sK,
 // two byte permutes and one packed subtraction for four values); the queries, bf16, convert exactly
 // to fp16 times the softmax scale (1/sqrt(128) log2(e): 8x more headroom below fp16's 65504 for
 // queries multiplied by the smoothing factors), so the scores need no scaling afterwards.
-// Measured on the H200 (bench.py --ablate, qwen3-4b, 32,768 positions, INT8, against bf16 operands):
-// attention 1,484 -> 1,396 us a step, decode 3.889 -> 3.805 ms (255.0 -> 261.1 tok/s); 1,024 positions unchanged.
 __device__ __forceinline__ void i8x4_to_f16x4(u32 w, u32 &lo, u32 &hi) {
     const u32 u = w ^ 0x80808080u;
     const u32 a = __byte_perm(u, 0x64646464u, 0x4140), b = __byte_perm(u, 0x64646464u, 0x4342);
@@ -379,7 +376,7 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // the score accumulator rows 8-15 each thread holds (h = 1 below; the mma computes them anyway) are padding:
 // their scaling, softmax and P packing are skipped, about half the per-key FP32 work. And O is kept
 // transposed, O^T = V^T P^T with the 8 rows as the mma's N (direct_pv_t_biased): half the P V mmas and accumulators
-// (INT8: 159 -> 124 registers, which let 4 blocks share an SM; 115 since Q K^T is transposed too, direct_qk_t).
+// (for INT8, with Q K^T transposed too, direct_qk_t, the registers that let 4 blocks share an SM).
 template <bool Q8, bool KEYS, bool HALF = false>
 __device__ __forceinline__ void attention_body(
         const bf16 *__restrict__ q, const void *__restrict__ k_pool, const void *__restrict__ v_pool,
@@ -959,7 +956,7 @@ __device__ __forceinline__ void attention_body(
 
 // The INT8 _h8 build must fit 4 blocks an SM (<= 128 registers), as the engine's decode splits count on
 // (tileinfer/kernels/attention.py int8_decode_blocks). (A minimum of 1 block on the others is not neutral:
-// it changes their register allocation, e.g. attention_int8 171 -> 203.)
+// it changes their register allocation, for the worse.)
 #define BOUNDS_1 __launch_bounds__(THREADS)
 #define BOUNDS_4 __launch_bounds__(THREADS, 4)
 ATTENTION_KERNEL(attention, false, false, false, BOUNDS_1)
@@ -974,8 +971,7 @@ ATTENTION_KERNEL(attention_int8_decode_h8, true, true, true, BOUNDS_4)
 // (one thread each), then the weighted sum of their outputs, warp w taking splits w, w + 16, ... and lane l
 // columns 4l..4l+3. The sum waits on its loads, which the compiler issues only a little ahead of their use
 // (a load, then the sum of the one before): so a warp takes few splits, at most 8 of 128, where 4 warps
-// took up to 32 (H200, ncu, qwen3-4b at 32,768 positions, 66 splits, 4 warps: 11 us a launch with the
-// caches flushed, 17 loads a warp).
+// would take up to 32 and wait on their loads one after the other.
 #define COMBINE_WARPS 16
 #define COMBINE_MAX_SPLITS 128  // tileinfer/kernels/attention.py MAX_SPLITS
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attention_combine(

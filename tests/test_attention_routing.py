@@ -8,8 +8,7 @@ import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.engine.model import Model
-from tileinfer.kernels.attention import (WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name,
-                                         wg_attention_default)
+from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name
 
 # The module (the package's `attention` attribute is the launcher function of the same name).
 attention_module = importlib.import_module("tileinfer.kernels.attention")
@@ -21,20 +20,15 @@ def name(*, int8=False, keys_mode=False, num_splits=1, pool_elements=SMALL_POOL,
                        **rows)
 
 
-@pytest.fixture(autouse=True)
-def default_switch(monkeypatch):
-    monkeypatch.delenv("TILEINFER_FA3", raising=False)
-
-
 def test_hopper_prefill_over_bf16_without_a_split_takes_attention_wg():
     assert name() == "attention_wg"
 
 
-@pytest.mark.parametrize("value, want", [("0", "attention"), ("1", "attention_wg"), ("", "attention_wg")])
-def test_tileinfer_fa3_zero_keeps_attention_cu(monkeypatch, value, want):
-    monkeypatch.setenv("TILEINFER_FA3", value)
-    assert name() == want
-    assert wg_attention_default() == (want == "attention_wg")
+def test_wg_false_keeps_attention_cu():
+    # What the GPU tests compare attention_wg against: the same launch on attention.cu's prefill shape.
+    assert name(wg=False) == "attention"
+    assert name(wg=False, keys_mode=True, rows=4) == "attention_decode_h8"  # nothing else changes
+    assert name(wg=False, int8=True) == "attention_int8"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100", "sm_120"])
@@ -53,7 +47,7 @@ def test_everything_else_stays_on_attention_cu():
     assert name(pool_elements=(1 << 32) - 128) == "attention_wg"
 
 
-def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds(monkeypatch):
+def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds():
     # A decode step of a group <= 8 (one token per sequence) has one row tile of <= 8 rows: the _h8 build.
     for rows in (1, 2, 4, 8):
         assert name(keys_mode=True, rows=rows) == "attention_decode_h8"
@@ -62,8 +56,6 @@ def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds(monkeypatch):
     assert name(keys_mode=True, rows=20, int8=True) == "attention_int8_decode"
     assert name(rows=4) == "attention_wg"                              # the prefill shape has no _h8 build
     assert name(rows=4, int8=True) == "attention_int8"
-    monkeypatch.setattr(attention_module, "ATTN_H8", False)            # TILEINFER_ATTN_H8=0
-    assert name(keys_mode=True, rows=4) == "attention_decode"
 
 
 def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
@@ -99,29 +91,26 @@ class _FakeModel:
         self.cache = SimpleNamespace(int8=int8)
 
 
-@pytest.mark.parametrize("int8, h8, batch, want", [
-    (False, True, 1, 33), (False, True, 8, 4), (False, True, 16, 2), (False, True, 32, 1), (False, True, 64, 1),
-    (True, True, 1, 48), (True, True, 8, 8), (True, True, 16, 4), (True, True, 64, 1),   # 4 blocks an SM
-    (True, False, 1, 48), (True, False, 8, 6), (True, False, 16, 3), (True, False, 64, 1)])  # 3 (16-row build)
-def test_decode_splits_fill_one_wave_of_the_kernels_blocks(monkeypatch, int8, h8, batch, want):
-    monkeypatch.setattr(attention_module, "ATTN_H8", h8)
-    assert Model._splits_for(_FakeModel(int8), batch, 1 << 30) == want
-    assert Model._splits_for(_FakeModel(int8), batch, 5) == min(want, 5)  # at most one split a key tile
+@pytest.mark.parametrize("int8, heads, kv_heads, batch, want", [
+    (False, 32, 8, 1, 33), (False, 32, 8, 8, 4), (False, 32, 8, 16, 2), (False, 32, 8, 32, 1), (False, 32, 8, 64, 1),
+    (True, 32, 8, 1, 48), (True, 32, 8, 8, 8), (True, 32, 8, 16, 4), (True, 32, 8, 64, 1),  # _h8: 4 blocks an SM
+    (True, 32, 2, 1, 48), (True, 32, 2, 8, 24), (True, 32, 2, 16, 12), (True, 32, 2, 64, 3)])  # 16-row build: 3
+def test_decode_splits_fill_one_wave_of_the_kernels_blocks(int8, heads, kv_heads, batch, want):
+    model = _FakeModel(int8, heads, kv_heads)
+    assert Model._splits_for(model, batch, 1 << 30) == want
+    assert Model._splits_for(model, batch, 5) == min(want, 5)  # at most one split a key tile
 
 
-@pytest.mark.parametrize("max_q_len, H, KV, splits, switch, want", [
-    (1, 32, 8, 48, "", True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
-    (1, 32, 8, 16, "", True),
-    (1, 32, 8, 11, "", False),     # 512 positions: attn_input launched (slower fused, FUSED_MIN_SPLITS)
-    (1, 32, 8, 11, "1", True),
-    (1, 32, 8, 48, "0", False),
-    (2, 32, 8, 48, "", False),     # two tokens a sequence: the queries of several positions
-    (1, 64, 4, 48, "1", False),    # a group of 16: the 16-row build, which has no fused input
-    (1, 16, 8, 48, "", True),      # qwen3-0.6b's group of 2
+@pytest.mark.parametrize("max_q_len, H, KV, splits, want", [
+    (1, 32, 8, 48, True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
+    (1, 32, 8, 16, True),
+    (1, 32, 8, 15, False),     # below FUSED_MIN_SPLITS: attn_input launched
+    (1, 32, 8, 11, False),     # 512 positions
+    (2, 32, 8, 48, False),     # two tokens a sequence: the queries of several positions
+    (1, 64, 4, 48, False),     # a group of 16: the 16-row build, which has no fused input
+    (1, 16, 8, 48, True),      # qwen3-0.6b's group of 2
 ])
-def test_engine_fuses_the_attention_input_of_long_decode_steps(monkeypatch, max_q_len, H, KV, splits, switch, want):
-    monkeypatch.setattr(attention_module, "FUSED_INPUT", switch)
-    monkeypatch.setattr(attention_module, "ATTN_H8", True)
+def test_engine_fuses_the_attention_input_of_long_decode_steps(max_q_len, H, KV, splits, want):
     got = attention_module.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
     assert got == want
     assert not attention_module.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
