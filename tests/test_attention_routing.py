@@ -1,6 +1,6 @@
-"""Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.attention.kernel_name),
-that its launch constants for cuda_src/attention_wg.cu and attention.cu match the kernels' own, and how many
-key-range splits a decode step gets (Model._splits_for). CPU only."""
+"""Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.routing.kernel_name),
+that the launcher's constants for cuda_src/attention_wg.cu, attention.cuh and attention_combine.cu match the
+kernels' own, and how many key-range splits a decode step gets (Model._splits_for). CPU only."""
 import importlib
 from types import SimpleNamespace
 
@@ -8,7 +8,9 @@ import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.engine.model import Model
-from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name
+from tileinfer.kernels import routing
+from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS
+from tileinfer.kernels.routing import kernel_file, kernel_name
 
 # The module (the package's `attention` attribute is the launcher function of the same name).
 attention_module = importlib.import_module("tileinfer.kernels.attention")
@@ -25,7 +27,7 @@ def test_hopper_prefill_over_bf16_without_a_split_takes_attention_wg():
 
 
 def test_wg_false_keeps_attention_cu():
-    # What the GPU tests compare attention_wg against: the same launch on attention.cu's prefill shape.
+    # What the GPU tests compare attention_wg against: the same launch on attention_prefill.cu.
     assert name(wg=False) == "attention"
     assert name(wg=False, keys_mode=True, rows=4) == "attention_decode_h8"  # nothing else changes
     assert name(wg=False, int8=True) == "attention_int8"
@@ -68,8 +70,8 @@ def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
     assert WG_SMEM <= 227 * 1024  # the opt-in maximum a block may have on Hopper
 
 
-def test_attention_cu_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
-    # smem_bytes (what attention() asks for) is Smem<Q8, KEYS, HALF>::TOTAL in attention.cu for every build.
+def test_attention_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
+    # smem_bytes (what attention() asks for) is Smem<Q8, KEYS, HALF>::TOTAL in attention.cuh for every build.
     monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
     checks = []
     for int8 in (False, True):
@@ -78,8 +80,37 @@ def test_attention_cu_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
                 want = attention_module.smem_bytes(int8, keys, half)
                 checks.append(f'static_assert(Smem<{str(int8).lower()}, {str(keys).lower()}, {str(half).lower()}>'
                               f'::TOTAL == {want}, "Smem<{int8}, {keys}, {half}>");')
-    source = '#include "attention.cu"\n' + "\n".join(checks) + "\n"
+    source = '#include "attention.cuh"\n' + "\n".join(checks) + "\n"
     compile_source("attention_smem_constants.cu", source, "sm_90a", None, cuda_src_dir())
+
+
+def test_combine_constants_match_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    source = ('#include "attention_combine.cu"\n'
+              f'static_assert(COMBINE_MAX_SPLITS == {attention_module.MAX_SPLITS}, "splits");\n'
+              f'static_assert(COMBINE_WARPS * 32 == {attention_module.COMBINE_THREADS}, "threads");\n')
+    compile_source("attention_combine_constants.cu", source, "sm_90a", None, cuda_src_dir())
+
+
+@pytest.mark.parametrize("name, file", [
+    ("attention_wg", "attention_wg.cu"), ("attention", "attention_prefill.cu"),
+    ("attention_int8", "attention_prefill.cu"), ("attention_decode", "attention_decode.cu"),
+    ("attention_int8_decode", "attention_decode.cu"), ("attention_decode_h8", "attention_decode.cu"),
+    ("attention_int8_decode_h8", "attention_decode.cu"), ("attention_combine", "attention_combine.cu")])
+def test_each_kernel_loads_from_its_file(name, file):
+    assert kernel_file(name) == file
+    assert (cuda_src_dir() / file).is_file()
+
+
+def test_every_routed_kernel_has_a_file_that_exports_it():
+    # Each name kernel_name can return is an entry point of the file kernel_file names (the symbol in its source).
+    names = {kernel_name(int8=int8, keys_mode=keys, num_splits=splits, pool_elements=SMALL_POOL, arch=arch, rows=rows)
+             for int8 in (False, True) for keys in (False, True) for splits in (1, 4) for arch in ("sm_90", "sm_80")
+             for rows in (4, 16)}
+    assert len(names) == 7, names
+    for n in names | {"attention_combine"}:
+        source = (cuda_src_dir() / kernel_file(n)).read_text()
+        assert f"ATTENTION_KERNEL({n}," in source or f" {n}(" in source, f"{n} is not in {kernel_file(n)}"
 
 
 class _FakeModel:
@@ -111,7 +142,7 @@ def test_decode_splits_fill_one_wave_of_the_kernels_blocks(int8, heads, kv_heads
     (1, 16, 8, 48, True),      # qwen3-0.6b's group of 2
 ])
 def test_engine_fuses_the_attention_input_of_long_decode_steps(max_q_len, H, KV, splits, want):
-    got = attention_module.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
+    got = routing.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
     assert got == want
-    assert not attention_module.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
+    assert not routing.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
                                                    decode_shape=False)

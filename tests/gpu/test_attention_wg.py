@@ -1,5 +1,5 @@
 """The wgmma prefill attention (cuda_src/attention_wg.cu) as tileinfer.kernels.attention routes it on Hopper:
-against the numpy reference and against attention.cu's rows mode (attention(..., wg=False)) at awkward sizes (lengths
+against the numpy reference and against attention_prefill.cu's rows mode (attention(..., wg=False)) at awkward sizes (lengths
 around its 128-row blocks and 128-key tiles, pages partly filled and across key tiles, GQA groups 1, 2 and 4,
 chunked prefill over cached pages, several sequences a launch), the routing of the other shapes, and the whole
 model's logits with and without it. Skipped on other GPUs (the kernel needs sm_90a).
@@ -61,7 +61,7 @@ def device_inputs(batch: PagedBatch, buf):
 
 def run_rows(batch: PagedBatch, buf, stream, wg: bool) -> np.ndarray:
     """attention() in its rows (prefill) shape, whatever the row count (decode_shape=False, as in batch-invariant
-    mode): attention_wg.cu with wg, attention.cu's `attention` without. # [T, H, HD] bf16"""
+    mode): attention_wg.cu with wg, attention_prefill.cu's `attention` without. # [T, H, HD] bf16"""
     q, k_pool, v_pool, cu_q, kv_lens, tables = device_inputs(batch, buf)
     out = buf.poisoned((batch.T, batch.H, HD), BF16)
     with kernels_launched() as names:
@@ -92,17 +92,17 @@ def reference_rows(batch: PagedBatch, rng) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_batch(batch: PagedBatch, buf, stream, seed) -> None:
-    """Both kernels against the reference (attention.cu's result checks the harness itself), and each other:
+    """Both kernels against the reference (attention_prefill.cu's result checks the harness itself), and each other:
     both bf16 outputs within ~2^-8 of the exact result (different summation orders and tile sizes), so
-    elementwise rtol 1e-2 + atol 1e-2 max|v|, and ||diff|| / ||attention.cu|| < 1e-2 (expected ~3e-3)."""
+    elementwise rtol 1e-2 + atol 1e-2 max|v|, and ||diff|| / ||attention_prefill.cu|| < 1e-2 (expected ~3e-3)."""
     idx, ref = reference_rows(batch, np.random.default_rng(seed))
     old = run_rows(batch, buf, stream, wg=False)
-    check_attention(old[idx], ref, batch.vmax, batch.label(1) + " attention.cu rows mode")
+    check_attention(old[idx], ref, batch.vmax, batch.label(1) + " attention_prefill.cu rows mode")
     got = run_rows(batch, buf, stream, wg=True)
     label = batch.label(1) + " attention_wg"
     assert np.isfinite(to_f32(got)).all(), f"{label}: rows left unwritten (poison) or non-finite"
     check_attention(got[idx], ref, batch.vmax, label)
-    assert_close(got, old, atol=1e-2 * batch.vmax, rtol=1e-2, rel_norm=1e-2, label=label + " vs attention.cu")
+    assert_close(got, old, atol=1e-2 * batch.vmax, rtol=1e-2, rel_norm=1e-2, label=label + " vs attention_prefill.cu")
 
 
 # ----------------------------------------------------------------------------- smoke
@@ -187,8 +187,8 @@ def test_attention_wg_query_is_summed_alike_wherever_it_sits(buf, stream):
 # ----------------------------------------------------------------------------- routing
 def test_attention_routes_only_the_unsplit_bf16_prefill_shape(buf, stream):
     # A prefill-shaped BF16 launch runs attention_wg; a decode-shaped one
-    # (4 rows a KV head: its _h8 build) and a split one and an INT8 cache's stay on attention.cu. Each result
-    # is checked.
+    # (4 rows a KV head: its _h8 build) and a split one and an INT8 cache's stay on attention_prefill.cu and
+    # attention_decode.cu. Each result is checked.
     rng = np.random.default_rng(seed_of("wg-routing"))
     cases = [(PagedBatch(rng, [(100, 100)], 32, 8, 64), 1, ["attention_wg"]),
              (PagedBatch(rng, [(1, 300), (1, 50)], 32, 8, 64), 1, ["attention_decode_h8"]),
@@ -205,7 +205,7 @@ def test_attention_routes_only_the_unsplit_bf16_prefill_shape(buf, stream):
 # ----------------------------------------------------------------------------- the whole model
 def model_logits(path, ids, chunks, wg: bool) -> tuple[list[np.ndarray], int, int]:
     """(logits per chunk size, attention_wg launches, layers) of one model load whose forward passes launch
-    attention with wg=True (the default) or wg=False (attention.cu's prefill shape instead of attention_wg)."""
+    attention with wg=True (the default) or wg=False (attention_prefill.cu instead of attention_wg)."""
     with kernels_launched() as names, pytest.MonkeyPatch.context() as mp:
         # The forward calls tileinfer.kernels.attention at each launch: the same launcher, with wg set.
         mp.setattr(tileinfer.kernels, "attention", functools.partial(attention, wg=wg))
@@ -228,9 +228,9 @@ def compare_model(path, label):
     assert launched >= steps * layers, f"{label}: {launched} launches of attention_wg, expected >= {steps * layers}"
     for c, g, b in zip(chunks, got, base):
         err = np.abs(g - b) / b.std(axis=1, keepdims=True)
-        print(f"{label}, chunk {c}: attention_wg vs attention.cu logits: max |diff|/std {err.max():.4f}, "
+        print(f"{label}, chunk {c}: attention_wg vs attention_prefill.cu logits: max |diff|/std {err.max():.4f}, "
               f"mean {err.mean():.5f}")
-        compare_logits(g, b, f"{label}, chunk {c}: attention_wg vs attention.cu")
+        compare_logits(g, b, f"{label}, chunk {c}: attention_wg vs attention_prefill.cu")
 
 
 def test_attention_wg_model_logits_tiny(tiny_checkpoint):

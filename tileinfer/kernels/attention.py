@@ -1,17 +1,20 @@
-"""Launchers for cuda_src/attention.cu: paged causal attention over a BF16 or INT8 cache
-(+ the split-K combine), and cuda_src/attention_wg.cu, which takes attention.cu's prefill shape over
-a BF16 cache on Hopper (`kernel_name`)."""
+"""Launchers for paged causal attention over a BF16 or INT8 cache: cuda_src/attention_prefill.cu (the prefill
+shape), attention_decode.cu (the decode shape), attention_combine.cu (the split-K combine), and
+attention_wg.cu, which takes the prefill shape over a BF16 cache on Hopper. Which kernel a launch runs is
+routing.py's (kernel_name)."""
 import math
 from typing import NamedTuple
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 from .attn_input import check_inputs
+from .routing import (FUSED_MIN_SPLITS, HALF_ROWS, KEYS_MAX_ROWS, WG_MAX_POOL, engine_fuses_input,  # noqa: F401
+                      fuses_input, half_build, int8_decode_blocks, kernel_file, kernel_name, keys_mode)
 
 HEAD_DIM = 128
 KEY_TILE = 64
-MAX_SPLITS = 128  # attention_combine merges up to one split per thread (attention.cu COMBINE_MAX_SPLITS)
-COMBINE_THREADS = 512  # attention.cu's COMBINE_WARPS * 32
+MAX_SPLITS = 128  # attention_combine merges up to one split per thread (attention_combine.cu COMBINE_MAX_SPLITS)
+COMBINE_THREADS = 512  # attention_combine.cu's COMBINE_WARPS * 32
 LOG2E = 1.4426950408889634
 # attention_wg.cu: blocks of 128 rows (token, head-in-group: 2 consumer warpgroups x 64) and 384 threads (+ a
 # producer warpgroup), key tiles of 128 positions in a ring of 2 stages. Dynamic shared memory as its
@@ -21,30 +24,10 @@ WG_THREADS = 384
 WG_KEY_TILE = 128
 WG_STAGES = 2
 WG_SMEM = WG_ROWS * HEAD_DIM * 2 + 2 * WG_STAGES * WG_KEY_TILE * HEAD_DIM * 2 + 4 * WG_STAGES * 8 + 1024
-WG_MAX_POOL = 1 << 32  # its producer indexes a pool with 32-bit element offsets
 
 
 def rows_per_block(keys_mode: bool) -> int:
     return 16 if keys_mode else 64
-
-
-# Query rows per (sequence, KV head) up to which a step runs in the decode shape (keys mode): up to 4 row
-# tiles of 16, each reading the sequence's keys and values itself, where the prefill shape's one 64-row
-# tile would leave 2-3 of its 4 warps idle (a k = 4 verify step of qwen3-8b has 5 tokens x a group of 4 =
-# 20 rows).
-KEYS_MAX_ROWS = 64
-# Blocks of at most this many rows (one row tile: a decode step's token x a group of <= 8) run the keys mode's
-# _h8 build, which skips the padding rows 8-15 of its score accumulators and computes O^T = V^T P^T (8 rows
-# as the mma's N: half the P V products and accumulators; for INT8 also the registers that let 4 blocks
-# share an SM, int8_decode_blocks).
-HALF_ROWS = 8
-
-
-# A decode step (one token a sequence) whose attention runs an _h8 build can skip attn_input: the attention kernel
-# norms and rotates its group's queries itself, and the block that holds the new position stores its key and
-# value (attention.cu, "fused input"). The engine does so from FUSED_MIN_SPLITS key splits on (a long cache):
-# over a shorter cache the fused launch was slower than the attn_input and attention launches it replaces.
-FUSED_MIN_SPLITS = 16
 
 
 class FusedInput(NamedTuple):
@@ -59,60 +42,20 @@ class FusedInput(NamedTuple):
     eps: float
 
 
-def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_shape: bool = True) -> bool:
-    """Whether an attention launch of this shape can do attn_input's work itself (pass `fused=`): a decode step
-    of one token a sequence on an _h8 build."""
-    group = num_heads // num_kv_heads
-    return max_q_len == 1 and half_build(decode_shape and group <= KEYS_MAX_ROWS, group)
-
-
-def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int,
-                       decode_shape: bool = True) -> bool:
-    """Whether the engine's forward pass fuses the input of an attention launch: where the shape allows it, from
-    FUSED_MIN_SPLITS splits on."""
-    if num_splits < FUSED_MIN_SPLITS:
-        return False
-    return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
-
-
 def stages(int8: bool, keys_mode: bool, half: bool = False) -> int:
     if not keys_mode:
         return 2
     return (3 if half else 4) if int8 else 3
 
 
-def half_build(keys_mode: bool, rows: int) -> bool:
-    """Whether a launch with `rows` query rows per sequence and KV head runs the decode shape's _h8 build."""
-    return keys_mode and rows <= HALF_ROWS
-
-
-def int8_decode_blocks(rows: int) -> int:
-    """Blocks an SM of the INT8 decode kernel for blocks of `rows` query rows (attention.cu's Smem and
-    registers): the _h8 build (115 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
-    return 4 if half_build(True, rows) else 3
-
-
 def smem_bytes(int8: bool, keys_mode: bool, half: bool = False) -> int:
-    """Dynamic shared memory of one block, as Smem<Q8, KEYS, HALF> in attention.cu."""
+    """Dynamic shared memory of one block, as Smem<Q8, KEYS, HALF>::TOTAL in attention.cuh."""
     tile = KEY_TILE * HEAD_DIM * 2
     q_bytes = rows_per_block(keys_mode) * HEAD_DIM * 2
     n = stages(int8, keys_mode, half)
     kv = 2 * ((0 if keys_mode else 1) if int8 else n) * tile  # INT8 decode reads the int8 tiles directly
     stage = n * (2 * KEY_TILE * HEAD_DIM + 2 * KEY_TILE * 4) if int8 else 0
     return q_bytes + kv + stage
-
-
-def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str,
-                rows: int = KEYS_MAX_ROWS, wg: bool = True) -> str:
-    """The entry point a launch runs: attention_wg (attention_wg.cu) for the prefill shape over a BF16
-    cache without a key split on Hopper (arch sm_90, compiled as sm_90a: wgmma), unless the pool is too
-    large for its 32-bit offsets (or wg=False: the tests that compare the two kernels); otherwise
-    attention.cu's attention / attention_int8, + "_decode" for the decode shape (keys mode), + "_h8" when a
-    block has at most HALF_ROWS rows (`rows`: query rows per sequence and KV head, max_q_len x the group)."""
-    if (wg and not int8 and not keys_mode and num_splits == 1 and arch == "sm_90" and pool_elements < WG_MAX_POOL):
-        return "attention_wg"
-    name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
-    return name + "_h8" if half_build(keys_mode, rows) else name
 
 
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
@@ -128,7 +71,7 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     decode_shape=False, which keeps every launch in the prefill shape for batch invariance). With
     num_splits > 1 each sequence's keys are split across blocks, whose results go to `partials`
     = (part_o [S, T, H, 128] f32, part_ml [S, T, H, 2] f32) and are merged. On Hopper the prefill
-    shape over a BF16 cache without a split runs attention_wg.cu instead of attention.cu (`kernel_name`).
+    shape over a BF16 cache without a split runs attention_wg.cu instead of attention_prefill.cu (`kernel_name`).
 
     An INT8 cache (int8 pools) needs `scales` = (k_scale, v_scale) float32 [pages, KV, page_size];
     its queries must already carry the key-smoothing factors if the keys were stored smoothed.
@@ -137,7 +80,7 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     queries from `fused.qkv`, `q` unread; the new keys and values stored into the pools) and the caller skips
     attn_input.
 
-    wg=False keeps a launch that attention_wg.cu would take on attention.cu's prefill shape (which runs it for
+    wg=False keeps a launch that attention_wg.cu would take on attention_prefill.cu (which runs it for
     pools past attention_wg's 32-bit offsets and on other GPUs): for tests that compare the two kernels.
     """
     T, H, hd = q.shape
@@ -184,16 +127,16 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
             if not int8:
                 raise ValueError("attention: smoothing factors were given for a BF16 cache")
             expect("smoothing", fused.smoothing, (hd,), FLOAT32)
-    keys_mode = decode_shape and max_q_len * group <= KEYS_MAX_ROWS
-    name = kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits,
+    keys = keys_mode(max_q_len=max_q_len, group=group, decode_shape=decode_shape)
+    name = kernel_name(int8=int8, keys_mode=keys, num_splits=num_splits,
                        pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch,
                        rows=max_q_len * group, wg=wg)
     args = [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
             I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
             F32(LOG2E / math.sqrt(hd))]
     if name == "attention_wg":
-        # Row tiles of 128 in the grid's y, the KV heads in x (attention.cu has them the other way round).
-        kernel("attention_wg.cu", name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
+        # Row tiles of 128 in the grid's y, the KV heads in x (the other kernels have them the other way round).
+        kernel(kernel_file(name), name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
                                                stream, smem=WG_SMEM)
         return
     if fused is None:
@@ -201,9 +144,8 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     else:
         args += [fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, fused.smoothing,
                  F32(fused.eps)]
-    grid = (cdiv(max_q_len * group, rows_per_block(keys_mode)), KV, B * num_splits)
-    kernel("attention.cu", name).launch(grid, (128,), args, stream,
-                                        smem=smem_bytes(int8, keys_mode, name.endswith("_h8")))
+    grid = (cdiv(max_q_len * group, rows_per_block(keys)), KV, B * num_splits)
+    kernel(kernel_file(name), name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys, name.endswith("_h8")))
     if num_splits > 1:
-        kernel("attention.cu", "attention_combine").launch(
+        kernel("attention_combine.cu", "attention_combine").launch(
             (T, H), (COMBINE_THREADS,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
