@@ -1,8 +1,8 @@
 // Paged causal attention for prefill chunks over a BF16 cache on Hopper's warpgroup tensor-core
 // instructions (wgmma, sm_90a), flash-attention 3 style: on Hopper it replaces the rows mode
-// ("prefill shape") of attention.cu's `attention` kernel over a BF16 cache without a key split (the
-// routing is in tileinfer/kernels/attention.py), with its arguments, its cache layout and its
-// output; see attention.cu's header for the cache layout (pool[page, kv_head, offset, 128],
+// ("prefill shape") of attention_prefill.cu's `attention` kernel over a BF16 cache without a key split (the
+// routing is in tileinfer/kernels/routing.py), with its arguments, its cache layout and its
+// output; see attention.cuh's header for the cache layout (pool[page, kv_head, offset, 128],
 // block tables), the (token, head-in-group) rows of grouped-query attention, cu_q / kv_lens and the
 // causal positions (sequence b's first query sits at position kv_lens[b] - q_len).
 //
@@ -24,7 +24,7 @@
 //     copies its rows of Q to shared memory itself (cp.async, once), then per key tile:
 //       S = Q K^T        wgmma.m64n128k16, A = Q and B = K both from shared memory (K-major);
 //       mask (only the tiles that reach past the warpgroup's first query position), online
-//       softmax in base 2 as attention.cu (scores times scale * log2(e), running max and sum),
+//       softmax in base 2 as attention_prefill.cu (scores times scale * log2(e), running max and sum),
 //       O rescaled by 2^(m_old - m_new);
 //       O += P V         wgmma.m64n128k16 with A = P from registers: the S accumulators converted to
 //                        bf16 in place (the accumulator fragment of 16 columns is exactly the
@@ -54,20 +54,18 @@
 //     + kk * 2048 bytes. (The same layout ThunderKittens' transposed descriptors use.)
 //
 // Build. The ring depth STAGES and the ping-pong PP are template parameters of the body; the one
-// kernel is STAGES = 2 with ping-pong, the build measured in the engine (qwen3-4b prefill of 4,096
-// tokens: attention 29.5 -> 12.2 ms on the H200). 3 stages and no ping-pong passed the same GPU
-// tests as an experiment and were not benchmarked.
+// kernel is STAGES = 2 with ping-pong.
 //
 // Resources (nvcc 13 ptxas, sm_90a): 168 registers a thread at launch (384 threads, one block per SM);
 // after setmaxnreg the producer's code uses 38 of its 40 and the consumers' 230 of their 232. Spills:
-// 44 bytes stored / 48 loaded (32 / 36 without ping-pong), all in the consumers' last-tile step (once
+// 44 bytes stored / 48 loaded, all in the consumers' last-tile step (once
 // per block), none in the key-tile loop or the producer. No wgmma serialization (ptxas C7515) warning.
 // Dynamic shared memory 164,928 bytes with 2 stages, 230,496 with 3 (of 232,448).
 //
-// Differences from attention.cu's rows mode: 128 rows and 128 keys per block step instead of 64 and
+// Differences from attention_prefill.cu's rows mode: 128 rows and 128 keys per block step instead of 64 and
 // 64; the sums run in a different order, so results agree to rounding, not bitwise. Split-K
 // (num_splits > 1) and the INT8 cache are not handled: the launcher (tileinfer/kernels/attention.py)
-// sends those to attention.cu; num_splits != 1 traps here. Only sm_90a has wgmma / setmaxnreg: a
+// sends those to attention_prefill.cu; num_splits != 1 traps here. Only sm_90a has wgmma / setmaxnreg: a
 // plain sm_90 build (and any other arch) gets a body that traps.
 #include "common.cuh"
 #include "mbarrier.cuh"
@@ -181,7 +179,7 @@ __device__ __forceinline__ void attention_wg_body(
         const int *__restrict__ block_tables, int bt_stride, int num_heads, int num_kv_heads, int page_size,
         int num_splits, float scale_log2) {
     using S = WgSmem<STAGES>;
-    if (num_splits != 1) __trap();  // split-K is attention.cu's (the launcher never sends it here)
+    if (num_splits != 1) __trap();  // split-K is attention_prefill.cu's (the launcher never sends it here)
 
     const int kv_head = blockIdx.x, b = blockIdx.z;
     const int row0 = (gridDim.y - 1 - blockIdx.y) * ROWS;  // the last row tiles (most keys) start first
@@ -448,7 +446,7 @@ __device__ __forceinline__ void attention_wg_body(const bf16 *, const bf16 *, co
 #endif
 
 // ============================================================================= kernel
-// 2 stages, ping-pong between the consumer warpgroups. Arguments as attention.cu's `attention`
+// 2 stages, ping-pong between the consumer warpgroups. Arguments as attention_prefill.cu's `attention`
 // (k_scale, v_scale, part_o, part_ml and total_q unused; num_splits must be 1). Grid (num_kv_heads,
 // ceil(max_q_len * G / 128), num_seqs), block (384), dynamic shared memory WgSmem<2>::TOTAL (the
 // launcher's WG_SMEM).

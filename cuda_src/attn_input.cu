@@ -2,7 +2,7 @@
 // (q_norm / k_norm weights), rotate both with RoPE, write the queries out and store the new
 // keys and values into the paged cache at the token's slot (the per-head work: attn_input.cuh).
 // A decode step whose attention runs a decode _h8 build skips this kernel: that build does the same
-// for its own token (attention.cu, "fused input").
+// for its own token (attention.cuh, "fused input").
 #include "attn_input.cuh"
 
 // ============================================================================= kernels

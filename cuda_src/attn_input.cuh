@@ -1,7 +1,7 @@
 // The attention input of one head of one token: RMSNorm over head_dim (q_norm / k_norm weights), RoPE,
 // and for a key head the store of the new key and value into the paged cache. Shared by attn_input.cu
-// (one warp a head, every token of a step) and attention.cu's decode builds, which do it for their own
-// sequence's token when a decode step skips attn_input (see attention.cu, "fused input").
+// (one warp a head, every token of a step) and attention_decode.cu's _h8 builds, which do it for their own
+// sequence's token when a decode step skips attn_input (see attention.cuh, "fused input").
 //
 // Cache layout (one pool per layer for K and one for V; see tileinfer/kv/paged_cache.py):
 //   pool[page, kv_head, offset, head_dim], slot = page * page_size + offset; bf16, or int8 plus one float32

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode attention alone (cuda_src/attention.cu) over a BF16 and an INT8 cache, by context and split.
+"""Decode attention alone (cuda_src/attention_decode.cu + attention_combine.cu) over a BF16 and an INT8 cache, by context and split.
 
     python scripts/bench_attention.py [--models qwen3-4b] [--contexts 1024,32768] [--batch 1]
                                       [--splits 1,8,16,32,64] [--dtypes bf16,int8]

@@ -1,6 +1,6 @@
-"""Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.attention.kernel_name),
-that its launch constants for cuda_src/attention_wg.cu and attention.cu match the kernels' own, and how many
-key-range splits a decode step gets (Model._splits_for). CPU only."""
+"""Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.routing.kernel_name),
+that the launcher's constants for cuda_src/attention_wg.cu, attention.cuh and attention_combine.cu match the
+kernels' own, and how many key-range splits a decode step gets (Model._splits_for). CPU only."""
 import importlib
 from types import SimpleNamespace
 
@@ -8,8 +8,9 @@ import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.engine.model import Model
-from tileinfer.kernels.attention import (WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS, kernel_name,
-                                         wg_attention_default)
+from tileinfer.kernels import routing
+from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS
+from tileinfer.kernels.routing import kernel_file, kernel_name
 
 # The module (the package's `attention` attribute is the launcher function of the same name).
 attention_module = importlib.import_module("tileinfer.kernels.attention")
@@ -21,20 +22,15 @@ def name(*, int8=False, keys_mode=False, num_splits=1, pool_elements=SMALL_POOL,
                        **rows)
 
 
-@pytest.fixture(autouse=True)
-def default_switch(monkeypatch):
-    monkeypatch.delenv("TILEINFER_FA3", raising=False)
-
-
 def test_hopper_prefill_over_bf16_without_a_split_takes_attention_wg():
     assert name() == "attention_wg"
 
 
-@pytest.mark.parametrize("value, want", [("0", "attention"), ("1", "attention_wg"), ("", "attention_wg")])
-def test_tileinfer_fa3_zero_keeps_attention_cu(monkeypatch, value, want):
-    monkeypatch.setenv("TILEINFER_FA3", value)
-    assert name() == want
-    assert wg_attention_default() == (want == "attention_wg")
+def test_wg_false_keeps_attention_cu():
+    # What the GPU tests compare attention_wg against: the same launch on attention_prefill.cu.
+    assert name(wg=False) == "attention"
+    assert name(wg=False, keys_mode=True, rows=4) == "attention_decode_h8"  # nothing else changes
+    assert name(wg=False, int8=True) == "attention_int8"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100", "sm_120"])
@@ -53,7 +49,7 @@ def test_everything_else_stays_on_attention_cu():
     assert name(pool_elements=(1 << 32) - 128) == "attention_wg"
 
 
-def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds(monkeypatch):
+def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds():
     # A decode step of a group <= 8 (one token per sequence) has one row tile of <= 8 rows: the _h8 build.
     for rows in (1, 2, 4, 8):
         assert name(keys_mode=True, rows=rows) == "attention_decode_h8"
@@ -62,8 +58,6 @@ def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds(monkeypatch):
     assert name(keys_mode=True, rows=20, int8=True) == "attention_int8_decode"
     assert name(rows=4) == "attention_wg"                              # the prefill shape has no _h8 build
     assert name(rows=4, int8=True) == "attention_int8"
-    monkeypatch.setattr(attention_module, "ATTN_H8", False)            # TILEINFER_ATTN_H8=0
-    assert name(keys_mode=True, rows=4) == "attention_decode"
 
 
 def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
@@ -76,8 +70,8 @@ def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
     assert WG_SMEM <= 227 * 1024  # the opt-in maximum a block may have on Hopper
 
 
-def test_attention_cu_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
-    # smem_bytes (what attention() asks for) is Smem<Q8, KEYS, HALF>::TOTAL in attention.cu for every build.
+def test_attention_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
+    # smem_bytes (what attention() asks for) is Smem<Q8, KEYS, HALF>::TOTAL in attention.cuh for every build.
     monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
     checks = []
     for int8 in (False, True):
@@ -86,8 +80,37 @@ def test_attention_cu_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
                 want = attention_module.smem_bytes(int8, keys, half)
                 checks.append(f'static_assert(Smem<{str(int8).lower()}, {str(keys).lower()}, {str(half).lower()}>'
                               f'::TOTAL == {want}, "Smem<{int8}, {keys}, {half}>");')
-    source = '#include "attention.cu"\n' + "\n".join(checks) + "\n"
+    source = '#include "attention.cuh"\n' + "\n".join(checks) + "\n"
     compile_source("attention_smem_constants.cu", source, "sm_90a", None, cuda_src_dir())
+
+
+def test_combine_constants_match_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    source = ('#include "attention_combine.cu"\n'
+              f'static_assert(COMBINE_MAX_SPLITS == {attention_module.MAX_SPLITS}, "splits");\n'
+              f'static_assert(COMBINE_WARPS * 32 == {attention_module.COMBINE_THREADS}, "threads");\n')
+    compile_source("attention_combine_constants.cu", source, "sm_90a", None, cuda_src_dir())
+
+
+@pytest.mark.parametrize("name, file", [
+    ("attention_wg", "attention_wg.cu"), ("attention", "attention_prefill.cu"),
+    ("attention_int8", "attention_prefill.cu"), ("attention_decode", "attention_decode.cu"),
+    ("attention_int8_decode", "attention_decode.cu"), ("attention_decode_h8", "attention_decode.cu"),
+    ("attention_int8_decode_h8", "attention_decode.cu"), ("attention_combine", "attention_combine.cu")])
+def test_each_kernel_loads_from_its_file(name, file):
+    assert kernel_file(name) == file
+    assert (cuda_src_dir() / file).is_file()
+
+
+def test_every_routed_kernel_has_a_file_that_exports_it():
+    # Each name kernel_name can return is an entry point of the file kernel_file names (the symbol in its source).
+    names = {kernel_name(int8=int8, keys_mode=keys, num_splits=splits, pool_elements=SMALL_POOL, arch=arch, rows=rows)
+             for int8 in (False, True) for keys in (False, True) for splits in (1, 4) for arch in ("sm_90", "sm_80")
+             for rows in (4, 16)}
+    assert len(names) == 7, names
+    for n in names | {"attention_combine"}:
+        source = (cuda_src_dir() / kernel_file(n)).read_text()
+        assert f"ATTENTION_KERNEL({n}," in source or f" {n}(" in source, f"{n} is not in {kernel_file(n)}"
 
 
 class _FakeModel:
@@ -99,30 +122,27 @@ class _FakeModel:
         self.cache = SimpleNamespace(int8=int8)
 
 
-@pytest.mark.parametrize("int8, h8, batch, want", [
-    (False, True, 1, 33), (False, True, 8, 4), (False, True, 16, 2), (False, True, 32, 1), (False, True, 64, 1),
-    (True, True, 1, 48), (True, True, 8, 8), (True, True, 16, 4), (True, True, 64, 1),   # 4 blocks an SM
-    (True, False, 1, 48), (True, False, 8, 6), (True, False, 16, 3), (True, False, 64, 1)])  # 3 (16-row build)
-def test_decode_splits_fill_one_wave_of_the_kernels_blocks(monkeypatch, int8, h8, batch, want):
-    monkeypatch.setattr(attention_module, "ATTN_H8", h8)
-    assert Model._splits_for(_FakeModel(int8), batch, 1 << 30) == want
-    assert Model._splits_for(_FakeModel(int8), batch, 5) == min(want, 5)  # at most one split a key tile
+@pytest.mark.parametrize("int8, heads, kv_heads, batch, want", [
+    (False, 32, 8, 1, 33), (False, 32, 8, 8, 4), (False, 32, 8, 16, 2), (False, 32, 8, 32, 1), (False, 32, 8, 64, 1),
+    (True, 32, 8, 1, 48), (True, 32, 8, 8, 8), (True, 32, 8, 16, 4), (True, 32, 8, 64, 1),  # _h8: 4 blocks an SM
+    (True, 32, 2, 1, 48), (True, 32, 2, 8, 24), (True, 32, 2, 16, 12), (True, 32, 2, 64, 3)])  # 16-row build: 3
+def test_decode_splits_fill_one_wave_of_the_kernels_blocks(int8, heads, kv_heads, batch, want):
+    model = _FakeModel(int8, heads, kv_heads)
+    assert Model._splits_for(model, batch, 1 << 30) == want
+    assert Model._splits_for(model, batch, 5) == min(want, 5)  # at most one split a key tile
 
 
-@pytest.mark.parametrize("max_q_len, H, KV, splits, switch, want", [
-    (1, 32, 8, 48, "", True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
-    (1, 32, 8, 16, "", True),
-    (1, 32, 8, 11, "", False),     # 512 positions: attn_input launched (slower fused, FUSED_MIN_SPLITS)
-    (1, 32, 8, 11, "1", True),
-    (1, 32, 8, 48, "0", False),
-    (2, 32, 8, 48, "", False),     # two tokens a sequence: the queries of several positions
-    (1, 64, 4, 48, "1", False),    # a group of 16: the 16-row build, which has no fused input
-    (1, 16, 8, 48, "", True),      # qwen3-0.6b's group of 2
+@pytest.mark.parametrize("max_q_len, H, KV, splits, want", [
+    (1, 32, 8, 48, True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
+    (1, 32, 8, 16, True),
+    (1, 32, 8, 15, False),     # below FUSED_MIN_SPLITS: attn_input launched
+    (1, 32, 8, 11, False),     # 512 positions
+    (2, 32, 8, 48, False),     # two tokens a sequence: the queries of several positions
+    (1, 64, 4, 48, False),     # a group of 16: the 16-row build, which has no fused input
+    (1, 16, 8, 48, True),      # qwen3-0.6b's group of 2
 ])
-def test_engine_fuses_the_attention_input_of_long_decode_steps(monkeypatch, max_q_len, H, KV, splits, switch, want):
-    monkeypatch.setattr(attention_module, "FUSED_INPUT", switch)
-    monkeypatch.setattr(attention_module, "ATTN_H8", True)
-    got = attention_module.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
+def test_engine_fuses_the_attention_input_of_long_decode_steps(max_q_len, H, KV, splits, want):
+    got = routing.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
     assert got == want
-    assert not attention_module.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
+    assert not routing.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
                                                    decode_shape=False)

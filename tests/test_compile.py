@@ -34,7 +34,9 @@ ENTRY_POINTS = {
                                                                                     "gemv_argmax_m1_e3", "gemv_pipe_argmax_m1_e3",
                                                                                     "gemv_norm_m1_e0", "gemv_norm_m1_e0_b4", "gemv_norm_m1_e2",
                                                                                     "gemv_norm_m2_e0", "gemv_norm_m2_e2"],
-    "attention.cu": ["attention", "attention_decode", "attention_decode_h8", "attention_int8_decode_h8", "attention_combine"],
+    "attention_prefill.cu": ["attention", "attention_int8"],
+    "attention_decode.cu": ["attention_decode", "attention_int8_decode", "attention_decode_h8", "attention_int8_decode_h8"],
+    "attention_combine.cu": ["attention_combine"],
     "attention_wg.cu": ["attention_wg"],
     "sampling.cu": ["argmax_rows", "sample_rows"],
 }

@@ -1,5 +1,5 @@
 """The wgmma prefill attention (cuda_src/attention_wg.cu) as tileinfer.kernels.attention routes it on Hopper:
-against the numpy reference and against attention.cu's rows mode (TILEINFER_FA3=0) at awkward sizes (lengths
+against the numpy reference and against attention_prefill.cu's rows mode (attention(..., wg=False)) at awkward sizes (lengths
 around its 128-row blocks and 128-key tiles, pages partly filled and across key tiles, GQA groups 1, 2 and 4,
 chunked prefill over cached pages, several sequences a launch), the routing of the other shapes, and the whole
 model's logits with and without it. Skipped on other GPUs (the kernel needs sm_90a).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -37,9 +38,8 @@ def hopper(device):
 
 # ----------------------------------------------------------------------------- helpers
 @contextlib.contextmanager
-def kernels_launched(wg: bool | None):
-    """Within the block TILEINFER_FA3 is "1" (wg=True), "0" (False) or unset (None, the default: on); yields
-    the list of the entry points launched in the block, by name, in order."""
+def kernels_launched():
+    """Yields the list of the entry points launched in the block, by name, in order."""
     names: list[str] = []
     launch = Kernel.launch
 
@@ -48,10 +48,6 @@ def kernels_launched(wg: bool | None):
         return launch(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        if wg is None:
-            mp.delenv("TILEINFER_FA3", raising=False)
-        else:
-            mp.setenv("TILEINFER_FA3", "1" if wg else "0")
         mp.setattr(Kernel, "launch", recording_launch)
         yield names
 
@@ -65,12 +61,12 @@ def device_inputs(batch: PagedBatch, buf):
 
 def run_rows(batch: PagedBatch, buf, stream, wg: bool) -> np.ndarray:
     """attention() in its rows (prefill) shape, whatever the row count (decode_shape=False, as in batch-invariant
-    mode): attention_wg.cu with wg, attention.cu's `attention` without (TILEINFER_FA3=0). # [T, H, HD] bf16"""
+    mode): attention_wg.cu with wg, attention_prefill.cu's `attention` without. # [T, H, HD] bf16"""
     q, k_pool, v_pool, cu_q, kv_lens, tables = device_inputs(batch, buf)
     out = buf.poisoned((batch.T, batch.H, HD), BF16)
-    with kernels_launched(wg) as names:
+    with kernels_launched() as names:
         attention(q, k_pool, v_pool, out, cu_q, kv_lens, tables, max_q_len=batch.max_q_len, decode_shape=False,
-                  stream=stream)
+                  wg=wg, stream=stream)
     assert names == ["attention_wg" if wg else "attention"], names
     return out.to_host(stream)
 
@@ -96,17 +92,17 @@ def reference_rows(batch: PagedBatch, rng) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_batch(batch: PagedBatch, buf, stream, seed) -> None:
-    """Both kernels against the reference (attention.cu's result checks the harness itself), and each other:
+    """Both kernels against the reference (attention_prefill.cu's result checks the harness itself), and each other:
     both bf16 outputs within ~2^-8 of the exact result (different summation orders and tile sizes), so
-    elementwise rtol 1e-2 + atol 1e-2 max|v|, and ||diff|| / ||attention.cu|| < 1e-2 (expected ~3e-3)."""
+    elementwise rtol 1e-2 + atol 1e-2 max|v|, and ||diff|| / ||attention_prefill.cu|| < 1e-2 (expected ~3e-3)."""
     idx, ref = reference_rows(batch, np.random.default_rng(seed))
     old = run_rows(batch, buf, stream, wg=False)
-    check_attention(old[idx], ref, batch.vmax, batch.label(1) + " attention.cu rows mode")
+    check_attention(old[idx], ref, batch.vmax, batch.label(1) + " attention_prefill.cu rows mode")
     got = run_rows(batch, buf, stream, wg=True)
     label = batch.label(1) + " attention_wg"
     assert np.isfinite(to_f32(got)).all(), f"{label}: rows left unwritten (poison) or non-finite"
     check_attention(got[idx], ref, batch.vmax, label)
-    assert_close(got, old, atol=1e-2 * batch.vmax, rtol=1e-2, rel_norm=1e-2, label=label + " vs attention.cu")
+    assert_close(got, old, atol=1e-2 * batch.vmax, rtol=1e-2, rel_norm=1e-2, label=label + " vs attention_prefill.cu")
 
 
 # ----------------------------------------------------------------------------- smoke
@@ -178,7 +174,7 @@ def test_attention_wg_query_is_summed_alike_wherever_it_sits(buf, stream):
             kv_lens = np.array([first + count for first, count in seqs], np.int32)
             tables = np.repeat(batch.block_tables[:1], len(seqs), axis=0)
             out = buf.poisoned((len(q), batch.H, HD), BF16)
-            with kernels_launched(True) as names:
+            with kernels_launched() as names:
                 attention(buf.upload(q), k_pool, v_pool, out, buf.upload(cu_q), buf.upload(kv_lens),
                           buf.upload(tables), max_q_len=max(count for _, count in seqs), decode_shape=False,
                           stream=stream)
@@ -190,9 +186,9 @@ def test_attention_wg_query_is_summed_alike_wherever_it_sits(buf, stream):
 
 # ----------------------------------------------------------------------------- routing
 def test_attention_routes_only_the_unsplit_bf16_prefill_shape(buf, stream):
-    # By default (TILEINFER_FA3 unset) a prefill-shaped BF16 launch runs attention_wg; a decode-shaped one
-    # (4 rows a KV head: its _h8 build) and a split one and an INT8 cache's stay on attention.cu. Each result
-    # is checked.
+    # A prefill-shaped BF16 launch runs attention_wg; a decode-shaped one
+    # (4 rows a KV head: its _h8 build) and a split one and an INT8 cache's stay on attention_prefill.cu and
+    # attention_decode.cu. Each result is checked.
     rng = np.random.default_rng(seed_of("wg-routing"))
     cases = [(PagedBatch(rng, [(100, 100)], 32, 8, 64), 1, ["attention_wg"]),
              (PagedBatch(rng, [(1, 300), (1, 50)], 32, 8, 64), 1, ["attention_decode_h8"]),
@@ -200,7 +196,7 @@ def test_attention_routes_only_the_unsplit_bf16_prefill_shape(buf, stream):
              (PagedBatch(rng, [(100, 1100)], 32, 8, 64), 4, ["attention", "attention_combine"]),
              (PagedBatch(rng, [(100, 100)], 32, 8, 64, int8=True), 1, ["attention_int8"])]
     for batch, num_splits, want in cases:
-        with kernels_launched(None) as names:
+        with kernels_launched() as names:
             got = batch.run(buf, stream, num_splits)
         assert names == want, f"{batch.label(num_splits)}: launched {names}, expected {want}"
         check_attention(got, batch.reference(), batch.vmax, batch.label(num_splits) + " routed")
@@ -208,10 +204,14 @@ def test_attention_routes_only_the_unsplit_bf16_prefill_shape(buf, stream):
 
 # ----------------------------------------------------------------------------- the whole model
 def model_logits(path, ids, chunks, wg: bool) -> tuple[list[np.ndarray], int, int]:
-    """(logits per chunk size, attention_wg launches, layers) of one model load with TILEINFER_FA3 on or off."""
-    with kernels_launched(wg) as names, tileinfer.load_model(path, progress=False) as model:
-        out = [model.logits(ids, chunk=c) for c in chunks]
-        layers = model.config.num_hidden_layers
+    """(logits per chunk size, attention_wg launches, layers) of one model load whose forward passes launch
+    attention with wg=True (the default) or wg=False (attention_prefill.cu instead of attention_wg)."""
+    with kernels_launched() as names, pytest.MonkeyPatch.context() as mp:
+        # The forward calls tileinfer.kernels.attention at each launch: the same launcher, with wg set.
+        mp.setattr(tileinfer.kernels, "attention", functools.partial(attention, wg=wg))
+        with tileinfer.load_model(path, progress=False) as model:
+            out = [model.logits(ids, chunk=c) for c in chunks]
+            layers = model.config.num_hidden_layers
     return out, names.count("attention_wg"), layers
 
 
@@ -222,15 +222,15 @@ def compare_model(path, label):
     # tokens: those replay the extend graphs, whose launches do not go through Kernel.launch.)
     chunks = (None, 50)
     base, launched, _ = model_logits(path, ids, chunks, wg=False)
-    assert launched == 0, f"{label}: TILEINFER_FA3=0 still launched attention_wg {launched} times"
+    assert launched == 0, f"{label}: wg=False still launched attention_wg {launched} times"
     got, launched, layers = model_logits(path, ids, chunks, wg=True)
     steps = 2 + 300 // 50
     assert launched >= steps * layers, f"{label}: {launched} launches of attention_wg, expected >= {steps * layers}"
     for c, g, b in zip(chunks, got, base):
         err = np.abs(g - b) / b.std(axis=1, keepdims=True)
-        print(f"{label}, chunk {c}: attention_wg vs attention.cu logits: max |diff|/std {err.max():.4f}, "
+        print(f"{label}, chunk {c}: attention_wg vs attention_prefill.cu logits: max |diff|/std {err.max():.4f}, "
               f"mean {err.mean():.5f}")
-        compare_logits(g, b, f"{label}, chunk {c}: attention_wg vs attention.cu")
+        compare_logits(g, b, f"{label}, chunk {c}: attention_wg vs attention_prefill.cu")
 
 
 def test_attention_wg_model_logits_tiny(tiny_checkpoint):

@@ -152,5 +152,5 @@ def test_decode_builds_fit_the_blocks_an_sm_the_splits_count_on():
         assert att.kernel_name(int8=int8, keys_mode=True, num_splits=1, pool_elements=0, arch="sm_90",
                                rows=rows) == name
         half = name.endswith("_h8")
-        got = kernel("attention.cu", name).max_active_blocks(128, att.smem_bytes(int8, True, half))
+        got = kernel(att.kernel_file(name), name).max_active_blocks(128, att.smem_bytes(int8, True, half))
         assert got == want, f"{name}: {got} blocks an SM, the decode splits count on {want}"

@@ -662,7 +662,7 @@ INT8_CASES = [
 
 
 # The INT8 decode shape's P V product runs in fp16 in units of the largest value scale seen so far
-# (attention.cu, direct_pv): values of any magnitude, and magnitudes rising along the sequence (the
+# (attention.cuh, direct_pv): values of any magnitude, and magnitudes rising along the sequence (the
 # units change tile by tile), against the oracle.
 @pytest.mark.parametrize("v_scale", [1e-4, 1e3, "rising"], ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("spec, num_splits", [([(1, 4097)], 4), ([(1, 700), (5, 300)], 1), ([(1, 2000)], 32)],
@@ -693,7 +693,7 @@ def test_attention_int8_long_decode(buf, stream):
 
 
 # Fused input: a decode step (one token a sequence) on the _h8 builds does attn_input's work inside the
-# attention launch (attention.cu, "fused input"). Against attn_input then attention on the same inputs: the
+# attention launch (attention.cuh, "fused input"). Against attn_input then attention on the same inputs: the
 # same output and the same cache, bit for bit (both run attn_input.cuh's arithmetic), for BF16 and INT8
 # caches, smoothing on and off, groups of 2, 4 and 8, awkward lengths, pages and splits, a padding token.
 FUSED_CASES = [

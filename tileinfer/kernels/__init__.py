@@ -1,5 +1,6 @@
 """One launcher module per cuda_src/ kernel family: validate shapes, compute the grid, launch."""
-from .attention import FusedInput, attention, engine_fuses_input, fuses_input, int8_decode_blocks
+from .attention import FusedInput, attention
+from .routing import engine_fuses_input, fuses_input, int8_decode_blocks
 from .attn_input import attn_input, attn_input_int8
 from .embedding import embedding, fetch_step, resolve_tokens
 from .linear import linear, norm_linear

@@ -1,18 +1,20 @@
-"""Launchers for cuda_src/attention.cu: paged causal attention over a BF16 or INT8 cache
-(+ the split-K combine), and cuda_src/attention_wg.cu, which takes attention.cu's prefill shape over
-a BF16 cache on Hopper (`kernel_name`)."""
+"""Launchers for paged causal attention over a BF16 or INT8 cache: cuda_src/attention_prefill.cu (the prefill
+shape), attention_decode.cu (the decode shape), attention_combine.cu (the split-K combine), and
+attention_wg.cu, which takes the prefill shape over a BF16 cache on Hopper. Which kernel a launch runs is
+routing.py's (kernel_name)."""
 import math
-import os
 from typing import NamedTuple
 
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 from .attn_input import check_inputs
+from .routing import (FUSED_MIN_SPLITS, HALF_ROWS, KEYS_MAX_ROWS, WG_MAX_POOL, engine_fuses_input,  # noqa: F401
+                      fuses_input, half_build, int8_decode_blocks, kernel_file, kernel_name, keys_mode)
 
 HEAD_DIM = 128
 KEY_TILE = 64
-MAX_SPLITS = 128  # attention_combine merges up to one split per thread (attention.cu COMBINE_MAX_SPLITS)
-COMBINE_THREADS = 512  # attention.cu's COMBINE_WARPS * 32
+MAX_SPLITS = 128  # attention_combine merges up to one split per thread (attention_combine.cu COMBINE_MAX_SPLITS)
+COMBINE_THREADS = 512  # attention_combine.cu's COMBINE_WARPS * 32
 LOG2E = 1.4426950408889634
 # attention_wg.cu: blocks of 128 rows (token, head-in-group: 2 consumer warpgroups x 64) and 384 threads (+ a
 # producer warpgroup), key tiles of 128 positions in a ring of 2 stages. Dynamic shared memory as its
@@ -22,40 +24,10 @@ WG_THREADS = 384
 WG_KEY_TILE = 128
 WG_STAGES = 2
 WG_SMEM = WG_ROWS * HEAD_DIM * 2 + 2 * WG_STAGES * WG_KEY_TILE * HEAD_DIM * 2 + 4 * WG_STAGES * 8 + 1024
-WG_MAX_POOL = 1 << 32  # its producer indexes a pool with 32-bit element offsets
 
 
 def rows_per_block(keys_mode: bool) -> int:
     return 16 if keys_mode else 64
-
-
-# Query rows per (sequence, KV head) up to which a step runs in the decode shape (keys mode): up to 4 row
-# tiles of 16, each reading the sequence's keys and values itself, where the prefill shape's one 64-row
-# tile would leave 2-3 of its 4 warps idle (a k = 4 verify step of qwen3-8b has 5 tokens x a group of 4 =
-# 20 rows). Measured (H200, qwen3-8b, k = 4), 16 -> 64: verify attention 412 -> 342 us, the verify step
-# 4.864 -> 4.785 ms at 512 positions, 5.501 -> 5.404 ms at 8,192.
-KEYS_MAX_ROWS = 64
-# Blocks of at most this many rows (one row tile: a decode step's token x a group of <= 8) run the keys mode's
-# _h8 build, which skips the padding rows 8-15 of its score accumulators and computes O^T = V^T P^T (8 rows
-# as the mma's N: half the P V products and accumulators). Measured (H200, against the 16-row build in one
-# call; session 16, the padding rows skipped, before O^T): qwen3-0.6b batch 1 0.666 -> 0.652 ms a step
-# (1,502 -> 1,522 tok/s), batch 64 28,447 -> 28,968 tok/s; qwen3-4b at 32,768 positions INT8 3.546 / 3.537 ->
-# 3.488 / 3.490 ms, BF16 3.919 -> 3.901. O^T (session 17) mattered for INT8 only, through the blocks an SM
-# it allows (int8_decode_blocks). TILEINFER_ATTN_H8=0 keeps the 16-row build (A/B runs).
-HALF_ROWS = 8
-ATTN_H8 = os.environ.get("TILEINFER_ATTN_H8", "1") != "0"
-
-
-# A decode step (one token a sequence) whose attention runs an _h8 build can skip attn_input: the attention kernel
-# norms and rotates its group's queries itself, and the block that holds the new position stores its key and
-# value (attention.cu, "fused input"). The engine does so from FUSED_MIN_SPLITS key splits on (a long cache).
-# Measured (H200, GPU ms a batch-1 decode step, attn_input launched -> fused; qwen3-4b unless named): 32,768
-# positions, 48 splits: INT8 3.392 / 3.393 -> 3.272 / 3.274, BF16 3.803 / 3.805 -> 3.767 / 3.766; 1,024
-# positions, 19 splits: BF16 2.723 -> 2.572, INT8 2.717 -> 2.621; 512 positions, 11 splits: BF16 2.516 / 2.516 ->
-# 2.556 / 2.555, qwen3-0.6b 0.643 / 0.642 -> 0.654 / 0.655. (Where between 11 and 19 the gain starts is not
-# measured.) TILEINFER_FUSED_INPUT=0 never fuses, =1 always where the shape allows (A/B runs).
-FUSED_INPUT = os.environ.get("TILEINFER_FUSED_INPUT", "")
-FUSED_MIN_SPLITS = 16
 
 
 class FusedInput(NamedTuple):
@@ -70,41 +42,14 @@ class FusedInput(NamedTuple):
     eps: float
 
 
-def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_shape: bool = True) -> bool:
-    """Whether an attention launch of this shape can do attn_input's work itself (pass `fused=`): a decode step
-    of one token a sequence on an _h8 build."""
-    group = num_heads // num_kv_heads
-    return max_q_len == 1 and half_build(decode_shape and group <= KEYS_MAX_ROWS, group)
-
-
-def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int,
-                       decode_shape: bool = True) -> bool:
-    """Whether the engine's forward pass fuses the input of an attention launch: where the shape allows it, from
-    FUSED_MIN_SPLITS splits on (TILEINFER_FUSED_INPUT=0: never, =1: at any split count)."""
-    if FUSED_INPUT == "0" or (FUSED_INPUT != "1" and num_splits < FUSED_MIN_SPLITS):
-        return False
-    return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
-
-
 def stages(int8: bool, keys_mode: bool, half: bool = False) -> int:
     if not keys_mode:
         return 2
     return (3 if half else 4) if int8 else 3
 
 
-def half_build(keys_mode: bool, rows: int) -> bool:
-    """Whether a launch with `rows` query rows per sequence and KV head runs the decode shape's _h8 build."""
-    return keys_mode and rows <= HALF_ROWS and ATTN_H8
-
-
-def int8_decode_blocks(rows: int) -> int:
-    """Blocks an SM of the INT8 decode kernel for blocks of `rows` query rows (attention.cu's Smem and
-    registers): the _h8 build (115 registers, 3 stages, 55 KB) fits 4, the 16-row build (158, 4 stages) 3."""
-    return 4 if half_build(True, rows) else 3
-
-
 def smem_bytes(int8: bool, keys_mode: bool, half: bool = False) -> int:
-    """Dynamic shared memory of one block, as Smem<Q8, KEYS, HALF> in attention.cu."""
+    """Dynamic shared memory of one block, as Smem<Q8, KEYS, HALF>::TOTAL in attention.cuh."""
     tile = KEY_TILE * HEAD_DIM * 2
     q_bytes = rows_per_block(keys_mode) * HEAD_DIM * 2
     n = stages(int8, keys_mode, half)
@@ -113,42 +58,20 @@ def smem_bytes(int8: bool, keys_mode: bool, half: bool = False) -> int:
     return q_bytes + kv + stage
 
 
-def wg_attention_default() -> bool:
-    """Whether attention.cu's prefill shape over a BF16 cache without a split runs attention_wg.cu on
-    Hopper: on, TILEINFER_FA3=0 turns it off (the A/B against attention.cu). Measured on the H200 as
-    an experiment: qwen3-4b prefill of 4,096 tokens 420 -> 512-515 TFLOP/s (attention 29.5 -> 12.2 ms),
-    512 tokens 396 -> 411-414; fa3 vs attention.cu logits on the tiny checkpoint within 0.0174 std."""
-    return os.environ.get("TILEINFER_FA3", "1") != "0"
-
-
-def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str,
-                rows: int = KEYS_MAX_ROWS) -> str:
-    """The entry point a launch runs: attention_wg (attention_wg.cu) for the prefill shape over a BF16
-    cache without a key split on Hopper (arch sm_90, compiled as sm_90a: wgmma), unless
-    TILEINFER_FA3=0 or the pool is too large for its 32-bit offsets; otherwise attention.cu's
-    attention / attention_int8, + "_decode" for the decode shape (keys mode), + "_h8" when a block has at
-    most HALF_ROWS rows (`rows`: query rows per sequence and KV head, max_q_len x the group)."""
-    if (not int8 and not keys_mode and num_splits == 1 and arch == "sm_90" and pool_elements < WG_MAX_POOL
-            and wg_attention_default()):
-        return "attention_wg"
-    name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
-    return name + "_h8" if half_build(keys_mode, rows) else name
-
-
 def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: DeviceArray,
               cu_q: DeviceArray, kv_lens: DeviceArray, block_tables: DeviceArray, *,
               max_q_len: int, num_splits: int = 1, partials: tuple[DeviceArray, DeviceArray] | None = None,
               scales: tuple[DeviceArray, DeviceArray] | None = None, decode_shape: bool = True,
-              fused: FusedInput | None = None, stream) -> None:
+              fused: FusedInput | None = None, wg: bool = True, stream) -> None:
     """out [T, H, 128] = causal attention of q [T, H, 128] over each sequence's cached positions.
 
     cu_q [B+1] are the sequences' query offsets into q, kv_lens [B] their cached lengths after
     this step, block_tables [B, W] their pages. `max_q_len` bounds cu_q[b+1] - cu_q[b] (it sets
-    the grid, and whether the decode shape runs: at most 16 query rows per KV head, unless
+    the grid, and whether the decode shape runs: at most KEYS_MAX_ROWS query rows per KV head, unless
     decode_shape=False, which keeps every launch in the prefill shape for batch invariance). With
     num_splits > 1 each sequence's keys are split across blocks, whose results go to `partials`
     = (part_o [S, T, H, 128] f32, part_ml [S, T, H, 2] f32) and are merged. On Hopper the prefill
-    shape over a BF16 cache without a split runs attention_wg.cu instead of attention.cu (`kernel_name`).
+    shape over a BF16 cache without a split runs attention_wg.cu instead of attention_prefill.cu (`kernel_name`).
 
     An INT8 cache (int8 pools) needs `scales` = (k_scale, v_scale) float32 [pages, KV, page_size];
     its queries must already carry the key-smoothing factors if the keys were stored smoothed.
@@ -156,6 +79,9 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     `fused` (only where `fuses_input` says so): attn_input's inputs; the launch then does its work (the
     queries from `fused.qkv`, `q` unread; the new keys and values stored into the pools) and the caller skips
     attn_input.
+
+    wg=False keeps a launch that attention_wg.cu would take on attention_prefill.cu (which runs it for
+    pools past attention_wg's 32-bit offsets and on other GPUs): for tests that compare the two kernels.
     """
     T, H, hd = q.shape
     if hd != HEAD_DIM:
@@ -201,16 +127,16 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
             if not int8:
                 raise ValueError("attention: smoothing factors were given for a BF16 cache")
             expect("smoothing", fused.smoothing, (hd,), FLOAT32)
-    keys_mode = decode_shape and max_q_len * group <= KEYS_MAX_ROWS
-    name = kernel_name(int8=int8, keys_mode=keys_mode, num_splits=num_splits,
+    keys = keys_mode(max_q_len=max_q_len, group=group, decode_shape=decode_shape)
+    name = kernel_name(int8=int8, keys_mode=keys, num_splits=num_splits,
                        pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch,
-                       rows=max_q_len * group)
+                       rows=max_q_len * group, wg=wg)
     args = [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
             I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
             F32(LOG2E / math.sqrt(hd))]
     if name == "attention_wg":
-        # Row tiles of 128 in the grid's y, the KV heads in x (attention.cu has them the other way round).
-        kernel("attention_wg.cu", name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
+        # Row tiles of 128 in the grid's y, the KV heads in x (the other kernels have them the other way round).
+        kernel(kernel_file(name), name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
                                                stream, smem=WG_SMEM)
         return
     if fused is None:
@@ -218,9 +144,8 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     else:
         args += [fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, fused.smoothing,
                  F32(fused.eps)]
-    grid = (cdiv(max_q_len * group, rows_per_block(keys_mode)), KV, B * num_splits)
-    kernel("attention.cu", name).launch(grid, (128,), args, stream,
-                                        smem=smem_bytes(int8, keys_mode, name.endswith("_h8")))
+    grid = (cdiv(max_q_len * group, rows_per_block(keys)), KV, B * num_splits)
+    kernel(kernel_file(name), name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys, name.endswith("_h8")))
     if num_splits > 1:
-        kernel("attention.cu", "attention_combine").launch(
+        kernel("attention_combine.cu", "attention_combine").launch(
             (T, H), (COMBINE_THREADS,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
