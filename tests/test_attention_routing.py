@@ -1,13 +1,13 @@
 """Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.routing.kernel_name),
 that the launcher's constants for cuda_src/attention_wg.cu, attention.cuh and attention_combine.cu match the
-kernels' own, and how many key-range splits a decode step gets (Model._splits_for). CPU only."""
+kernels' own, and how many key-range splits a decode step gets (GPURunner._splits_for). CPU only."""
 import importlib
 from types import SimpleNamespace
 
 import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
-from tileinfer.engine.model import Model
+from tileinfer.runner.gpu import GPURunner
 from tileinfer.kernels import routing
 from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS
 from tileinfer.kernels.routing import kernel_file, kernel_name
@@ -114,7 +114,7 @@ def test_every_routed_kernel_has_a_file_that_exports_it():
 
 
 class _FakeModel:
-    """What Model._splits_for reads: the SM count, the config's heads, the attached cache's kind."""
+    """What GPURunner._splits_for reads: the SM count, the config's heads, the attached cache's kind."""
 
     def __init__(self, int8: bool, heads: int = 32, kv_heads: int = 8):
         self.device = SimpleNamespace(info=SimpleNamespace(num_sms=132))
@@ -128,8 +128,8 @@ class _FakeModel:
     (True, 32, 2, 1, 48), (True, 32, 2, 8, 24), (True, 32, 2, 16, 12), (True, 32, 2, 64, 3)])  # 16-row build: 3
 def test_decode_splits_fill_one_wave_of_the_kernels_blocks(int8, heads, kv_heads, batch, want):
     model = _FakeModel(int8, heads, kv_heads)
-    assert Model._splits_for(model, batch, 1 << 30) == want
-    assert Model._splits_for(model, batch, 5) == min(want, 5)  # at most one split a key tile
+    assert GPURunner._splits_for(model, batch, 1 << 30) == want
+    assert GPURunner._splits_for(model, batch, 5) == min(want, 5)  # at most one split a key tile
 
 
 @pytest.mark.parametrize("max_q_len, H, KV, splits, want", [

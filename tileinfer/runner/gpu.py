@@ -48,7 +48,7 @@ MAX_SPLITS = 48
 # (the _h8 build of a decode step, group <= 8), kernels/attention.py's int8_decode_blocks.
 INT8_DECODE_BLOCKS_MAX = 4
 LOGITS_MODES = ("all", "last", "argmax", "none")  # what extend returns
-KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cu)
+KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cuh)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
