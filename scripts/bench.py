@@ -244,8 +244,7 @@ def profile_prefill(model, n: int) -> list[dict]:
         cache.manager.reserve(seq, n)
         shape = prepare_step(model.steps, cache.manager, [(seq, prompt)])
         model.steps.upload(model.stream)
-        return profile_graph(model, lambda s: model._enqueue(shape, all_logits=False, sample=False, num_splits=1,
-                                                            stream=s))
+        return profile_graph(model, lambda s: model._enqueue_step(shape, sample=False, num_splits=1, stream=s))
     finally:
         model.stream.synchronize()
         cache.manager.release(seq)

@@ -119,20 +119,33 @@ class _Nvml:
 
 
 def start_gpu(config: EngineConfig) -> Started:
+    made: list[GPURunner] = []  # closed again if start-up fails half-way
+    try:
+        return _start_gpu(config, made)
+    except BaseException:
+        for runner in made:
+            runner.close()
+        raise
+
+
+def _start_gpu(config: EngineConfig, made: list) -> Started:
     nvml = _Nvml(config.gpu_ordinal)
     before = nvml.read()
     get_device(config.gpu_ordinal)
     used_ctx = nvml.used()
     alloc0 = allocated_bytes()
     t_start = time.perf_counter()
-    runner = _gpu_runner(config, config.model, config.max_num_seqs * config.tokens_per_verify_row)
+    runner = _gpu_runner(config, config.model, config.max_num_seqs * config.tokens_per_verify_row,
+                         config.batch_invariant)
+    made.append(runner)
     runner.use_graphs = config.use_graphs
     workspace_bytes = runner.workspace.nbytes
     weights_bytes = allocated_bytes() - alloc0 - workspace_bytes
     draft, draft_bytes = None, 0
     if config.speculative:
         mark = allocated_bytes()
-        draft = _gpu_runner(config, config.draft_model, config.max_num_seqs)
+        draft = _gpu_runner(config, config.draft_model, config.max_num_seqs, False)  # only proposes: fast kernels
+        made.append(draft)
         draft.use_graphs = config.use_graphs
         draft_bytes = allocated_bytes() - mark
     alloc0 += draft_bytes  # what follows is measured as before, without the draft
@@ -169,10 +182,10 @@ def start_gpu(config: EngineConfig) -> Started:
     return Started(runner, draft, report, times)
 
 
-def _gpu_runner(config: EngineConfig, path, logit_rows: int) -> GPURunner:
+def _gpu_runner(config: EngineConfig, path, logit_rows: int, batch_invariant: bool) -> GPURunner:
     return GPURunner(path, device=config.gpu_ordinal, max_batch_tokens=config.max_num_batched_tokens,
-                     max_num_seqs=config.max_num_seqs, max_logit_rows=logit_rows,
-                     batch_invariant=config.batch_invariant, progress=config.progress)
+                     max_num_seqs=config.max_num_seqs, max_logit_rows=logit_rows, batch_invariant=batch_invariant,
+                     progress=config.progress)
 
 
 def _warm_up(config: EngineConfig, runner: GPURunner, nvml: _Nvml, allocated_before: int) -> dict:
