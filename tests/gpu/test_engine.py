@@ -107,7 +107,7 @@ def test_pool_too_small_for_the_batch_preempts_and_completes(which, kv, tiny_che
     with engine(path, num_pages=10, max_context=512, batch_invariant=True, kv_quantize=kv) as tight:
         got = tight.generate(prompts, params)
         assert tight.stats.preemptions > 0
-        assert tight.cache.manager.num_free_pages == 10
+        assert tight.runner.cache.manager.num_free_pages == 10
     assert tokens(got) == tokens(want)
 
 

@@ -125,7 +125,8 @@ def test_graphed_verify_equals_the_eager_verify(models):
             eager = target.verify(batch, logits="all")
             np.testing.assert_array_equal(target.verify(batch, logits="all", graph_width=5), eager)
             np.testing.assert_array_equal(target.verify(batch, logits="argmax", graph_width=5), eager.argmax(axis=1))
-        assert {key: sorted(g.graphs) for key, g in target.verify_graphs.items()} == {(5, "all"): [4], (5, "argmax"): [4]}
+        # The padded step's graph of bucket 4 (the generate tests before may have left argmax's bucket 1).
+        assert sorted(target.verify_graphs[(5, "all")].graphs) == [4] and 4 in target.verify_graphs[(5, "argmax")].graphs
         # A row longer than the graph's width runs eagerly (no new graph).
         seq = seqs[0]
         start = seq.num_positions
