@@ -351,12 +351,12 @@ def engine(args, name: str, path: Path) -> dict:
         kv = args.engine_kv
         with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False,
                            kv_quantize="int8" if kv == "int8" else None) as llm:
-            out["capture_s"] = llm.capture_seconds
+            out["capture_s"] = llm.startup.capture
             out["num_graphs"] = len(llm.runner.graphs.graphs)
             out["startup"] = dataclasses.asdict(llm.startup)
             print(f"{name}: {llm.startup.format()}", flush=True)
             out["memory"] = llm.memory_report.as_dict() if llm.memory_report else None
-            print(f"{name}: {out['num_graphs']} decode graphs captured in {llm.capture_seconds:.2f} s", flush=True)
+            print(f"{name}: {out['num_graphs']} decode graphs captured in {llm.startup.capture:.2f} s", flush=True)
             batch_decode(llm, min(8, max(batches)), 64, 8)  # warm-up
             out["batch_decode"] = []
             for b in batches:
