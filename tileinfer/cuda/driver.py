@@ -159,15 +159,8 @@ class Device:
             l2_bytes=self._attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         )
 
-    def make_current(self) -> None:
-        call(driver.cuCtxSetCurrent, self.context)
-
     def synchronize(self) -> None:
         call(driver.cuCtxSynchronize)
-
-    def mem_info(self) -> tuple[int, int]:
-        """(free, total) bytes, as the driver sees them for this context."""
-        return call(driver.cuMemGetInfo)
 
 
 def pci_bus_id(ordinal: int = 0) -> str:

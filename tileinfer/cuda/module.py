@@ -124,12 +124,12 @@ class Module:
 
 
 @cache
-def load_module(filename: str, defines: tuple = ()) -> Module:
+def load_module(filename: str) -> Module:
     """Compile (or fetch from cache) and load `cuda_src/<filename>` for the current device."""
     arch = get_device().info.arch
     if arch == "sm_90":
         arch = "sm_90a"  # Hopper's own instructions (wgmma, setmaxnreg) need the 'a' target
-    cubin = compile_file(filename, arch, dict(defines))
+    cubin = compile_file(filename, arch)
     return Module(cubin, f"{filename} ({arch})")
 
 

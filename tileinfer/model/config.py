@@ -65,11 +65,6 @@ class Qwen3Config:
     def qkv_size(self) -> int:
         return self.q_size + 2 * self.kv_size
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def num_parameters(self) -> int:
         d, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         per_layer = d * self.qkv_size + self.q_size * d + 3 * d * f + 2 * d + 2 * self.head_dim

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):

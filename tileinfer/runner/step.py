@@ -181,16 +181,43 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     pad_tokens: the step's token rows, padding included (a graphed verify step: bucket x tokens a row).
     """
     buffers.wait_upload()
-    h = buffers.host
     num_seqs = pad_to or len(batch)
     if num_seqs > buffers.max_seqs or num_seqs < len(batch):
         raise ValueError(f"prepare_step: {len(batch)} sequences padded to {num_seqs}, buffers hold {buffers.max_seqs}")
+    rows = _gather_rows(buffers, manager, batch, sampling)
+    offset = len(rows.tokens)
+    if offset > buffers.max_tokens:
+        raise ValueError(f"prepare_step: {offset} tokens in one step, the buffers hold {buffers.max_tokens}")
+    _write_rows(buffers, rows, token_src)
+    num_tokens = offset
+    if pad_tokens is not None:
+        if not offset <= pad_tokens <= buffers.max_tokens:
+            raise ValueError(f"prepare_step: {offset} tokens padded to {pad_tokens}, buffers hold {buffers.max_tokens}")
+        num_tokens = pad_tokens
+    elif pad_to and rows.max_q == 1:
+        num_tokens = num_seqs  # a decode bucket: one row per (padding) sequence
+    _write_padding(buffers, len(batch), num_seqs, offset, num_tokens)
+    _fill_penalties(buffers, penalties, num_seqs)
+    return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, max_q_len=rows.max_q)
+
+
+@dataclass
+class _Rows:
+    """One step's token rows and per-sequence values, in batch order."""
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_q: list[int]
+    kv_lens: list[int]
+    last_rows: list[int]
+    max_q: int = 1
+
+
+def _gather_rows(buffers: StepBuffers, manager: BlockManager, batch, sampling) -> _Rows:
+    """Each sequence's tokens, positions and slots; its block table and sampling row are written into
+    the mirror only when they changed since the step before (rows keep their sequence step to step)."""
     ps = manager.page_size
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu_q, kv_lens, last_rows = [], [], []
-    max_q = 1
+    rows = _Rows([], [], [], [], [], [])
     for i, item in enumerate(batch):
         seq, ids = item[0], item[1]
         n = len(ids)
@@ -199,37 +226,41 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
         if n < 1 or start < 0 or end > seq.num_positions:
             raise ValueError(f"prepare_step: sequence {i} computes positions [{start}, {end}) but has "
                              f"{seq.num_positions} reserved")
-        cu_q.append(len(tokens))
+        rows.cu_q.append(len(rows.tokens))
         if n == 1:
-            tokens.append(int(ids[0]))
-            positions.append(start)
-            slots.append(seq.block_table[start // ps] * ps + start % ps)
+            rows.tokens.append(int(ids[0]))
+            rows.positions.append(start)
+            rows.slots.append(seq.block_table[start // ps] * ps + start % ps)
         else:
-            tokens.extend(ids)
-            positions.extend(range(start, end))
-            slots.extend(manager.slots(seq, start, n).tolist())
-        kv_lens.append(end)
-        last_rows.append(len(tokens) - 1)
-        max_q = max(max_q, n)
-        if len(seq.block_table) > buffers.table_width:
-            raise ValueError(f"prepare_step: sequence {i} has {len(seq.block_table)} pages, the table holds "
-                             f"{buffers.table_width}")
-        key = (seq, seq.table_version)
-        held = buffers.row_tables[i]
-        if held is None or held[0] is not seq or held[1] != key[1]:
-            table = seq.block_table
-            h["block_tables"][i, :len(table)] = table
-            h["block_tables"][i, len(table):] = 0
-            buffers.row_tables[i] = key
+            rows.tokens.extend(ids)
+            rows.positions.extend(range(start, end))
+            rows.slots.extend(manager.slots(seq, start, n).tolist())
+        rows.kv_lens.append(end)
+        rows.last_rows.append(len(rows.tokens) - 1)
+        rows.max_q = max(rows.max_q, n)
+        _write_table(buffers, i, seq)
         row = sampling[i] if sampling else _GREEDY
         if buffers.row_sampling[i] is not row:
-            _write_sampling(h, i, row)
+            _write_sampling(buffers.host, i, row)
             buffers.row_sampling[i] = row
-    offset = len(tokens)
-    if offset > buffers.max_tokens:
-        raise ValueError(f"prepare_step: {offset} tokens in one step, the buffers hold {buffers.max_tokens}")
-    b = len(batch)
-    h["tokens"][:offset] = tokens
+    return rows
+
+
+def _write_table(buffers: StepBuffers, i: int, seq) -> None:
+    if len(seq.block_table) > buffers.table_width:
+        raise ValueError(f"prepare_step: sequence {i} has {len(seq.block_table)} pages, the table holds "
+                         f"{buffers.table_width}")
+    held = buffers.row_tables[i]
+    if held is None or held[0] is not seq or held[1] != seq.table_version:
+        table = seq.block_table
+        buffers.host["block_tables"][i, :len(table)] = table
+        buffers.host["block_tables"][i, len(table):] = 0
+        buffers.row_tables[i] = (seq, seq.table_version)
+
+
+def _write_rows(buffers: StepBuffers, rows: _Rows, token_src: list[int] | None) -> None:
+    h, offset, b = buffers.host, len(rows.tokens), len(rows.cu_q)
+    h["tokens"][:offset] = rows.tokens
     src = h["token_src"]
     if buffers.src_dirty:  # clear what the last step set (it may have been longer than this one)
         src[:buffers.src_dirty] = -1
@@ -237,23 +268,21 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     if token_src is not None:
         for i, r in enumerate(token_src):
             if r >= 0:
-                src[cu_q[i]] = r
+                src[rows.cu_q[i]] = r
         buffers.src_dirty = offset
-    h["positions"][:offset] = positions
-    h["slots"][:offset] = slots
-    h["cu_q"][:b] = cu_q
-    h["kv_lens"][:b] = kv_lens
-    h["counters"][:b] = kv_lens  # the position a row's sample is for seeds the draw
-    h["last_rows"][:b] = last_rows
-    num_tokens = offset
-    if pad_tokens is not None:
-        if not offset <= pad_tokens <= buffers.max_tokens:
-            raise ValueError(f"prepare_step: {offset} tokens padded to {pad_tokens}, buffers hold {buffers.max_tokens}")
-        num_tokens = pad_tokens
-    elif pad_to and max_q == 1:
-        num_tokens = num_seqs  # a decode bucket: one row per (padding) sequence
+    h["positions"][:offset] = rows.positions
+    h["slots"][:offset] = rows.slots
+    h["cu_q"][:b] = rows.cu_q
+    h["kv_lens"][:b] = rows.kv_lens
+    h["counters"][:b] = rows.kv_lens  # the position a row's sample is for seeds the draw
+    h["last_rows"][:b] = rows.last_rows
+
+
+def _write_padding(buffers: StepBuffers, b: int, num_seqs: int, offset: int, num_tokens: int) -> None:
+    """Token rows offset..num_tokens and sequences b..num_seqs are padding: no tokens, slot -1, greedy."""
+    h = buffers.host
     pad = slice(offset, num_tokens)
-    h["tokens"][pad], h["positions"][pad], h["slots"][pad], src[pad] = 0, 0, -1, -1
+    h["tokens"][pad], h["positions"][pad], h["slots"][pad], h["token_src"][pad] = 0, 0, -1, -1
     if num_seqs > b:
         h["cu_q"][b:num_seqs] = offset
         h["kv_lens"][b:num_seqs] = 0
@@ -267,8 +296,6 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
                 _write_sampling(h, i, _GREEDY)
                 buffers.row_sampling[i] = _GREEDY
     h["cu_q"][num_seqs] = offset
-    _fill_penalties(buffers, penalties, num_seqs)
-    return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, max_q_len=max_q)
 
 
 def _write_sampling(h: dict[str, np.ndarray], i: int, row: SamplingRow) -> None:
