@@ -84,49 +84,15 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     pools past attention_wg's 32-bit offsets and on other GPUs): for tests that compare the two kernels.
     """
     T, H, hd = q.shape
-    if hd != HEAD_DIM:
-        raise ValueError(f"attention: head_dim must be {HEAD_DIM}, got {hd}")
     pages, KV, page_size, _ = k_pool.shape
     B = kv_lens.shape[0]
     int8 = k_pool.dtype == INT8
-    pool_dtype = INT8 if int8 else BF16
-    expect("q", q, (T, H, hd), BF16)
-    expect("k_pool", k_pool, (pages, KV, page_size, hd), pool_dtype)
-    expect("v_pool", v_pool, (pages, KV, page_size, hd), pool_dtype)
-    expect("out", out, (T, H, hd), BF16)
-    expect("cu_q", cu_q, (B + 1,), INT32)
-    expect("kv_lens", kv_lens, (B,), INT32)
-    expect("block_tables", block_tables, (B, None), INT32)
-    if H % KV:
-        raise ValueError(f"attention: {H} query heads are not a multiple of {KV} KV heads")
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    k_scale = v_scale = None
-    if int8:
-        if scales is None:
-            raise ValueError("attention: an INT8 cache needs its scales (k_scale, v_scale)")
-        k_scale, v_scale = scales
-        expect("k_scale", k_scale, (pages, KV, page_size), FLOAT32)
-        expect("v_scale", v_scale, (pages, KV, page_size), FLOAT32)
-    elif scales is not None:
-        raise ValueError("attention: scales were given for a BF16 cache")
-    part_o = part_ml = None
-    if num_splits > 1:
-        if partials is None:
-            raise ValueError("attention: num_splits > 1 needs the partials buffers")
-        part_o, part_ml = partials
-        expect("part_o", part_o, (num_splits, T, H, hd), FLOAT32)
-        expect("part_ml", part_ml, (num_splits, T, H, 2), FLOAT32)
     group = H // KV
+    _check_pools(q, k_pool, v_pool, out, cu_q, kv_lens, block_tables, num_splits)
+    k_scale, v_scale = _check_scales(int8, scales, k_pool.shape[:3])
+    part_o, part_ml = _check_partials(num_splits, partials, (T, H, hd))
     if fused is not None:
-        if not fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, decode_shape=decode_shape):
-            raise ValueError(f"attention: fused input needs a decode step of one token a sequence on an _h8 build "
-                             f"(max_q_len {max_q_len}, group {group}; fuses_input)")
-        check_inputs(fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, q, H, KV)
-        if fused.smoothing is not None:
-            if not int8:
-                raise ValueError("attention: smoothing factors were given for a BF16 cache")
-            expect("smoothing", fused.smoothing, (hd,), FLOAT32)
+        _check_fused(fused, q, int8, max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, decode_shape=decode_shape)
     keys = keys_mode(max_q_len=max_q_len, group=group, decode_shape=decode_shape)
     name = kernel_name(int8=int8, keys_mode=keys, num_splits=num_splits,
                        pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch,
@@ -149,3 +115,64 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     if num_splits > 1:
         kernel("attention_combine.cu", "attention_combine").launch(
             (T, H), (COMBINE_THREADS,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)
+
+
+def _check_pools(q, k_pool, v_pool, out, cu_q, kv_lens, block_tables, num_splits: int) -> None:
+    T, H, hd = q.shape
+    if hd != HEAD_DIM:
+        raise ValueError(f"attention: head_dim must be {HEAD_DIM}, got {hd}")
+    pages, KV, page_size, _ = k_pool.shape
+    B = kv_lens.shape[0]
+    pool_dtype = INT8 if k_pool.dtype == INT8 else BF16
+    expect("q", q, (T, H, hd), BF16)
+    expect("k_pool", k_pool, (pages, KV, page_size, hd), pool_dtype)
+    expect("v_pool", v_pool, (pages, KV, page_size, hd), pool_dtype)
+    expect("out", out, (T, H, hd), BF16)
+    expect("cu_q", cu_q, (B + 1,), INT32)
+    expect("kv_lens", kv_lens, (B,), INT32)
+    expect("block_tables", block_tables, (B, None), INT32)
+    if H % KV:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {KV} KV heads")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+
+
+def _check_scales(int8: bool, scales, shape: tuple) -> tuple:
+    """(k_scale, v_scale) [pages, KV, page_size] float32 of an INT8 cache, (None, None) for BF16."""
+    if not int8:
+        if scales is not None:
+            raise ValueError("attention: scales were given for a BF16 cache")
+        return None, None
+    if scales is None:
+        raise ValueError("attention: an INT8 cache needs its scales (k_scale, v_scale)")
+    k_scale, v_scale = scales
+    expect("k_scale", k_scale, shape, FLOAT32)
+    expect("v_scale", v_scale, shape, FLOAT32)
+    return k_scale, v_scale
+
+
+def _check_partials(num_splits: int, partials, q_shape: tuple) -> tuple:
+    """(part_o [S, T, H, 128], part_ml [S, T, H, 2]) float32 for a split launch, (None, None) without."""
+    if num_splits == 1:
+        return None, None
+    if partials is None:
+        raise ValueError("attention: num_splits > 1 needs the partials buffers")
+    T, H, hd = q_shape
+    part_o, part_ml = partials
+    expect("part_o", part_o, (num_splits, T, H, hd), FLOAT32)
+    expect("part_ml", part_ml, (num_splits, T, H, 2), FLOAT32)
+    return part_o, part_ml
+
+
+def _check_fused(fused: FusedInput, q, int8: bool, *, max_q_len: int, num_heads: int, num_kv_heads: int,
+                 decode_shape: bool) -> None:
+    if not fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       decode_shape=decode_shape):
+        raise ValueError(f"attention: fused input needs a decode step of one token a sequence on an _h8 build "
+                         f"(max_q_len {max_q_len}, group {num_heads // num_kv_heads}; fuses_input)")
+    check_inputs(fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, q, num_heads,
+                 num_kv_heads)
+    if fused.smoothing is not None:
+        if not int8:
+            raise ValueError("attention: smoothing factors were given for a BF16 cache")
+        expect("smoothing", fused.smoothing, (HEAD_DIM,), FLOAT32)

@@ -155,11 +155,7 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
     cache = _allocate_pool(runner, config, num_pages, draft=False)
     runner.attach_cache(cache, max_context=config.max_context, penalty_capacity=_penalty_capacity(config))
     if draft is not None:
-        mark, used = allocated_bytes(), nvml.used()
-        draft.attach_cache(_allocate_pool(draft, config, num_pages, draft=True), max_context=config.max_context)
-        if config.use_graphs:
-            draft.graphs.capture(draft.stream)
-        draft_bytes += allocated_bytes() - mark + (nvml.used() - used)
+        draft_bytes += _attach_draft_pool(config, draft, num_pages, nvml)
     graphs_before = nvml.used()
     capture = _capture(config, runner)
     times = StartupTimes(total=time.perf_counter() - t_start, weights=runner.weights.load_seconds,
@@ -167,8 +163,8 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
                          warm_up=warm["seconds"], capture=capture,
                          graphs=len(runner.graphs.graphs) if config.use_graphs else 0)
     log.info("%s", times.format())
-    report = None
     end = nvml.read()
+    report = None
     if end is not None and before is not None:
         free, total, used_end = end
         report = MemoryReport(
@@ -180,6 +176,15 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
             draft=draft_bytes)
         log.info("%s", report.format())
     return Started(runner, draft, report, times)
+
+
+def _attach_draft_pool(config: EngineConfig, draft: GPURunner, num_pages: int, nvml: _Nvml) -> int:
+    """The draft's pool (as many pages as the target's) and graphs; the bytes they took (allocated + NVML)."""
+    mark, used = allocated_bytes(), nvml.used()
+    draft.attach_cache(_allocate_pool(draft, config, num_pages, draft=True), max_context=config.max_context)
+    if config.use_graphs:
+        draft.graphs.capture(draft.stream)
+    return allocated_bytes() - mark + (nvml.used() - used)
 
 
 def _gpu_runner(config: EngineConfig, path, logit_rows: int, batch_invariant: bool) -> GPURunner:
