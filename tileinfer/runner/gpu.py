@@ -160,8 +160,7 @@ class GPURunner:
     def _splits_for(self, batch: int, max_tiles: int, per_sm: int | None = None) -> int:
         """The most splits whose blocks fit one wave of `per_sm` decode blocks an SM (default: the attached
         cache's kernel's, 2 for BF16), at least 1. Rounded down, not up: a grid just past one wave idles
-        most SMs for a second, short one (H200, 512 positions, engine tok/s in total, qwen3-0.6b / 4b at
-        batch 16: 3 splits, 384 blocks for 264 places, 12,623 / 4,645; 2 splits 13,588 / 4,832)."""
+        most SMs for a second, short one."""
         sms = self.device.info.num_sms
         if per_sm is None:
             per_sm = 2
@@ -174,8 +173,7 @@ class GPURunner:
     def decode_splits(self, batch: int) -> int:
         """Key-range splits per sequence for decode attention: as many as one wave of two blocks an SM
         holds (the BF16 decode kernel fits two; INT8: three or four), at least one key tile per
-        split (always 1 when batch-invariant). One tile, not two (H200, batch 1 at 512 positions, GPU ms a step):
-        qwen3-0.6b 0.666 -> 0.661, 4b 2.535 -> 2.521, 8b 4.131 -> 4.119 (two rounds each)."""
+        split (always 1 when batch-invariant): a split of one tile already hides its combine."""
         if self.batch_invariant:
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
