@@ -25,6 +25,7 @@ from ..kv.paged_cache import cdiv, check_kv_quantize
 from ..model.checkpoint import Checkpoint
 from ..model.reference import ReferenceModel
 from .sampler import apply_penalties, sample as sample_token
+from .base import CheckpointRunner
 from .step import SamplingRow
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class _SequenceView:
         return keys, values, np.arange(self.end)
 
 
-class CPURunner:
+class CPURunner(CheckpointRunner):
     """The reference model as a runner. `max_num_seqs` and `max_batch_tokens` bound a step as on the GPU."""
 
     use_graphs = False
@@ -112,20 +113,6 @@ class CPURunner:
         self._slot = 0
         self._prev = np.zeros(0, np.int32)         # the last sampled step's ids (token_src reads them)
         self._last_logits = np.zeros((0, self.config.vocab_size), np.float32)
-        self._tokenizer = None
-
-    # ------------------------------------------------------------------ tokenizer
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = self.checkpoint.tokenizer()
-        return self._tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, *, num_pages: int | None = None, max_tokens: int | None = None, page_size: int = 64,
@@ -257,30 +244,10 @@ class CPURunner:
             return None
         return rows[-1:] if logits == "last" else rows.argmax(axis=1).astype(np.int32) if logits == "argmax" else rows
 
-    def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
-               smoothing: bool = True) -> np.ndarray:
-        """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab]."""
-        ids = self.validate_ids(token_ids)
-        cache = self.ensure_cache(len(ids), kv_quantize=kv_quantize, smoothing=smoothing)
-        seq = Sequence()
-        try:
-            return self.extend(seq, ids, chunk=chunk)
-        finally:
-            cache.manager.release(seq)
-
     def _copy_pending_pages(self) -> None:
         copies = self.cache.manager.take_pending_copies()
         if copies:
             self.cache.copy_pages(copies)
-
-    def validate_ids(self, token_ids) -> list[int]:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("token_ids is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token_ids: {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
 
     def close(self) -> None:
         self.cache = None

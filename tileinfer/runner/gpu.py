@@ -39,6 +39,7 @@ from ..model.checkpoint import Checkpoint
 from ..model.qwen3 import Workspace, forward, head_keys_written
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
+from .base import CheckpointRunner
 from .step import SamplingRow, StepBuffers, prepare_step
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-class GPURunner:
+class GPURunner(CheckpointRunner):
     def __init__(self, path: str | Path, *, device: int = 0, max_batch_tokens: int = 2048,
                  max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
                  progress: bool = True):
@@ -98,22 +99,8 @@ class GPURunner:
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
         self._slot = 0           # row of the mapped sampled_host the next sampled step writes
         self.batch_invariant = batch_invariant
-        self._tokenizer = None
         self._smoothing: np.ndarray | None = None
         self._closed = False
-
-    # ------------------------------------------------------------------ tokenizer
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = self.checkpoint.tokenizer()
-        return self._tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ cache and graphs
     def smoothing_factors(self) -> np.ndarray:
@@ -266,22 +253,6 @@ class GPURunner:
         """The last step's first n logits rows (after penalties, before temperature): for logprobs."""
         return self.workspace.logits.rows(0, n).to_host(self.stream)
 
-    def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
-               smoothing: bool = True) -> np.ndarray:
-        """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab].
-
-        Runs the prompt through the paged cache in chunks (each chunk attends to the pages the
-        earlier ones wrote, and to its own keys as the cache stores them), exactly as a prefill
-        does; kv_quantize="int8" uses an INT8 cache (smoothed keys unless smoothing=False).
-        """
-        ids = self.validate_ids(token_ids)
-        cache = self.ensure_cache(max(len(ids), 1), kv_quantize=kv_quantize, smoothing=smoothing)
-        seq = Sequence()
-        try:
-            return self.extend(seq, ids, chunk=chunk)
-        finally:
-            cache.manager.release(seq)
-
     def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None,
                logits: str = "all") -> np.ndarray | None:
         """Append tokens to `seq` in the attached cache (prefill chunks) and return next-token logits:
@@ -393,15 +364,6 @@ class GPURunner:
         copies = self.cache.manager.take_pending_copies()
         if copies:
             self.cache.copy_pages(copies, self.stream)
-
-    def validate_ids(self, token_ids) -> list[int]:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("token_ids is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token_ids: {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:

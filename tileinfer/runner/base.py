@@ -1,0 +1,50 @@
+"""What the GPU and CPU runners share: the checkpoint's tokenizer, token-id checks, teacher-forced logits."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kv import Sequence
+
+
+class CheckpointRunner:
+    """A runner over `self.checkpoint`; subclasses provide ensure_cache and extend."""
+
+    checkpoint = None
+    config = None
+    _tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self.checkpoint.tokenizer()
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def validate_ids(self, token_ids) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("token_ids is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids: {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
+               smoothing: bool = True) -> np.ndarray:
+        """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab].
+
+        Runs the prompt through the paged cache in chunks (each chunk attends to the pages the earlier ones
+        wrote, and to its own keys as the cache stores them), exactly as a prefill does; kv_quantize="int8"
+        uses an INT8 cache (smoothed keys unless smoothing=False)."""
+        ids = self.validate_ids(token_ids)
+        cache = self.ensure_cache(len(ids), kv_quantize=kv_quantize, smoothing=smoothing)
+        seq = Sequence()
+        try:
+            return self.extend(seq, ids, chunk=chunk)
+        finally:
+            cache.manager.release(seq)
