@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one per batch bucket (imported as tileinfer.graphs)."""
-from .decode import DecodeGraphs, bucket_for
+"""CUDA graphs: every graph a runner replays, keyed by (kind, bucket) (imported as tileinfer.graphs)."""
+from .manager import DECODE, GraphManager, bucket_for
 
-__all__ = ["DecodeGraphs", "bucket_for"]
+__all__ = ["DECODE", "GraphManager", "bucket_for"]

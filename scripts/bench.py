@@ -71,7 +71,7 @@ def graph_step_ms(model, replays: int = 50) -> float:
     Each replay recomputes the last step (same inputs, same cache slot), so nothing changes; the
     difference to the wall-clock time per token is the host's share (planning, upload, sync).
     """
-    return replay_ms(model.stream, model.graphs.graphs[1].launch, replays)
+    return replay_ms(model.stream, model.graphs.graph("decode", 1).launch, replays)
 
 
 def replay_ms(stream, enqueue, replays: int) -> float:
@@ -352,7 +352,7 @@ def engine(args, name: str, path: Path) -> dict:
         with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False,
                            kv_quantize="int8" if kv == "int8" else None) as llm:
             out["capture_s"] = llm.startup.capture
-            out["num_graphs"] = len(llm.runner.graphs.graphs)
+            out["num_graphs"] = llm.runner.graphs.count("decode")
             out["startup"] = dataclasses.asdict(llm.startup)
             print(f"{name}: {llm.startup.format()}", flush=True)
             out["memory"] = llm.memory_report.as_dict() if llm.memory_report else None

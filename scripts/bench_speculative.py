@@ -81,7 +81,7 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile:
         # The step buffers still hold the last verify step's inputs; replaying it rewrites the same
         # (now truncated, still unused) cache slots. Its graph computes the argmaxes itself.
         stream = model.stream
-        graph = model.verify_graphs[(n, "argmax")].graphs[1]
+        graph = model.graphs.graph(("verify", n, "argmax"), 1)
         gpu = bench.replay_ms(stream, lambda s: graph.launch(s), repeats) / 1e3
         enqueue = lambda s: model._enqueue_verify(1, n, "argmax", s)  # noqa: E731
         prof = bench.profile_graph(model, enqueue) if profile else None

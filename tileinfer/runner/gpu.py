@@ -31,7 +31,7 @@ from .. import kernels as K
 from ..cuda import Stream, get_device
 from ..cuda import compiler
 from ..cuda.module import load_all
-from ..graphs import DecodeGraphs, bucket_for
+from ..graphs import DECODE, GraphManager, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
@@ -50,6 +50,11 @@ MAX_SPLITS = 48
 INT8_DECODE_BLOCKS_MAX = 4
 LOGITS_MODES = ("all", "last", "argmax", "none")  # what extend returns
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cuh)
+
+
+def verify_kind(width: int, logits: str) -> tuple:
+    """The graph kind of a verify step of `width` tokens a row returning `logits` ("all" or "argmax")."""
+    return ("verify", width, logits)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -93,8 +98,7 @@ class GPURunner(CheckpointRunner):
                                    max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
-        self.graphs: DecodeGraphs | None = None
-        self.verify_graphs: dict[tuple[int, str], DecodeGraphs] = {}  # (tokens a row, logits) -> graph per bucket
+        self.graphs: GraphManager | None = None  # decode and verify graphs over the attached cache
         self.use_graphs = True
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
         self._slot = 0           # row of the mapped sampled_host the next sampled step writes
@@ -142,7 +146,8 @@ class GPURunner(CheckpointRunner):
         self.max_context = max_context
         self.steps = StepBuffers(self.max_batch_tokens, self.max_num_seqs, cache.layout.block_table_width,
                                  penalty_capacity=penalty_capacity)
-        self.graphs = DecodeGraphs(self._enqueue_decode, self.buckets)
+        self.graphs = GraphManager()
+        self.graphs.add_kind(DECODE, self._enqueue_decode)
 
     def _splits_for(self, batch: int, max_tiles: int, per_sm: int | None = None) -> int:
         """The most splits whose blocks fit one wave of `per_sm` decode blocks an SM (default: the attached
@@ -221,7 +226,7 @@ class GPURunner(CheckpointRunner):
             self.steps.set_sample_slot(self._slot)
             self.steps.upload_penalties(self.stream)
             if self.use_graphs:
-                self.graphs.run(bucket, self.stream)
+                self.graphs.run(DECODE, bucket, self.stream)
             else:
                 self._enqueue_decode(bucket, self.stream)
             self.steps.fetched()
@@ -321,11 +326,10 @@ class GPURunner(CheckpointRunner):
             t = time.perf_counter()
             out = self._read_rows(rows, n, logits)
         else:
-            key = (graph_width, logits)
-            if key not in self.verify_graphs:
-                self.verify_graphs[key] = DecodeGraphs(lambda b, s, key=key: self._enqueue_verify(b, *key, s),
-                                                       self.buckets, kind=f"verify ({graph_width} tokens a row, {logits})")
-            self.verify_graphs[key].run(bucket, self.stream)
+            kind = verify_kind(graph_width, logits)
+            if not self.graphs.has_kind(kind):
+                self.graphs.add_kind(kind, lambda b, s: self._enqueue_verify(b, graph_width, logits, s))
+            self.graphs.run(kind, bucket, self.stream)
             t = time.perf_counter()
             ws = self.workspace
             out = (ws.logits if logits == "all" else ws.logit_argmax).rows(0, n).to_host(self.stream)
@@ -374,9 +378,6 @@ class GPURunner(CheckpointRunner):
         """Free the attached cache, its step buffers and graphs."""
         if self.graphs is not None:
             self.graphs.destroy()
-        for graphs in self.verify_graphs.values():
-            graphs.destroy()
-        self.verify_graphs = {}
         if self.steps is not None:
             self.steps.free()
         if self.cache is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
+from ..graphs import DECODE
 from ..kv import Sequence
 from ..kv import sizing
 from .cpu import CPURunner
@@ -161,7 +162,7 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
     times = StartupTimes(total=time.perf_counter() - t_start, weights=runner.weights.load_seconds,
                          kernels=runner.kernel_seconds, kernels_compiled=runner.kernels_compiled,
                          warm_up=warm["seconds"], capture=capture,
-                         graphs=len(runner.graphs.graphs) if config.use_graphs else 0)
+                         graphs=runner.graphs.count(DECODE) if config.use_graphs else 0)
     log.info("%s", times.format())
     end = nvml.read()
     report = None
@@ -183,7 +184,7 @@ def _attach_draft_pool(config: EngineConfig, draft: GPURunner, num_pages: int, n
     mark, used = allocated_bytes(), nvml.used()
     draft.attach_cache(_allocate_pool(draft, config, num_pages, draft=True), max_context=config.max_context)
     if config.use_graphs:
-        draft.graphs.capture(draft.stream)
+        draft.graphs.capture(draft.stream, DECODE, draft.buckets)
     return allocated_bytes() - mark + (nvml.used() - used)
 
 
@@ -208,7 +209,7 @@ def _warm_up(config: EngineConfig, runner: GPURunner, nvml: _Nvml, allocated_bef
     graph_bytes = 0
     if config.use_graphs:
         before = nvml.used()
-        runner.graphs.capture(runner.stream)
+        runner.graphs.capture(runner.stream, DECODE, runner.buckets)
         graph_bytes = nvml.used() - before
     runner.detach_cache()
     return dict(seconds=time.perf_counter() - start, steps_bytes=steps_bytes, graph_bytes=graph_bytes,
@@ -289,8 +290,8 @@ def _capture(config: EngineConfig, runner: GPURunner) -> float:
     if not config.use_graphs:
         return 0.0
     start = time.perf_counter()
-    runner.graphs.capture(runner.stream, progress=config.progress)
+    runner.graphs.capture(runner.stream, DECODE, runner.buckets, progress=config.progress)
     seconds = time.perf_counter() - start
-    log.info("captured %d decode graphs (batch %s) in %.2f s", len(runner.graphs.graphs),
+    log.info("captured %d decode graphs (batch %s) in %.2f s", runner.graphs.count(DECODE),
              ",".join(map(str, runner.buckets)), seconds)
     return seconds
