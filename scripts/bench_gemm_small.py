@@ -30,7 +30,7 @@ import numpy as np
 from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
-from tileinfer.kernels.linear import GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, default_path, swap_config
+from tileinfer.kernels.routing import GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, default_path, swap_config
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12  # the H200's measured read bandwidth (docs/benchmarks.md, Rooflines)

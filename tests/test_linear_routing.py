@@ -1,5 +1,5 @@
-"""Which kernel linear() runs for each decode and prefill shape (the routing section of
-tileinfer.kernels.linear), and that the launcher's sizes and kernel names are the kernels' own. The
+"""Which kernel linear() runs for each decode and prefill shape (its routing, in
+tileinfer.kernels.routing), and that the launcher's sizes and kernel names are the kernels' own. The
 choices come from H200 measurements (scripts/bench_gemm_small.py, docs/benchmarks.md); this pins them so
 a change to the routing is deliberate. CPU only."""
 import importlib
@@ -8,13 +8,13 @@ import re
 import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
-from tileinfer.kernels.linear import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE, default_path,
-                                      fuses_norm, gemv_ksplit, norm_kernel_name, swap_config, tma_plan, tma_tiles,
-                                      tma_width)
+from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
+                                      default_path, fuses_norm, gemv_ksplit, norm_kernel_name, swap_config, tma_plan,
+                                      tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
-# The module (the package's `linear` attribute is the launcher function of the same name).
-L = importlib.import_module("tileinfer.kernels.linear")
+# The routing module, its sizes and kernel names.
+L = importlib.import_module("tileinfer.kernels.routing")
 
 
 def layer_matrices(name: str) -> dict[str, int]:

@@ -165,7 +165,7 @@ class LLM:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def logits(self, token_ids: list[int], *, chunk: int | None = None) -> "np.ndarray":
+    def logits(self, token_ids: list[int], *, chunk: int | None = None):
         """Teacher-forced next-token logits for every position of token_ids, through the engine's own pool
         (float32 [len, vocab]); the engine must be idle."""
         self._check_open()

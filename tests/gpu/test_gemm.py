@@ -14,7 +14,8 @@ import pytest
 
 import test_kernels
 from tileinfer.cuda import get_device
-from tileinfer.kernels.linear import TMA_SPLITS, cluster_slots, gemm, tma_plan
+from tileinfer.kernels.linear import cluster_slots, gemm
+from tileinfer.kernels.routing import TMA_SPLITS, tma_plan
 
 from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
 from test_kernels import BF16, EPILOGUES, F32, check_linear  # noqa: E402

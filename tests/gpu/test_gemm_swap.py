@@ -20,7 +20,7 @@ import pytest
 
 from tileinfer.cuda import get_device
 from tileinfer.kernels import linear
-from tileinfer.kernels.linear import SWAP_SPLITS, swap_config
+from tileinfer.kernels.routing import SWAP_SPLITS, swap_config
 
 from gpu_helpers import POISON, linear_weight, matmul_ref, rand_bf16, rms, seed_of, to_f32, to_f64  # noqa: E402
 

@@ -21,7 +21,7 @@ from tileinfer.cuda import DeviceArray, PinnedBuffer
 from tileinfer.runner import sampler
 from tileinfer.kernels import (FusedInput, argmax, attention, attn_input, attn_input_int8, embedding, fetch_step,
                                fuses_input, linear, norm_linear, rmsnorm, sample)
-from tileinfer.kernels.linear import head_key_count
+from tileinfer.kernels.routing import head_key_count
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize, smoothing_factors
 from tileinfer.model import reference

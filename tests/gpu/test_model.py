@@ -14,7 +14,6 @@ a near tie (gap < 0.05 std); and top-1 agreement over 4 prompts x 64 teacher-for
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest

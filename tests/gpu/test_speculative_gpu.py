@@ -5,7 +5,6 @@ decoding token for token."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 

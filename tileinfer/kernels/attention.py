@@ -8,8 +8,7 @@ from typing import NamedTuple
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 from .attn_input import check_inputs
-from .routing import (FUSED_MIN_SPLITS, HALF_ROWS, KEYS_MAX_ROWS, WG_MAX_POOL, engine_fuses_input,  # noqa: F401
-                      fuses_input, half_build, int8_decode_blocks, kernel_file, kernel_name, keys_mode)
+from .routing import fuses_input, kernel_file, kernel_name, keys_mode
 
 HEAD_DIM = 128
 KEY_TILE = 64

@@ -1,6 +1,10 @@
 """Kernel choice: which entry point, build and shape a launch runs, as pure functions of its shape, its cache
 and the GPU (no device access). The launchers (kernels/attention.py) call them; so does the engine, through
 what tileinfer.kernels exports (engine_fuses_input, int8_decode_blocks)."""
+from dataclasses import dataclass
+
+from ._check import cdiv
+
 
 # ============================================================================= attention
 # Query rows per (sequence, KV head) up to which a step runs in the decode shape (keys mode,
@@ -74,3 +78,227 @@ def kernel_file(name: str) -> str:
     if name in ("attention_wg", "attention_combine"):
         return name + ".cu"
     return "attention_decode.cu" if "_decode" in name else "attention_prefill.cu"
+
+
+# ============================================================================= matrix products (kernels/linear.py)
+# The kernels' own sizes: tests/test_linear_routing.py compiles each .cu with static_asserts against them.
+EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}  # enum Epilogue of the three .cu files
+PATHS = ("gemv", "swap", "gemm")
+H200_SMS = 132
+
+# gemv.cu: GEMV_WARPS warps a block, each owning a pair of W rows (or warps sharing one: ksplit); a warp
+# reads GEMV_SEGMENT elements of a row per 16-byte load across its lanes.
+GEMV_WARPS = 8
+GEMV_SEGMENT = 256
+GEMV_ROWS = (1, 2, 4, 8)  # the gemv_m{M}_* builds
+GEMV_SPLITS = (1, 2, 4, 8)
+GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
+PIPE_EPILOGUES = ("residual", "f32")  # gemv_pipe_m1_*: o_proj, down_proj and the LM head
+PIPE_MIN_SEGMENTS = 4
+NORM_EPILOGUES = ("bf16", "silu_mul")  # the gemv_norm_* builds: the products after a norm (QKV, gate/up)
+NORM_SHORT_K = 1024  # batch-1 QKV rows this short take the 64-register build (gemv.cu, GEMV_NORM_KERNEL)
+
+# gemm_swap.cu: blocks of SWAP_TILE W rows (one warpgroup) against the whole batch padded to B rows,
+# k-chunks of SWAP_BK, `ksplit` blocks per cluster splitting K; Cfg<B, 1>::STAGES chunks in flight.
+SWAP_BATCHES = (16, 32, 64)
+SWAP_TILE = 64
+SWAP_BK = 64
+SWAP_THREADS = 128
+SWAP_SPLITS = (1, 2, 4, 8)
+SWAP_STAGES = {16: 10, 32: 8, 64: 6}
+SWAP_DEEP_STAGES = 20  # the deep B = 16 builds (gemm_swap_b16d_*): one block an SM
+SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
+SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
+NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
+
+# gemm_tma.cu: 128-row tiles, k-steps of 64, one block per SM (SMEM_BYTES), 128 or 256 W rows a tile.
+TMA_BM = 128
+TMA_BK = 64
+TMA_THREADS = 384
+TMA_SMEM = 192 * 1024 + 256 + 1024  # SMEM_BYTES: the stage ring, mbarriers, alignment
+TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*
+TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
+TMA_WIDE_COST = 0.92  # a 128 x 256 tile's time over two 128 x 128 tiles': an estimate, not fitted
+# tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a split block's
+# fixed cost (its first TMA loads, the epilogue), and its cluster reduction per rank and 128 columns (the
+# persistent kernel hides its fills behind the previous tile). Estimates, not fitted; a split must beat
+# the unsplit launch by TMA_SPLIT_MARGIN.
+TMA_SPLIT_FILL = 3.0
+TMA_SPLIT_REDUCE = 0.5
+TMA_SPLIT_MARGIN = 0.9
+TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
+
+
+def default_path(M: int, N: int) -> str:
+    """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
+    if M in GEMV_DEFAULT_ROWS:
+        return "gemv"
+    if M in SWAP_DEFAULT_ROWS:
+        return "swap"
+    return "gemm"
+
+
+def fuses_norm(path: str, M: int, epilogue: str) -> bool:
+    """Whether norm_linear runs one gemv_norm_* launch (the GEMV normalizing its own rows) instead of the
+    rmsnorm kernel and then `linear`."""
+    return path == "gemv" and M in GEMV_DEFAULT_ROWS and epilogue in NORM_EPILOGUES
+
+
+def gemv_pairs(N: int, epilogue: str) -> int:
+    """Row pairs of gemv.cu: (gate row j, up row j + N / 2) for SiLU, else rows (2 p, 2 p + 1)."""
+    return N // 2 if epilogue == "silu_mul" else cdiv(N, 2)
+
+
+def gemv_ksplit(pairs: int, K: int, target_warps: int = 4 * H200_SMS * GEMV_WARPS, segment: int = 512) -> int:
+    """Warps per row pair of gemv.cu: the most (1, 2, 4 or 8) that keep the grid within one wave of ~4
+    blocks per SM on an H200, while each warp still streams at least two `segment`-element pieces of its
+    rows. One wave, not the first split past it: a second, partial wave of warps leaves most SMs idle at
+    the kernel's end."""
+    ksplit = 1
+    while ksplit < GEMV_SPLITS[-1] and pairs * ksplit * 2 <= target_warps and K >= segment * ksplit * 2:
+        ksplit *= 2
+    return ksplit
+
+
+def gemv_grid(pairs: int, ksplit: int) -> tuple[int]:
+    """gemv.cu's grid: GEMV_WARPS warps a block, ksplit warps a row pair."""
+    return (cdiv(pairs * ksplit, GEMV_WARPS),)
+
+
+def head_key_count(N: int, K: int) -> int:
+    """Blocks of the batch-1 LM head GEMV ([N, K] weights): the keys linear(head_keys=) writes."""
+    pairs = gemv_pairs(N, "f32")
+    return gemv_grid(pairs, gemv_ksplit(pairs, K))[0]
+
+
+def gemv_pipe(M: int, K: int, ksplit: int, epilogue: str) -> bool:
+    """Whether the batch-1 GEMV runs its software-pipelined loop (gemv.cu, PIPE): for the products with
+    no norm before them, when each warp streams at least PIPE_MIN_SEGMENTS segments of its rows (with
+    fewer the pipelined loop was slower; after a norm it was no faster)."""
+    return M == 1 and epilogue in PIPE_EPILOGUES and K // (GEMV_SEGMENT * ksplit) >= PIPE_MIN_SEGMENTS
+
+
+def gemv_kernel_name(M: int, epilogue: str, pipe: bool, argmax: bool) -> str:
+    """gemv.cu's build: gemv_[pipe_][argmax_]m{M}_e{epilogue}."""
+    return f"gemv_{'pipe_' if pipe else ''}{'argmax_' if argmax else ''}m{M}_e{EPILOGUES[epilogue]}"
+
+
+def norm_kernel_name(M: int, K: int, epilogue: str) -> str:
+    """The gemv_norm_* build of a fused norm + product: batch-1 QKV over rows of at most NORM_SHORT_K takes
+    the build capped at 64 registers (faster there, slower on longer rows)."""
+    name = f"gemv_norm_m{M}_e{EPILOGUES[epilogue]}"
+    return name + "_b4" if M == 1 and epilogue == "bf16" and K <= NORM_SHORT_K else name
+
+
+@dataclass(slots=True, frozen=True)
+class SwapConfig:
+    """One launch of gemm_swap.cu: the batch padded to B rows, `ksplit` blocks per cluster, grid (ksplit, tiles)."""
+    B: int
+    ksplit: int
+    grid: tuple[int, int]
+    smem: int
+    deep: bool = False
+
+    @property
+    def kernel_name(self) -> str:
+        return f"gemm_swap_b{self.B}{'d' if self.deep else ''}_w1_c{self.ksplit}"
+
+
+def norm_tiles(n: int) -> int:
+    """Partial sums of squares a row that linear(norm_out=) writes for an N = n residual (one per 64 columns)."""
+    return cdiv(n, SWAP_TILE)
+
+
+def swap_tiles(N: int, epilogue: str) -> int:
+    """gemm_swap.cu's blocks along N: SWAP_TILE W rows each (SWAP_TILE / 2 outputs for SiLU)."""
+    return cdiv(N // 2, SWAP_TILE // 2) if epilogue == "silu_mul" else cdiv(N, SWAP_TILE)
+
+
+def swap_split(tiles: int, K: int, sms: int) -> int:
+    """Blocks per cluster: the fewest (1, 2, 4, 8) whose grid reaches SWAP_WAVE of the SMs, while each
+    block keeps two k-chunks."""
+    ksplit = next((ks for ks in SWAP_SPLITS if tiles * ks >= SWAP_WAVE * sms), SWAP_SPLITS[-1])
+    while ksplit > 1 and cdiv(K, SWAP_BK) < 2 * ksplit:
+        ksplit //= 2
+    return ksplit
+
+
+def swap_deep(B: int, tiles: int, ksplit: int, K: int, sms: int) -> bool:
+    """Whether the deep B = 16 build runs: for grids of at most one block an SM whose blocks stream at least
+    SWAP_DEEP_STAGES k-chunks each. Such a grid has too few bytes in flight with the ordinary stages; on
+    shorter rows the deep build's one block an SM was slower."""
+    return B == 16 and tiles * ksplit <= sms and cdiv(K, SWAP_BK) >= SWAP_DEEP_STAGES * ksplit
+
+
+def swap_smem(B: int, deep: bool) -> int:
+    """Cfg<B, 1, deep>::SMEM of gemm_swap.cu: the stages of W and x tiles, plus alignment slack."""
+    stages = SWAP_DEEP_STAGES if deep else SWAP_STAGES[B]
+    return stages * (SWAP_TILE + B) * SWAP_BK * 2 + 1024
+
+
+def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = None,
+                sms: int = H200_SMS) -> SwapConfig:
+    """The gemm_swap.cu launch for x [M, K] @ W [N, K]^T, M <= 64: blocks per cluster from swap_split
+    (fitted to an H200 sweep of the Qwen3 layer matrices, scripts/bench_gemm_small.py --swap) unless
+    `ksplit` says, and the deep build where swap_deep says."""
+    if not 0 <= M <= SWAP_BATCHES[-1]:
+        raise ValueError(f"swap_config: the swap-AB GEMM takes 0 <= M <= {SWAP_BATCHES[-1]} rows, got M={M}")
+    B = next(b for b in SWAP_BATCHES if M <= b)
+    tiles = swap_tiles(N, epilogue)
+    if tiles > 65535:
+        raise ValueError(f"swap_config: N={N} needs {tiles} tiles, more than grid.y allows (65535)")
+    if ksplit is None:
+        ksplit = swap_split(tiles, K, sms)
+    elif ksplit not in SWAP_SPLITS:
+        raise ValueError(f"swap_config: ksplit must be one of {SWAP_SPLITS}, got {ksplit}")
+    deep = swap_deep(B, tiles, ksplit, K, sms)
+    return SwapConfig(B, ksplit, (ksplit, tiles), swap_smem(B, deep), deep)
+
+
+def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
+    """gemm_tma.cu's output tiles: 128 rows x `width` columns of W (width / 2 outputs for SiLU)."""
+    return cdiv(M, TMA_BM) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
+
+
+def tma_kstep_cost(width: int) -> float:
+    """One k-step (64 deep) of a 128 x `width` tile, in k-steps of a 128 x 128 tile."""
+    return 2 * TMA_WIDE_COST if width == 256 else 1.0
+
+
+def tma_width(M: int, N: int, silu: bool, sms: int = H200_SMS) -> int:
+    """gemm_tma.cu's tile width: 256 or 128, whichever gives fewer (rounds of tiles per SM) x (a tile's
+    cost), 256 on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
+    (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128."""
+    return min(TMA_WIDTHS, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
+
+
+def tma_split_cost(K: int, width: int, split: int) -> float:
+    """Estimated time of one split launch that fits in one wave: a block's share of the k-steps, its
+    fill and its share of the reduction."""
+    return (cdiv(cdiv(K, TMA_BK), split) * tma_kstep_cost(width) + TMA_SPLIT_FILL
+            + TMA_SPLIT_REDUCE * split * width / 128)
+
+
+def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]) -> tuple[int, int]:
+    """(tile width, blocks per tile) for gemm_tma.cu. Unsplit: the persistent kernel at tma_width. A split
+    (KS blocks of a cluster share a tile's K range) is considered only when its whole grid is resident at
+    once (tiles x KS <= slots[KS], the blocks of KS-clusters the GPU holds: cluster_slots) and it must
+    beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the cost model does not hold past
+    it: a split grid of several waves was slower than the persistent kernel."""
+    width = tma_width(M, N, silu, sms)
+    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
+    best = (unsplit, width, 1)
+    for split in TMA_SPLITS:
+        if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
+            continue
+        for w in TMA_WIDTHS:
+            if tma_tiles(M, N, silu, w) * split <= slots.get(split, 0):
+                c = tma_split_cost(K, w, split)
+                if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
+                    best = (c, w, split)
+    return best[1], best[2]
+
+
+def tma_kernel_name(width: int, split: int, epilogue: str) -> str:
+    """gemm_tma.cu's build: gemm_tma[_n128][_s{split}]_e{epilogue}."""
+    return f"gemm_tma{'_n128' if width == 128 else ''}{f'_s{split}' if split > 1 else ''}_e{EPILOGUES[epilogue]}"

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import kernels as K
 from ..cuda import DeviceArray
-from ..kernels.linear import SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
+from ..kernels.routing import SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
 from .inputs import StepInputs, StepShape
 from .reference import rope_inv_freq
