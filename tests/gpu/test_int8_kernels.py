@@ -142,15 +142,16 @@ def test_smoothing_changes_stored_keys_not_scores(buf, stream):
 
 
 def test_decode_builds_fit_the_blocks_an_sm_the_splits_count_on():
-    # Model._splits_for sizes decode grids to one wave of these blocks an SM; a build whose registers or
+    # GPURunner._splits_for sizes decode grids to one wave of these blocks an SM; a build whose registers or
     # shared memory grew past them would run its grid in two waves without any test failing on values.
     from tileinfer.cuda.module import kernel
     att = importlib.import_module("tileinfer.kernels.attention")
+    route = importlib.import_module("tileinfer.kernels.routing")
     for name, int8, rows, want in (("attention_decode_h8", False, 4, 2), ("attention_decode", False, 16, 2),
-                                   ("attention_int8_decode_h8", True, 4, att.int8_decode_blocks(4)),
-                                   ("attention_int8_decode", True, 16, att.int8_decode_blocks(16))):
-        assert att.kernel_name(int8=int8, keys_mode=True, num_splits=1, pool_elements=0, arch="sm_90",
-                               rows=rows) == name
+                                   ("attention_int8_decode_h8", True, 4, route.int8_decode_blocks(4)),
+                                   ("attention_int8_decode", True, 16, route.int8_decode_blocks(16))):
+        assert route.kernel_name(int8=int8, keys_mode=True, num_splits=1, pool_elements=0, arch="sm_90",
+                                 rows=rows) == name
         half = name.endswith("_h8")
-        got = kernel(att.kernel_file(name), name).max_active_blocks(128, att.smem_bytes(int8, True, half))
+        got = kernel(route.kernel_file(name), name).max_active_blocks(128, att.smem_bytes(int8, True, half))
         assert got == want, f"{name}: {got} blocks an SM, the decode splits count on {want}"
