@@ -1,5 +1,5 @@
 """Where a batch-1 decode step's wall time goes: the GPU time of each step of a real `tileinfer.generate`
-(events recorded around every `Model.launch`), the idle gap between consecutive steps, and the host's time
+(events recorded around every `GPURunner.launch`), the idle gap between consecutive steps, and the host's time
 in `launch`, against the GPU time of the batch-1 graph replayed back to back (bench.py's figure).
 
     python scripts/decode_timeline.py --model qwen3-4b --context 32768 --kv int8 [--max-splits 32]

@@ -103,7 +103,7 @@ def test_chat_with_a_draft_equals_chat_without(models):
 
 
 def test_graphed_verify_equals_the_eager_verify(models):
-    # Model.verify(graph_width=5): the step padded to the batch's bucket (3 rows -> 4) x 5 tokens, replayed
+    # GPURunner.verify(graph_width=5): the step padded to the batch's bucket (3 rows -> 4) x 5 tokens, replayed
     # from a graph after its first (eager) run. The target is batch-invariant, so the padding cannot change
     # a row's logits: bitwise the eager, unpadded step's, round after round (new tokens each time).
     target, _, _ = models

@@ -372,7 +372,7 @@ class GPURunner(CheckpointRunner):
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this Model was closed; load it again")
+            raise RuntimeError("this model was closed; load it again (tileinfer.load_model)")
 
     def detach_cache(self) -> None:
         """Free the attached cache, its step buffers and graphs."""
