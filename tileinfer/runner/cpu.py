@@ -166,8 +166,6 @@ class CPURunner(CheckpointRunner):
                 raise ValueError(f"step: sequence {i} computes positions [{start}, {start + len(ids)}) but has "
                                  f"{seq.num_positions} reserved")
             rows.append((seq, ids, start))
-        if len(rows) > self.max_num_seqs and not all(len(ids) == 1 for _, ids, _ in rows):
-            pass  # prompt steps are bounded by tokens, not rows
         if sum(len(ids) for _, ids, _ in rows) > self.max_batch_tokens:
             raise ValueError(f"step of {sum(len(ids) for _, ids, _ in rows)} tokens exceeds max_batch_tokens "
                              f"({self.max_batch_tokens})")
