@@ -4,6 +4,7 @@ settings; bad requests get OpenAI's error shape and the server keeps serving; a 
 aborts its request."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -239,3 +240,30 @@ def test_serve_checks_its_arguments_before_loading(capsys, tiny_checkpoint, argv
     rc = cli.main(["serve", "--device", "cpu", "--model", str(tiny_checkpoint), *argv])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and words in err, err
+
+
+def test_an_engine_failure_answers_every_request_and_health_says_so(reference, monkeypatch):
+    """The engine thread alone, on the reference LLM's engine whose step is made to fail."""
+    from tileinfer.server.engine_thread import Added, EngineThread, Failed, Submission
+
+    def broken_step():
+        raise RuntimeError("a simulated GPU error")
+    monkeypatch.setattr(reference.engine, "step", broken_step)
+    thread = EngineThread(reference.engine)
+    thread.start()
+
+    async def ask() -> list:
+        sub = Submission("Hello", {"max_tokens": 4, "temperature": 0}, False, asyncio.get_running_loop())
+        thread.submit(sub)
+        first = await asyncio.wait_for(sub.events.get(), 10)
+        return [first] if isinstance(first, Failed) else [first, await asyncio.wait_for(sub.events.get(), 10)]
+
+    try:
+        first, second = asyncio.run(ask())
+        assert isinstance(first, Added) and isinstance(second, Failed) and "simulated GPU error" in second.message
+        later, = asyncio.run(ask())  # refused at once, not left waiting
+        assert isinstance(later, Failed) and not thread.serving
+    finally:
+        thread.stop()
+        monkeypatch.undo()
+    assert not reference.engine.has_unfinished, "the failed request was left in the engine"

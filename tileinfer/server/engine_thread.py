@@ -165,6 +165,7 @@ class EngineThread:
             log.exception("the engine step failed")
             self.error = f"{type(e).__name__}: {e}"
             for req, sub in self._live.values():
+                self.engine.abort(req)  # host-side only: its pages go back even if the device is gone
                 sub.send(Failed(f"the engine failed: {self.error}"))
             self._live.clear()
             return
