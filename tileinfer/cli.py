@@ -3,6 +3,7 @@
     tileinfer generate --prompt TEXT [--model DIR]     continue a prompt, streaming the text
     tileinfer chat [--model DIR]                        an interactive chat (/reset, /exit)
     tileinfer size MODEL                                KV cache and weight sizes, what fits
+    tileinfer serve --model DIR [--port 8000]           an OpenAI-compatible HTTP server (pip install tileinfer[serve])
     tileinfer --version
 
 Without --model, a synthetic Qwen3-0.6B checkpoint (random weights: its text is noise) is written
@@ -181,6 +182,57 @@ def _chat(args) -> int:
                 draft.close()
 
 
+# Requests decoding at once when --max-num-seqs is not given: the CPU runner's pool holds that many sequences
+# of --max-context in host memory, so it gets few.
+_SERVE_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
+
+
+def _serve(args) -> int:
+    from tileinfer.config import check_count
+    if args.max_num_seqs is None:
+        args.max_num_seqs = _SERVE_MAX_NUM_SEQS[args.device]
+    check_count("--max-num-seqs", args.max_num_seqs)
+    check_count("--max-context", args.max_context)
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
+    _check_checkpoint("--model", args.model)
+    try:
+        import uvicorn
+        from tileinfer.server.app import create_app
+    except ImportError as e:
+        raise RuntimeError(f"tileinfer serve needs FastAPI and uvicorn ({e.name} is not installed): "
+                           f"pip install tileinfer[serve]") from None
+    import tileinfer
+    if args.device == "cuda":
+        from tileinfer.cuda import get_device
+        get_device()  # no GPU: say so before loading
+    name = args.served_model_name or Path(args.model).resolve().name
+    with tileinfer.LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
+                       kv_quantize="int8" if args.kv_int8 else None, progress=True) as llm:
+        app = create_app(llm, name, api_key=args.api_key)
+        print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda: the GPU (default); cpu: a float32 numpy runner, slow, for a machine without one")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the checkpoint folder's name)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests decoding at once (default: 256 on cuda, 8 on cpu)")
+    p.add_argument("--max-context", type=int, default=4096, help="positions of a prompt and its reply (4096)")
+    p.add_argument("--kv-int8", action="store_true", help="an INT8 KV cache: about half the bytes of BF16")
+
+
 def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--model", help="a Hugging Face Qwen3 checkpoint directory (default: a synthetic "
                                    f"{DEFAULT_PRESET} with random weights, made on first use)")
@@ -227,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description=sizing_cli.DESCRIPTION)
     sizing_cli.add_arguments(s)
     s.set_defaults(run=sizing_cli.run)
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_serve_arguments(v)
+    v.set_defaults(run=_serve)
     return parser
 
 

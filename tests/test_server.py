@@ -1,0 +1,269 @@
+"""`tileinfer serve` on the CPU runner: the real server (uvicorn in a thread of this process, on 127.0.0.1)
+talked to by the real OpenAI client. Greedy replies equal LLM.generate's on a second LLM with the same
+settings; bad requests get OpenAI's error shape and the server keeps serving; a stream closed early
+aborts its request."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from tileinfer import LLM, SamplingParams, cli
+from tileinfer.chat import render_chat
+from tileinfer.model.tokenizer import CHAT_TEMPLATE
+from tileinfer.server.app import create_app
+
+KEY = "sk-test-key"
+NAME = "tiny-test"
+SETTINGS = dict(device="cpu", max_num_seqs=4, max_context=512, progress=False)
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {seconds} s")
+        time.sleep(0.05)
+
+
+class Served:
+    """The server's LLM, its uvicorn in a thread, and its address."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.app = create_app(llm, NAME, api_key=KEY)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_for(self.healthy, 60, "the server's /health answering 200")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def client(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """An LLM with the server's settings, for the expected outputs."""
+    with LLM(tiny_checkpoint, **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, **SETTINGS)
+    s = Served(llm)
+    yield s
+    s.stop()
+    assert not s.thread.is_alive(), "uvicorn did not stop within 30 s"
+    llm.close()
+
+
+def greedy(reference: LLM, prompt, max_tokens: int) -> str:
+    return reference.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+
+
+def chat_prompt(llm: LLM, messages: list[dict]) -> str:
+    return render_chat(llm.runner.checkpoint.chat_template or CHAT_TEMPLATE, messages)
+
+
+def error_of(e: openai.APIStatusError) -> dict:
+    return e.response.json()["error"]
+
+
+# ---------------------------------------------------------------------------- replies
+def test_completion_equals_generate(served, reference):
+    r = served.client().completions.create(model=NAME, prompt="The capital of France is", max_tokens=12,
+                                           temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == NAME
+    assert r.choices[0].text == greedy(reference, "The capital of France is", 12)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(reference.encode("The capital of France is"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_completion_of_token_ids_and_stream(served, reference):
+    ids = reference.encode("Once upon a time")
+    expected = greedy(reference, ids, 20)
+    r = served.client().completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0)
+    assert r.choices[0].text == expected
+    chunks = list(served.client().completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0,
+                                                     stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_completion_logprobs(served, reference):
+    r = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    expected = reference.generate("Hello", SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0]
+    assert lp.token_logprobs == pytest.approx([e[t] for t, e in zip(expected.token_ids, expected.logprobs)])
+    assert all(len(top) <= 3 for top in lp.top_logprobs) and len(lp.tokens) == 4
+
+
+def test_chat_equals_generate_of_the_template(served, reference):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    expected = greedy(reference, chat_prompt(reference, messages), 16)
+    r = served.client().chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(reference.encode(chat_prompt(reference, messages)))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(served.client().chat.completions.create(model=NAME, messages=messages, max_tokens=16,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_concurrent_requests_each_equal_their_sequential_result(served, reference):
+    prompts = [f"Request number {i} says" for i in range(6)]  # more than max_num_seqs: some wait their turn
+    expected = [greedy(reference, p, 10 + 3 * i) for i, p in enumerate(prompts)]
+
+    def ask(i: int) -> str:
+        client = served.client()
+        if i % 2:
+            return client.completions.create(model=NAME, prompt=prompts[i], max_tokens=10 + 3 * i,
+                                              temperature=0).choices[0].text
+        stream = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=10 + 3 * i, temperature=0,
+                                           stream=True)
+        return "".join(c.choices[0].text for c in stream)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(ask, range(len(prompts))))
+    assert got == expected
+
+
+def test_models_lists_the_served_name(served):
+    assert [m.id for m in served.client().models.list().data] == [NAME]
+
+
+# ---------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("kwargs, param, words", [
+    (dict(temperature=-1), "temperature", "temperature must be"),
+    (dict(n=2), "n", "only n=1"),
+    (dict(top_p=0), "top_p", "top_p must be in (0, 1]"),
+    (dict(max_tokens=600), "prompt", "exceeds max_context (512)"),
+    (dict(extra_body={"logit_bias_x": 1}), "logit_bias_x", "not a supported field"),
+])
+def test_bad_completions_are_400_naming_the_problem(served, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().completions.create(model=NAME, prompt="Hi", **{"max_tokens": 4, **kwargs})
+    err = error_of(e.value)
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_a_prompt_longer_than_the_context_is_400_with_both_lengths(served, reference):
+    messages = [{"role": "user", "content": " hello" * 600}]
+    n = len(reference.encode(chat_prompt(reference, messages)))
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(model=NAME, messages=messages)
+    err = error_of(e.value)
+    assert f"the prompt ({n} tokens)" in err["message"] and "max_context (512)" in err["message"], err
+    assert err["param"] == "messages"
+
+
+def test_malformed_chat_bodies_and_keys(served):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={"model": NAME}, headers=headers, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(f"{served.url}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "robot",
+                   "content": "x"}]}, headers=headers, timeout=10)
+    assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.AuthenticationError) as e:
+        served.client(api_key="wrong").models.list()
+    assert e.value.status_code == 401 and "API key" in error_of(e.value)["message"]
+    r = httpx.get(f"{served.url}/v1/models", timeout=10)  # no key at all
+    assert r.status_code == 401
+    with pytest.raises(openai.NotFoundError) as e:
+        served.client().completions.create(model="other", prompt="Hi", max_tokens=2)
+    assert error_of(e.value)["param"] == "model"
+    # ... and it still serves
+    assert served.client().completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_stream_closed_early_aborts_its_request(served):
+    manager = served.llm.runner.cache.manager
+    before = served.llm.stats.generated_tokens
+    stream = served.client().completions.create(model=NAME, prompt="Tell me a long story", max_tokens=480,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in zip(range(2), stream):
+        pass
+    stream.close()
+    engine_thread = served.app.state.engine_thread
+    wait_for(lambda: engine_thread.num_requests == 0 and not served.llm.engine.has_unfinished, 10,
+             "the closed stream's request ending")
+    assert served.llm.stats.generated_tokens - before < 480, "the request ran to the end: it was not aborted"
+    assert manager.num_free_pages == manager.num_pages, "pages still held after the abort"
+    assert httpx.get(f"{served.url}/health", timeout=5).json() == {"status": "serving", "requests": 0}
+
+
+# ---------------------------------------------------------------------------- health, CLI
+def test_health_is_503_until_the_app_starts(served):
+    assert TestClient(create_app(served.llm, NAME)).get("/health").status_code == 503  # lifespan not run
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "/no/such/dir"], "no such checkpoint directory"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
+])
+def test_serve_checks_its_arguments_before_loading(capsys, tiny_checkpoint, argv, words):
+    rc = cli.main(["serve", "--device", "cpu", "--model", str(tiny_checkpoint), *argv])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and words in err, err
+
+
+def test_an_engine_failure_answers_every_request_and_health_says_so(reference, monkeypatch):
+    """The engine thread alone, on the reference LLM's engine whose step is made to fail."""
+    from tileinfer.server.engine_thread import Added, EngineThread, Failed, Submission
+
+    def broken_step():
+        raise RuntimeError("a simulated GPU error")
+    monkeypatch.setattr(reference.engine, "step", broken_step)
+    thread = EngineThread(reference.engine)
+    thread.start()
+
+    async def ask() -> list:
+        sub = Submission("Hello", {"max_tokens": 4, "temperature": 0}, False, asyncio.get_running_loop())
+        thread.submit(sub)
+        first = await asyncio.wait_for(sub.events.get(), 10)
+        return [first] if isinstance(first, Failed) else [first, await asyncio.wait_for(sub.events.get(), 10)]
+
+    try:
+        first, second = asyncio.run(ask())
+        assert isinstance(first, Added) and isinstance(second, Failed) and "simulated GPU error" in second.message
+        later, = asyncio.run(ask())  # refused at once, not left waiting
+        assert isinstance(later, Failed) and not thread.serving
+    finally:
+        thread.stop()
+        monkeypatch.undo()
+    assert not reference.engine.has_unfinished, "the failed request was left in the engine"

@@ -1,0 +1,255 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health.
+
+    app = create_app(llm, "my-model", api_key=None)   # served by uvicorn (tileinfer serve)
+
+Handlers run on the asyncio loop and never call the engine: they hand each request to the EngineThread
+and await its events (engine_thread.py). A request is refused with OpenAI's error shape and status 400
+before anything streams, so a streaming client sees a bad request as an HTTP error too. A streaming
+client that goes away aborts its request, and the engine frees its pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..chat import render_chat
+from ..model.tokenizer import CHAT_TEMPLATE
+from .engine_thread import Added, Delta, EngineThread, Failed, Finished, Rejected, Submission
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_message
+
+
+def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    engine = EngineThread(llm.engine)
+    phase = {"now": "loading"}  # loading -> serving -> stopping: what /health says
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        phase["now"] = "serving"
+        yield
+        phase["now"] = "stopping"
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="TileInfer", lifespan=lifespan)
+    app.state.engine_thread = engine
+    _add_error_handlers(app)
+    template = llm.runner.checkpoint.chat_template or CHAT_TEMPLATE
+    tokenizer = llm.tokenizer
+    max_context = llm.config.max_context
+
+    @app.get("/health")
+    async def health():
+        status = phase["now"] if engine.error is None else f"failed: {engine.error}"
+        code = 200 if status == "serving" and engine.serving else 503
+        return JSONResponse({"status": status, "requests": engine.num_requests}, status_code=code)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "tileinfer", "max_model_len": max_context}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest):
+        _check_model(body.model, served_model_name)
+        sampling = body.sampling(body.max_tokens, body.logprobs)
+        sub = await _start(engine, body.one_prompt(), sampling, body.stream)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": served_model_name}
+        if body.stream:
+            return _sse(_stream_completion(engine, sub, head, body.include_usage))
+        out = await _result(engine, sub)
+        logprobs = _completion_logprobs(out, tokenizer, body.logprobs) if body.logprobs is not None else None
+        return {**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs,
+                                     "finish_reason": out.finish_reason}], "usage": _usage(out)}
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        _check_model(body.model, served_model_name)
+        try:
+            prompt = render_chat(template, [m.as_template_dict() for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        top_n = body.top_n()
+        sampling = body.sampling(body.reply_budget(), top_n)
+        sub = await _start(engine, prompt, sampling, body.stream, renames={"logprobs": "top_logprobs",
+                                                                           "prompt": "messages"})
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": served_model_name}
+        if body.stream:
+            return _sse(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"}, body.include_usage))
+        out = await _result(engine, sub)
+        logprobs = _chat_logprobs(out, tokenizer, top_n) if top_n is not None else None
+        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                                     "logprobs": logprobs, "finish_reason": out.finish_reason}],
+                "usage": _usage(out)}
+
+    app.include_router(v1)
+    return app
+
+
+# ---------------------------------------------------------------------------- errors, auth
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, e: RequestValidationError):
+        message, param = validation_message(e.errors())
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+def _api_key_check(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                                "key the server was started with (--api-key)", code="invalid_api_key")
+    return check
+
+
+def _check_model(model: str, served: str) -> None:
+    if model != served:
+        raise APIError(404, f"the model '{model}' does not exist: this server serves '{served}' (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+# ---------------------------------------------------------------------------- one request's events
+async def _start(engine: EngineThread, prompt, sampling: dict, stream: bool, renames: dict | None = None
+                 ) -> Submission:
+    """Hand the request to the engine thread and wait until it was taken; APIError if it was refused."""
+    sub = Submission(prompt, sampling, stream, asyncio.get_running_loop())
+    engine.submit(sub)
+    event = await _next(engine, sub)
+    if isinstance(event, Rejected):
+        param = (renames or {}).get(event.param, event.param)
+        raise APIError(400, event.message, param=param)
+    if isinstance(event, Failed):
+        raise APIError(503, event.message, type="server_error")
+    assert isinstance(event, Added), event
+    return sub
+
+
+async def _next(engine: EngineThread, sub: Submission):
+    """The request's next event; a handler cancelled while waiting (client gone, shutdown) aborts it."""
+    try:
+        return await sub.events.get()
+    except asyncio.CancelledError:
+        engine.abort(sub)
+        raise
+
+
+async def _result(engine: EngineThread, sub: Submission):
+    while True:
+        event = await _next(engine, sub)
+        if isinstance(event, Finished):
+            return event.output
+        if isinstance(event, Failed):
+            raise APIError(503, event.message, type="server_error")
+
+
+def _usage(out) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---------------------------------------------------------------------------- streaming
+def _sse(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _events(engine: EngineThread, sub: Submission):
+    """The request's events until the last; if the stream stops early (the client went away), abort it."""
+    done = False
+    try:
+        while not done:
+            event = await _next(engine, sub)
+            done = isinstance(event, (Finished, Failed))
+            yield event
+    finally:
+        if not done:
+            engine.abort(sub)
+
+
+async def _stream_completion(engine: EngineThread, sub: Submission, head: dict, include_usage: bool):
+    def choice(text: str, finish_reason=None) -> dict:
+        return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+    async for event in _events(engine, sub):
+        if isinstance(event, Delta) and event.text:
+            yield _data(choice(event.text))
+        elif isinstance(event, Finished):
+            yield _data(choice("", event.output.finish_reason))
+            if include_usage:
+                yield _data({**head, "choices": [], "usage": _usage(event.output)})
+        elif isinstance(event, Failed):
+            yield _data(APIError(503, event.message, type="server_error").body())
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, include_usage: bool):
+    def choice(delta: dict, finish_reason=None) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    yield _data(choice({"role": "assistant", "content": ""}))
+    async for event in _events(engine, sub):
+        if isinstance(event, Delta) and event.text:
+            yield _data(choice({"content": event.text}))
+        elif isinstance(event, Finished):
+            yield _data(choice({}, event.output.finish_reason))
+            if include_usage:
+                yield _data({**head, "choices": [], "usage": _usage(event.output)})
+        elif isinstance(event, Failed):
+            yield _data(APIError(503, event.message, type="server_error").body())
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- logprobs
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens (the engine's entry lists them first, then the sampled one if it is not among them)."""
+    return list(entry.items())[:n]
+
+
+def _completion_logprobs(out, tokenizer, n: int) -> dict:
+    tokens, token_logprobs, top_logprobs, offsets, at = [], [], [], [], 0
+    for token, entry in zip(out.token_ids, out.logprobs or []):
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        tokens.append(text)
+        token_logprobs.append(entry[token])
+        top_logprobs.append({tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in _top(entry, n)})
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_logprobs(out, tokenizer, n: int) -> dict:
+    def item(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [{**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, n)]}
+               for token, entry in zip(out.token_ids, out.logprobs or [])]
+    return {"content": content}
