@@ -226,6 +226,62 @@ def test_a_stream_closed_early_aborts_its_request(served):
     assert httpx.get(f"{served.url}/health", timeout=5).json() == {"status": "serving", "requests": 0}
 
 
+# ---------------------------------------------------------------------------- tokenize, metrics
+def post(served, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{served.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+
+
+def test_tokenize_and_detokenize(served, reference):
+    r = post(served, "/tokenize", {"model": NAME, "prompt": "The capital of France is"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == reference.encode("The capital of France is") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 512
+    messages = [{"role": "user", "content": "Hi there"}]
+    r = post(served, "/tokenize", {"messages": messages})
+    assert r.json()["tokens"] == reference.encode(chat_prompt(reference, messages))
+    r = post(served, "/detokenize", {"model": NAME, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": "The capital of France is"}
+    r = post(served, "/detokenize", {"tokens": [1, 10**7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "vocabulary" in r.text
+    r = post(served, "/tokenize", {"prompt": "x", "messages": messages})
+    assert r.status_code == 400 and "exactly one of prompt or messages" in r.text, r.text
+    assert httpx.post(f"{served.url}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401  # no key
+
+
+def scrape(served) -> dict[str, float]:
+    """Every sample of GET /metrics: name (with labels, e.g. a histogram's le) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.get(f"{served.url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_count_what_the_requests_did(served, reference):
+    before = scrape(served)
+    prompt = "Metrics, please"
+    outs = [served.client().completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
+                                               extra_body={"ignore_eos": True}) for n in (5, 9)]
+    wait_for(lambda: served.app.state.engine_thread.num_requests == 0, 10, "both requests ending")
+    after = scrape(served)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("tileinfer_generation_tokens_total") == sum(o.usage.completion_tokens for o in outs) == 14
+    assert grew("tileinfer_prompt_tokens_total") == 2 * len(reference.encode(prompt))
+    assert grew("tileinfer_time_to_first_token_seconds_count") == 2
+    assert grew("tileinfer_e2e_request_latency_seconds_count") == 2
+    assert grew("tileinfer_inter_token_latency_seconds_count") == (5 - 1) + (9 - 1)  # gaps between a request's tokens
+    assert after["tileinfer_requests_running"] == 0 and after["tileinfer_requests_waiting"] == 0
+    manager = served.llm.runner.cache.manager
+    assert after["tileinfer_kv_pages_free"] == manager.num_free_pages
+    assert after["tileinfer_kv_pages_used"] + after["tileinfer_kv_pages_free"] == manager.num_pages
+    assert 0 <= after["tileinfer_prefix_cache_hit_rate"] <= 1
+    assert "tileinfer_preemptions_total" in after
+
+
 # ---------------------------------------------------------------------------- health, CLI
 def test_health_is_503_until_the_app_starts(served):
     assert TestClient(create_app(served.llm, NAME)).get("/health").status_code == 503  # lifespan not run

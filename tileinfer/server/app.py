@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, and /health.
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models; /health, /metrics
+(Prometheus), and vLLM's /tokenize and /detokenize.
 
     app = create_app(llm, "my-model", api_key=None)   # served by uvicorn (tileinfer serve)
 
@@ -18,17 +19,20 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..chat import render_chat
 from ..model.tokenizer import CHAT_TEMPLATE
 from .engine_thread import Added, Delta, EngineThread, Failed, Finished, Rejected, Submission
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_message
+from .metrics import ServerMetrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       validation_message)
 
 
 def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    engine = EngineThread(llm.engine)
+    metrics = ServerMetrics()
+    engine = EngineThread(llm.engine, metrics)
     phase = {"now": "loading"}  # loading -> serving -> stopping: what /health says
 
     @asynccontextmanager
@@ -52,7 +56,36 @@ def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastA
         code = 200 if status == "serving" and engine.serving else 503
         return JSONResponse({"status": status, "requests": engine.num_requests}, status_code=code)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    auth = [Depends(_api_key_check(api_key))]
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest):
+        _check_model(body.model, served_model_name)
+        if body.messages is not None:
+            try:
+                text = render_chat(template, [m.as_template_dict() for m in body.messages],
+                                   add_generation_prompt=body.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+        else:
+            text = body.prompt
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return {"count": len(ids), "max_model_len": max_context, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model, served_model_name)
+        vocab = llm.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
 
     @v1.get("/models")
     async def models():
@@ -127,8 +160,9 @@ def _api_key_check(api_key: str | None):
     return check
 
 
-def _check_model(model: str, served: str) -> None:
-    if model != served:
+def _check_model(model: str | None, served: str) -> None:
+    """None (allowed where the body may omit the model) means the served one."""
+    if model is not None and model != served:
         raise APIError(404, f"the model '{model}' does not exist: this server serves '{served}' (GET /v1/models)",
                        param="model", code="model_not_found")
 

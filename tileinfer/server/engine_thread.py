@@ -18,11 +18,13 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..engine.outputs import RequestOutput
 from ..engine.params import SamplingParams
 from ..engine.scheduler import FINISHED, Request
+from .metrics import ServerMetrics
 
 log = logging.getLogger("tileinfer.server")
 
@@ -74,10 +76,12 @@ _STOP = object()
 
 
 class EngineThread:
-    def __init__(self, engine):
+    def __init__(self, engine, metrics: ServerMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, tuple[Request, Submission]] = {}  # request id -> its request and submission
+        self._last_token: dict[int, float] = {}  # request id -> when its last token was handed out
         self._thread = threading.Thread(target=self._run, name="tileinfer-engine", daemon=True)
         self.error: str | None = None  # why the engine stopped, if it did
 
@@ -141,6 +145,8 @@ class EngineThread:
             sub.send(Rejected(str(e), _param_of(str(e))))
             return
         self._live[req.request_id] = (req, sub)
+        if self.metrics is not None:
+            self.metrics.added(len(ids))
         sub.send(Added(req.request_id, len(ids)))
 
     def _abort(self, sub: Submission) -> None:
@@ -149,6 +155,7 @@ class EngineThread:
             if s is sub:
                 self.engine.abort(req)
                 del self._live[rid]
+                self._last_token.pop(rid, None)
 
     def _abort_all(self) -> None:
         for req, sub in self._live.values():
@@ -169,10 +176,13 @@ class EngineThread:
                 sub.send(Failed(f"the engine failed: {self.error}"))
             self._live.clear()
             return
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine)
         for req, token, _ in events:
             live = self._live.get(req.request_id)
             if live is None:
                 continue  # aborted, or not the server's
+            self._time_token(req.request_id)
             sub = live[1]
             done = req.status == FINISHED and not req.unresolved
             if sub.stream:
@@ -182,8 +192,20 @@ class EngineThread:
         for req, _ in [v for v in self._live.values() if v[0].status == FINISHED and not v[0].unresolved]:
             self._finish(req)  # finished without a token of its own in this step
 
+    def _time_token(self, request_id: int) -> None:
+        if self.metrics is None:
+            return
+        now = time.perf_counter()
+        last = self._last_token.get(request_id)
+        if last is not None:
+            self.metrics.itl.observe(now - last)
+        self._last_token[request_id] = now
+
     def _finish(self, req: Request) -> None:
         _, sub = self._live.pop(req.request_id)
+        self._last_token.pop(req.request_id, None)
+        if self.metrics is not None:
+            self.metrics.finished(req)
         if sub.stream:
             rest = req.detokenizer.stream_delta(True)
             if rest:
