@@ -171,7 +171,6 @@ def test_models_lists_the_served_name(served):
     (dict(n=2), "n", "only n=1"),
     (dict(top_p=0), "top_p", "top_p must be in (0, 1]"),
     (dict(max_tokens=600), "prompt", "exceeds max_context (512)"),
-    (dict(extra_body={"logit_bias_x": 1}), "logit_bias_x", "not a supported field"),
 ])
 def test_bad_completions_are_400_naming_the_problem(served, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -224,6 +223,33 @@ def test_a_stream_closed_early_aborts_its_request(served):
     assert served.llm.stats.generated_tokens - before < 480, "the request ran to the end: it was not aborted"
     assert manager.num_free_pages == manager.num_pages, "pages still held after the abort"
     assert httpx.get(f"{served.url}/health", timeout=5).json() == {"status": "serving", "requests": 0}
+
+
+def test_unknown_fields_are_ignored_with_one_log_line(served, reference, caplog):
+    with caplog.at_level("WARNING", logger="tileinfer.server"):
+        r = served.client().completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0,
+                                               extra_body={"frobnicate": 1, "logit_bias_x": 2})
+    assert r.choices[0].text == greedy(reference, "Hi", 3)
+    lines = [rec.getMessage() for rec in caplog.records if "ignoring" in rec.getMessage()]
+    assert lines == ["/v1/completions: ignoring fields this server does not use: frobnicate, logit_bias_x"]
+
+
+def test_chat_template_kwargs_reach_the_template(served, reference):
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = render_chat(reference.runner.checkpoint.chat_template or CHAT_TEMPLATE, messages, enable_thinking=False)
+    assert "<think>" in prompt  # Qwen3's template writes an empty think block when thinking is off
+    r = served.client().chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0,
+                                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(reference.encode(prompt))
+    assert r.choices[0].message.content == greedy(reference, prompt, 4)
+
+
+def test_stop_token_ids_end_a_reply(served, reference):
+    full = reference.generate("Hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    stop = full.token_ids[2]
+    r = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=0,
+                                           extra_body={"stop_token_ids": [stop], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == full.token_ids.index(stop) + 1
 
 
 # ---------------------------------------------------------------------------- tokenize, metrics

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from .engine_thread import Added, Delta, EngineThread, Failed, Finished, Rejecte
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        validation_message)
+
+log = logging.getLogger("tileinfer.server")
 
 
 def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastAPI:
@@ -95,6 +98,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastA
     @v1.post("/completions")
     async def completions(body: CompletionRequest):
         _check_model(body.model, served_model_name)
+        _note_ignored(body, "/v1/completions")
         sampling = body.sampling(body.max_tokens, body.logprobs)
         sub = await _start(engine, body.one_prompt(), sampling, body.stream)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -109,8 +113,10 @@ def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastA
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         _check_model(body.model, served_model_name)
+        _note_ignored(body, "/v1/chat/completions")
         try:
-            prompt = render_chat(template, [m.as_template_dict() for m in body.messages])
+            prompt = render_chat(template, [m.as_template_dict() for m in body.messages],
+                                 **(body.chat_template_kwargs or {}))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         top_n = body.top_n()
@@ -145,6 +151,17 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)  # the traceback stays in the log
+        return JSONResponse(APIError(500, f"internal server error ({type(e).__name__}); the server log has the "
+                                          f"details", type="server_error").body(), status_code=500)
+
+
+def _note_ignored(body, route: str) -> None:
+    if body.ignored:
+        log.warning("%s: ignoring fields this server does not use: %s", route, ", ".join(body.ignored))
 
 
 def _api_key_check(api_key: str | None):

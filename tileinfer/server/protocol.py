@@ -1,8 +1,8 @@
 """The request bodies of the OpenAI endpoints, validated by pydantic, and their mapping to SamplingParams.
 
-Fields OpenAI defines that this server does not implement (tools, response_format, logit_bias, n > 1,
-...) are refused with a 400 naming them rather than ignored: a client must not believe it got what it
-asked for. Ranges are checked once, by SamplingParams, whose ValueError names the field.
+Fields the server does not know are ignored with one log line naming them, as vLLM does (`ignored`); the
+ones it knows but cannot honour yet (n > 1, echo) are refused with a 400 naming them. Ranges are checked
+once, by SamplingParams, whose ValueError names the field.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """What completions and chat share."""
-    model_config = ConfigDict(extra="forbid")
+    """What completions and chat share. Unknown top-level fields are kept aside (`ignored`)."""
+    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: float | None = None
@@ -48,6 +48,12 @@ class _Sampling(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def ignored(self) -> list[str]:
+        """The body's fields this server does not know (it ignores them)."""
+        return sorted(self.model_extra or {})
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """SamplingParams' keyword arguments (the ones given); checked where the request is made."""
@@ -59,7 +65,8 @@ class _Sampling(BaseModel):
         given = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
                      seed=self.seed, presence_penalty=self.presence_penalty,
                      frequency_penalty=self.frequency_penalty, top_k=self.top_k, min_p=self.min_p,
-                     repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs)
+                     repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                     stop_token_ids=self.stop_token_ids)
         out = {k: v for k, v in given.items() if v is not None}
         out["max_tokens"] = max_tokens  # None: what the context leaves (resolved with the prompt's length)
         out.setdefault("temperature", 1.0)  # OpenAI's default
@@ -111,6 +118,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict | None = None  # passed to the chat template, e.g. {"enable_thinking": false}
 
     def reply_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
