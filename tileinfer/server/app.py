@@ -27,6 +27,7 @@ from ..chat import render_chat
 from ..model.tokenizer import CHAT_TEMPLATE
 from .engine_thread import Added, Delta, EngineThread, Failed, Finished, Rejected, Submission
 from .metrics import ServerMetrics
+from .reasoning import ReasoningStream, split
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        validation_message)
 
@@ -129,9 +130,8 @@ def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastA
             return _sse(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"}, body.include_usage))
         out = await _result(engine, sub)
         logprobs = _chat_logprobs(out, tokenizer, top_n) if top_n is not None else None
-        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                                     "logprobs": logprobs, "finish_reason": out.finish_reason}],
-                "usage": _usage(out)}
+        return {**head, "choices": [{"index": 0, "message": chat_message(out.text), "logprobs": logprobs,
+                                     "finish_reason": out.finish_reason}], "usage": _usage(out)}
 
     app.include_router(v1)
     return app
@@ -218,6 +218,12 @@ async def _result(engine: EngineThread, sub: Submission):
             raise APIError(503, event.message, type="server_error")
 
 
+def chat_message(text: str) -> dict:
+    """The assistant's message: Qwen3's reasoning (a reply opening with <think>) as reasoning_content."""
+    reasoning, content = split(text)
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
+
 def _usage(out) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -265,11 +271,21 @@ async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, includ
     def choice(delta: dict, finish_reason=None) -> dict:
         return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
+    def parts(reasoning: str, content: str):
+        if reasoning:
+            yield _data(choice({"reasoning_content": reasoning}))
+        if content:
+            yield _data(choice({"content": content}))
+
     yield _data(choice({"role": "assistant", "content": ""}))
+    split_stream = ReasoningStream()
     async for event in _events(engine, sub):
         if isinstance(event, Delta) and event.text:
-            yield _data(choice({"content": event.text}))
+            for chunk in parts(*split_stream.feed(event.text)):
+                yield chunk
         elif isinstance(event, Finished):
+            for chunk in parts(*split_stream.finish()):
+                yield chunk
             yield _data(choice({}, event.output.finish_reason))
             if include_usage:
                 yield _data({**head, "choices": [], "usage": _usage(event.output)})
