@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from ..chat import render_chat
 from ..model.tokenizer import CHAT_TEMPLATE
-from .engine_thread import Added, Delta, EngineThread, Failed, Finished, Rejected, Submission
+from .engine_thread import Added, Busy, Delta, EngineThread, Failed, Finished, Rejected, Submission
 from .metrics import ServerMetrics
 from .reasoning import ReasoningStream, split
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -34,9 +34,10 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
 log = logging.getLogger("tileinfer.server")
 
 
-def create_app(llm, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(llm, served_model_name: str, api_key: str | None = None, max_waiting: int | None = None) -> FastAPI:
+    """The app over a loaded LLM; max_waiting: requests waiting for admission at most (more are answered 503)."""
     metrics = ServerMetrics()
-    engine = EngineThread(llm.engine, metrics)
+    engine = EngineThread(llm.engine, metrics, max_waiting=max_waiting)
     phase = {"now": "loading"}  # loading -> serving -> stopping: what /health says
 
     @asynccontextmanager
@@ -194,6 +195,8 @@ async def _start(engine: EngineThread, prompt, sampling: dict, stream: bool, ren
     if isinstance(event, Rejected):
         param = (renames or {}).get(event.param, event.param)
         raise APIError(400, event.message, param=param)
+    if isinstance(event, Busy):
+        raise APIError(503, event.message, type="server_error", code="server_busy")
     if isinstance(event, Failed):
         raise APIError(503, event.message, type="server_error")
     assert isinstance(event, Added), event

@@ -8,6 +8,7 @@ the answer goes back to the handler's asyncio.Queue through `loop.call_soon_thre
 
     Added(prompt_tokens)             first, when the engine took the request, or
     Rejected(message, param)         first and last, when it could not (the handler answers 400);
+    Busy(message)                    first and last, when the waiting queue is full (the handler answers 503);
     Delta(text, token)               per token read back (text: what is safe to show, streaming);
     Finished(output)                 last: the engine's RequestOutput;
     Failed(message)                  last, when the engine itself stopped (a CUDA error, a bug).
@@ -39,6 +40,11 @@ class Added:
 class Rejected:
     message: str
     param: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +82,9 @@ _STOP = object()
 
 
 class EngineThread:
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, metrics: ServerMetrics | None = None, max_waiting: int | None = None):
         self.engine = engine
+        self.max_waiting = max_waiting  # requests waiting for admission at most (None: no limit)
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, tuple[Request, Submission]] = {}  # request id -> its request and submission
@@ -133,6 +140,11 @@ class EngineThread:
             return
         if self.error is not None:
             sub.send(Failed(f"the engine stopped: {self.error}"))
+            return
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            sub.send(Busy(f"the server is busy: {waiting} requests are waiting already (--max-waiting "
+                          f"{self.max_waiting}); retry later"))
             return
         try:
             ids, _ = self.engine.prompt_ids(sub.prompt)
