@@ -153,7 +153,8 @@ __device__ u32 bisect_threshold(const float *z, int vocab, float inv_t, float zm
 // In place on row r of logits [rows, vocab], vLLM's penalties: row r's entries e in [offsets[r],
 // offsets[r + 1]) name distinct token ids tokens[e] from its prompt or output, counts[e] = occurrences in
 // the output (0: prompt only). Repetition scales every such logit (divides a positive one, multiplies the
-// rest); presence and frequency subtract for output tokens only. Ids outside [0, vocab) are skipped; a
+// rest); presence and frequency subtract for output tokens only. A negative count bans its token (its
+// logit becomes -inf: min_tokens keeps EOS out this way). Ids outside [0, vocab) are skipped; a
 // row without entries is left alone. Each operation is rounded on its own (no fma), exactly as the numpy
 // mirror (runner/sampler.py) computes it. The block's threads share the entries.
 __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const int *__restrict__ offsets,
@@ -167,6 +168,10 @@ __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const
         const int tok = tokens[e];
         if (tok < 0 || tok >= vocab) continue;
         const int n = counts[e];
+        if (n < 0) {
+            row[tok] = -TI_INF;
+            continue;
+        }
         float l = row[tok];
         if (rep != 1.f) l = l > 0.f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
         const float penalty = __fadd_rn(__fmul_rn(freq, (float)n), n > 0 ? pres : 0.f);

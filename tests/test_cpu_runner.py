@@ -129,3 +129,37 @@ def test_logprobs_and_stop_strings_on_the_cpu(tiny_checkpoint):
     assert len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and max(entry.values()) == entry[token] and all(v <= 0 for v in entry.values())
+
+
+def test_min_tokens_bans_the_stop_tokens_and_strings_until_reached(tiny_checkpoint):
+    prompt = prompts_of([7], seed=5)[0]
+    with cpu_llm(tiny_checkpoint) as llm:
+        free = llm.generate([prompt], greedy(12))[0]
+        stop = free.token_ids[0]  # the random model's favourite: it comes first and again and again
+        early = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
+        held = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop],
+                                                     min_tokens=4))[0]
+        stop_text = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                          stop=free.text[:2], min_tokens=6))[0]
+    assert early.token_ids == [stop] and early.finish_reason == "stop"
+    assert stop not in held.token_ids[:4] and len(held.token_ids) > 4
+    assert held.token_ids[-1] == stop or held.finish_reason == "length"  # allowed again after 4 tokens
+    assert len(stop_text.token_ids) >= 6  # the stop string in the first tokens' text did not end it
+
+
+def test_a_sibling_takes_its_prompt_pages_from_the_first_choice(tiny_checkpoint):
+    prompt = prompts_of([150], seed=6)[0]
+    with cpu_llm(tiny_checkpoint, page_size=16) as llm:
+        engine = llm.engine
+        first = engine.make_request(prompt, greedy(5))
+        second = engine.make_request(prompt, greedy(5), shares_prompt_with=first)
+        engine.add(first)
+        engine.add(second)
+        for _ in range(100):
+            if not engine.has_unfinished:
+                break
+            engine.step()
+        assert not engine.has_unfinished
+        a, b = engine.output(first), engine.output(second)
+    assert a.token_ids == b.token_ids
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 144  # every full page of the prompt

@@ -16,6 +16,8 @@ def hf():
 
 @pytest.mark.parametrize("field, value, words", [
     ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("min_tokens", 17, "min_tokens must be an integer in [0, max_tokens=16]"),
+    ("min_tokens", -1, "min_tokens must be an integer in [0, max_tokens=16]"),
     ("max_tokens", 2.5, "max_tokens"),
     ("temperature", -0.1, "temperature must be a finite number >= 0"),
     ("temperature", float("nan"), "temperature"),

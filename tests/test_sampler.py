@@ -195,3 +195,9 @@ def test_penalties_skip_ids_outside_the_vocabulary_and_reject_duplicates():
         sampler.apply_penalties(row, [1, 1], [0, 0], 1.2, 0.0, 0.0)
     with pytest.raises(ValueError):
         sampler.apply_penalties(row, [1, 2], [0], 1.2, 0.0, 0.0)
+
+
+def test_a_negative_count_bans_its_token():
+    row = np.array([2.0, -1.0, 5.0, 0.5], np.float32)
+    got = sampler.apply_penalties(row, [2, 1], [-1, 1], repetition=2.0, presence=0.5, frequency=0.25)
+    assert np.isneginf(got[2]) and got[1] == np.float32(-1.0 * 2.0 - 0.75) and int(np.argmax(got)) == 0

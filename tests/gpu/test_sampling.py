@@ -260,6 +260,8 @@ def penalty_rows(rng: np.random.Generator, vocab: int) -> list[dict]:
         row(1.1, 0.25, 0.05, entries(1)),                             # one entry
         row(2.0, 0.0, 0.0, (np.array([5, 6, 7], np.int32), np.array([0, 1, 2], np.int32))),  # zero logits
         row(1.25, 0.3, 0.6, (np.array([-1, vocab, 9], np.int32), np.array([1, 1, 1], np.int32))),  # ids outside
+        row(1.2, 0.4, 0.3, (np.array([3, 11, 40, vocab - 2], np.int32), np.array([-1, -1, 2, -1], np.int32))),
+                                                                      # bans (min_tokens): -inf, 11 the largest
         row(1.3, 0.5, 0.2, empty),                                    # the last row without entries
     ]
 
@@ -296,6 +298,7 @@ def test_sample_applies_penalties_as_numpy(vocab, buf, stream):
     rows = len(spec)
     logits = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(3)  # both signs
     logits[7, [5, 6, 7]] = [0.0, -0.0, 0.0]
+    logits[9, 11] = 50.0  # the row's most likely token is banned: greedy must pick another
     offsets = np.concatenate([[0], np.cumsum([s["tokens"].size for s in spec])]).astype(np.int32)
     # Five more valid entries after offsets[rows]: no row owns them, so they must never be applied.
     tokens = np.concatenate([s["tokens"] for s in spec] + [np.arange(5, dtype=np.int32)])
@@ -320,6 +323,7 @@ def test_sample_applies_penalties_as_numpy(vocab, buf, stream):
     assert_bits_equal(got, want, f"penalties vocab={vocab}")
     # Greedy from the penalized rows (np.argmax: the lowest index on ties, as the kernel).
     np.testing.assert_array_equal(tokens_out, want.argmax(axis=1))
+    assert np.isneginf(got[9, [3, 11, vocab - 2]]).all() and tokens_out[9] != 11
 
 
 def test_penalties_without_entries_are_a_no_op(buf, stream):

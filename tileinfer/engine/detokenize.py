@@ -33,11 +33,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, find_stop: bool = True) -> str:
         """Append one generated token; returns the text it completes ("" if it ends mid-character).
 
         After a stop string is found, `stopped_by` names it and `text` ends before it (or after
-        it, with include_stop_str_in_output)."""
+        it, with include_stop_str_in_output). find_stop=False: not looked for in this token's text
+        (a request's first min_tokens tokens)."""
         self.ids.append(int(token_id))
         prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
         window = self._decode(self.ids[self._prefix_offset:])
@@ -47,7 +48,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         start = len(self.text)
         self.text += delta
-        if self.stop and self.stopped_by is None:
+        if self.stop and self.stopped_by is None and find_stop:
             self._find_stop(max(0, start - self._hold))
         return delta
 

@@ -55,10 +55,13 @@ class _InFlight:
 
 @dataclass
 class _Penalties:
-    """One request's penalty entries: every distinct prompt/output token and its output count."""
+    """One request's penalty entries: every distinct prompt/output token and its output count (with a
+    penalty on), and the tokens it bans (count -1) until its min_tokens-th output token."""
     index: dict[int, int] = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
+    banned: list[int] = field(default_factory=list)
+    ban_until: int = 0   # output tokens before which `banned` is in force
 
     def add(self, token: int, output: bool) -> None:
         at = self.index.get(token)
@@ -69,8 +72,16 @@ class _Penalties:
         if output:
             self.counts[at] += 1
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self.ids, np.int32), np.asarray(self.counts, np.int32)
+    def arrays(self, num_output: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The entries for sampling output token `num_output` (None: nothing to apply)."""
+        ids, counts = self.ids, self.counts
+        if num_output < self.ban_until:
+            extra = [t for t in self.banned if t not in self.index]
+            ids = ids + extra
+            counts = [-1 if t in self.banned else c for t, c in zip(self.ids, counts)] + [-1] * len(extra)
+        if not ids:
+            return None
+        return np.asarray(ids, np.int32), np.asarray(counts, np.int32)
 
 
 def sampling_row(params: SamplingParams, seed: int) -> SamplingRow:
@@ -119,14 +130,17 @@ class Engine:
             raise ValueError(f"prompt {index}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         return ids, None
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams, *, seq=None,
-                     keep_seq: bool = False) -> Request:
-        """A request for these tokens (checked to fit); seq: a held sequence whose positions hold a prefix."""
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, *, seq=None, keep_seq: bool = False,
+                     shares_prompt_with: Request | None = None) -> Request:
+        """A request for these tokens (checked to fit); seq: a held sequence whose positions hold a prefix;
+        shares_prompt_with: an earlier request of the same prompt (another of n choices), whose computed
+        prompt pages this one takes from the prefix cache."""
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
         req = Request(request_id=self._next_id, prompt_ids=prompt_ids, params=params, seed=params.resolved_seed())
         if seq is not None:
             req.seq = seq
         req.keep_seq = keep_seq
+        req.shares_prompt_with = shares_prompt_with
         self._next_id += 1
         return req
 
@@ -135,19 +149,19 @@ class Engine:
         self._check_usable()
         p = req.params
         req.sampling_row = sampling_row(p, req.seed)
+        req.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         req.penalties = None
-        if p.has_penalties:
-            req.penalties = _Penalties()
-            for t in req.prompt_ids:
+        if p.has_penalties or p.min_tokens:
+            req.penalties = _Penalties(banned=sorted(req.stop_ids), ban_until=p.min_tokens)
+            for t in req.prompt_ids if p.has_penalties else ():
                 req.penalties.add(t, output=False)
         if p.stop or stream:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
                                                      stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
         if p.logprobs is not None:
             req.logprobs = []
-        req.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-        req.sync = p.has_penalties or p.logprobs is not None
-        if self.drafter is not None and not req.sync:  # penalties and logprobs decode one token a step
+        req.sync = p.has_penalties or p.logprobs is not None  # a ban needs only the count of tokens, known ahead
+        if self.drafter is not None and not req.sync and not p.min_tokens:  # one token a step for these
             req.spec = SpecStats()
             req.spec_rng = np.random.default_rng(req.seed)
         self.scheduler.add(req)
@@ -268,7 +282,8 @@ class Engine:
         batch, token_src = self._step_inputs(rows)
         penalties = None
         if any(r.request.penalties is not None for r in rows):
-            penalties = [r.request.penalties.arrays() if r.request.penalties is not None else None for r in rows]
+            penalties = [r.request.penalties.arrays(r.request.num_output) if r.request.penalties is not None
+                         and r.samples else None for r in rows]
         slot = self.runner.launch(batch, [r.request.sampling_row for r in rows], sample=any(r.samples for r in rows),
                                   penalties=penalties, token_src=token_src if max(token_src) >= 0 else None)
         self.scheduler.update(rows)
@@ -320,11 +335,13 @@ class Engine:
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        if req.penalties is not None:
+        if req.penalties is not None and req.params.has_penalties:
             req.penalties.add(token, output=True)
         if logprobs is not None:
             req.logprobs.append(logprobs)
-        text = req.detokenizer.add(token) if req.detokenizer is not None else ""
+        # before min_tokens no stop string is looked for (EOS and stop ids cannot be sampled then)
+        text = req.detokenizer.add(token, find_stop=index - req.num_prompt + 1 >= req.params.min_tokens) \
+            if req.detokenizer is not None else ""
         stop = None
         if token in req.stop_ids:
             stop = token

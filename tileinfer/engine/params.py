@@ -17,6 +17,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..runner.sampler import MAX_BANNED_TOKENS
+
 MAX_LOGPROBS = 20
 
 
@@ -31,6 +33,8 @@ def _is_number(value) -> bool:
 @dataclass
 class SamplingParams:
     max_tokens: int = 16                 # new tokens at most (finish reason "length")
+    min_tokens: int = 0                  # new tokens at least: EOS and stop_token_ids are banned, stop strings
+                                         # not looked for, before that many
     temperature: float = 1.0             # 0 = greedy
     top_k: int = 0                       # 0 or -1 = off
     top_p: float = 1.0                   # 1 = off
@@ -49,6 +53,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -75,6 +81,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_BANNED_TOKENS - 8:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; with min_tokens at most "
+                             f"{MAX_BANNED_TOKENS - 8} (they are banned until min_tokens)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

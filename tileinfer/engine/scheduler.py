@@ -73,6 +73,7 @@ class Request:
     spec: object | None = None      # speculative.SpecStats, when the engine speculates for this request
     spec_rng: object | None = None  # numpy Generator of its acceptance draws (sampling)
     keep_seq: bool = False          # keep the sequence's pages when finished (a chat's next turn reuses them)
+    shares_prompt_with: Request | None = None  # a sibling (n > 1 choices) whose prompt pages this one shares
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -199,6 +200,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if self._sibling_computing(req):
+                    break
                 if self.manager.num_free_pages - self.manager.pages_for(req.num_tokens) < self.watermark_pages \
                         and self.running:
                     break
@@ -216,6 +219,13 @@ class Scheduler:
                 rows.append(ScheduledRow(req, cached, count))
                 budget -= count
         return rows
+
+    def _sibling_computing(self, req: Request) -> bool:
+        """A request sharing a sibling's prompt waits, at its first admission, until the sibling's prompt is
+        computed: then the prefix cache hands it those pages (all the full ones) instead of a second prefill."""
+        lead = req.shares_prompt_with
+        return (lead is not None and self.manager.enable_prefix_caching and req.first_scheduled_time is None
+                and lead.status != FINISHED and lead.num_computed < lead.num_prompt)
 
     def _allocate(self, req: Request) -> int | None:
         """Pages for a waiting request's prompt; how many leading positions are cached already (None: no room).

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 
+MAX_BANNED_TOKENS = 64  # tokens one request may ban (min_tokens: its EOS and stop ids); the sampler keeps room
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -85,7 +87,8 @@ def apply_penalties(logits_row: np.ndarray, tokens, counts, repetition: float, p
     tokens: distinct ids from the row's prompt or output; counts: each one's occurrences in the
     output (0: prompt only). l = logits[t]; if repetition != 1, l = l / repetition when l > 0, else
     l * repetition (prompt and output tokens); then l -= frequency * count + (presence if count > 0)
-    (output tokens only). Every operation rounds in float32; ids outside [0, vocab) are skipped.
+    (output tokens only). A negative count bans its token (-inf). Every operation rounds in float32; ids
+    outside [0, vocab) are skipped.
     """
     row = np.array(logits_row, np.float32)  # a copy
     tokens, counts = np.asarray(tokens, np.int64), np.asarray(counts, np.int32)
@@ -100,5 +103,5 @@ def apply_penalties(logits_row: np.ndarray, tokens, counts, repetition: float, p
     if rep != np.float32(1):
         l = np.where(l > 0, l / rep, l * rep)
     penalty = freq * counts.astype(np.float32) + np.where(counts > 0, pres, np.float32(0))
-    row[tokens] = l - penalty
+    row[tokens] = np.where(counts < 0, np.float32(-np.inf), l - penalty)
     return row

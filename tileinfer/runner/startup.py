@@ -32,6 +32,7 @@ from ..kv import sizing
 from .cpu import CPURunner
 from .gpu import GPURunner
 from .memory_report import MemoryReport
+from .sampler import MAX_BANNED_TOKENS
 from .step import SamplingRow
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class Started:
 
 
 def _penalty_capacity(config: EngineConfig) -> int:
-    return config.max_num_seqs * config.max_context  # distinct tokens of every row: never more than its positions
+    # a row's distinct tokens are never more than its positions; a ban (min_tokens) adds its stop ids
+    return config.max_num_seqs * (config.max_context + MAX_BANNED_TOKENS)
 
 
 def start_cpu(config: EngineConfig) -> Started:
