@@ -165,10 +165,119 @@ def test_models_lists_the_served_name(served):
     assert [m.id for m in served.client().models.list().data] == [NAME]
 
 
+def test_n_choices_share_the_prompt_and_seeds_reproduce(served, reference):
+    prompt = "Several choices of one prompt " * 50  # full pages (of 64 positions): the second choice takes them cached
+    client = served.client()
+    before = served.llm.engine.stats.prefill_tokens
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    computed = served.llm.engine.stats.prefill_tokens - before
+    assert computed < 1.5 * r.usage.prompt_tokens, "the second choice computed the prompt again"
+    assert r.choices[0].text == r.choices[1].text == greedy(reference, prompt, 6)
+    assert r.usage.prompt_tokens == len(reference.encode(prompt))  # the prompt counted once
+    assert r.usage.completion_tokens == 12
+    sampled = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=11)
+    first, again = client.completions.create(**sampled), client.completions.create(**sampled)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    chunks = list(client.completions.create(**sampled, stream=True))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == [c.text for c in first.choices]
+
+
+def test_a_list_of_prompts_gives_a_choice_each_in_order(served, reference):
+    prompts = ["First prompt", "Second, longer prompt here"]
+    r = served.client().completions.create(model=NAME, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [greedy(reference, p, 5) for p in prompts for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(reference.encode(p)) for p in prompts)
+
+
+def test_echo_puts_the_prompt_before_the_text(served, reference):
+    ids = reference.encode("Echo this prompt")
+    r = served.client().completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text == "Echo this prompt" + greedy(reference, ids, 4)
+    chunks = list(served.client().completions.create(model=NAME, prompt="Echo this prompt", max_tokens=4,
+                                                     temperature=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_min_tokens_reaches_the_engine(served, reference):
+    free = reference.generate("Hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    stop = free.token_ids[0]
+    r = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=0,
+                                           extra_body={"stop_token_ids": [stop], "ignore_eos": True})
+    assert r.usage.completion_tokens == 1
+    r = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=0,
+                                           extra_body={"stop_token_ids": [stop], "ignore_eos": True,
+                                                       "min_tokens": 3})
+    assert r.usage.completion_tokens >= 3
+
+
+def test_streamed_logprobs_equal_the_whole_ones(served):
+    client = served.client()
+    whole = client.completions.create(model=NAME, prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    chunks = list(client.completions.create(model=NAME, prompt="Hello", max_tokens=5, temperature=0, logprobs=2,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert sum((p.token_logprobs for p in parts), []) == pytest.approx(whole.choices[0].logprobs.token_logprobs)
+    assert sum((p.text_offset for p in parts), []) == whole.choices[0].logprobs.text_offset
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content])
+
+
+def test_tool_messages_are_rendered_by_the_template(served, reference):
+    tools = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Bern?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call-1", "type": "function", "function": {"name": "weather",
+                                                                      "arguments": '{"city": "Bern"}'}}]},
+                {"role": "tool", "tool_call_id": "call-1", "content": '{"celsius": 3}'}]
+    prompt = render_chat(CHAT_TEMPLATE, [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments":
+                         {"city": "Bern"}}} for c in m["tool_calls"]]} if "tool_calls" in m else m
+                         for m in messages], tools=tools)
+    assert "<tool_response>\n{\"celsius\": 3}\n</tool_response>" in prompt and '"name": "weather"' in prompt
+    r = served.client().chat.completions.create(model=NAME, messages=messages, tools=tools, max_tokens=4,
+                                                temperature=0)
+    assert r.usage.prompt_tokens == len(reference.encode(prompt))
+    assert r.choices[0].message.content == greedy(reference, prompt, 4)
+
+
+def test_a_full_waiting_queue_is_503(reference):
+    """max_waiting=0: no request may wait, so every one is refused before it is added."""
+    app = create_app(reference, NAME, max_waiting=0)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
+    assert "--max-waiting 0" in r.json()["error"]["message"]
+
+
+def test_a_non_streaming_client_that_goes_away_aborts_its_request(served):
+    manager = served.llm.runner.cache.manager
+    before = served.llm.stats.generated_tokens
+    body = {"model": NAME, "prompt": "A long answer, please", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10, read=0.5))  # gives up (and disconnects) after half a second
+    engine_thread = served.app.state.engine_thread
+    wait_for(lambda: engine_thread.num_requests == 0 and not served.llm.engine.has_unfinished, 10,
+             "the abandoned request ending")
+    assert served.llm.stats.generated_tokens - before < 480, "the request ran to the end: it was not aborted"
+    assert manager.num_free_pages == manager.num_pages
+
+
 # ---------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "temperature must be"),
-    (dict(n=2), "n", "only n=1"),
+    (dict(n=0), "n", "n must be in [1, 16]"),
+    (dict(echo=True, logprobs=2), "echo", "echo with logprobs"),
+    (dict(extra_body={"min_tokens": 9}), "min_tokens", "min_tokens must be an integer in [0, max_tokens=4]"),
     (dict(top_p=0), "top_p", "top_p must be in (0, 1]"),
     (dict(max_tokens=600), "prompt", "exceeds max_context (512)"),
 ])
@@ -335,7 +444,7 @@ def test_an_engine_failure_answers_every_request_and_health_says_so(reference, m
     thread.start()
 
     async def ask() -> list:
-        sub = Submission("Hello", {"max_tokens": 4, "temperature": 0}, False, asyncio.get_running_loop())
+        sub = Submission(["Hello"], {"max_tokens": 4, "temperature": 0}, False, asyncio.get_running_loop())
         thread.submit(sub)
         first = await asyncio.wait_for(sub.events.get(), 10)
         return [first] if isinstance(first, Failed) else [first, await asyncio.wait_for(sub.events.get(), 10)]

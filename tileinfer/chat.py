@@ -18,6 +18,8 @@ user/assistant turns (the system message stays) until it fits. Nothing is ever c
 """
 from __future__ import annotations
 
+import json
+
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +71,7 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = _tojson
     variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
     if enable_thinking is not None:
         variables["enable_thinking"] = enable_thinking
@@ -76,6 +79,11 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
         return env.from_string(template).render(**variables)
     except TemplateError as e:
         raise ValueError(f"the chat template failed to render: {e}") from None
+
+
+def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False) -> str:
+    """JSON as chat templates expect it: plain json.dumps (jinja's own tojson escapes <, > and & for HTML)."""
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

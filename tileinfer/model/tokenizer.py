@@ -210,18 +210,48 @@ def tokenizer_config(model_max_length: int) -> dict:
 # whether or not the renderer sets trim_blocks/lstrip_blocks (Hugging Face sets both).
 # Qwen3 is trained on histories whose earlier assistant turns carry no reasoning: an assistant
 # message before the last user message loses its <think>...</think> block and the whitespace after it.
+# Tools (the `tools` variable) are listed in the system turn; an assistant's tool calls are written in
+# <tool_call> tags and the tools' results come back as a user turn of <tool_response> blocks (Qwen3's form).
 CHAT_TEMPLATE = r"""{#- TileInfer's ChatML template for Qwen3 models. -#}
 {%- set ns = namespace(last_user=-1) -%}
 {%- for message in messages -%}
     {%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
 {%- endfor -%}
+{%- set system_first = messages and messages[0].role in ('system', 'developer') -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if system_first -%}{{- messages[0].content ~ '\n\n' -}}{%- endif -%}
+    {{- '# Tools\n\nYou can call these functions; each signature is a JSON object inside <tools></tools>:\n<tools>' -}}
+    {%- for tool in tools -%}{{- '\n' ~ (tool | tojson) -}}{%- endfor -%}
+    {{- '\n</tools>\n\nTo call one, reply with a JSON object of its name and arguments inside <tool_call></tool_call>:\n' -}}
+    {{- '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- endif -%}
 {%- for message in messages -%}
     {%- set content = message.content if message.content is string else '' -%}
     {%- if message.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}
         {%- set before = content.split('<think>')[0] if '<think>' in content else '' -%}
         {%- set content = before ~ content.split('</think>')[-1].lstrip() -%}
     {%- endif -%}
-    {{- '<|im_start|>' ~ message.role ~ '\n' ~ content ~ '<|im_end|>\n' -}}
+    {%- if tools and loop.first and system_first -%}
+        {#- already written, with the tools -#}
+    {%- elif message.role == 'tool' -%}
+        {#- a run of tool results is one user turn, each result in <tool_response> tags -#}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+        {{- '\n<tool_response>\n' ~ content ~ '\n</tool_response>' -}}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+    {%- elif message.role == 'assistant' and message.tool_calls -%}
+        {{- '<|im_start|>assistant\n' ~ content -}}
+        {%- for call in message.tool_calls -%}
+            {%- set f = call.function if call.function is defined else call -%}
+            {%- set arguments = f.arguments if f.arguments is string else (f.arguments | tojson) -%}
+            {{- ('\n' if content or not loop.first else '') ~ '<tool_call>\n{"name": "' ~ f.name ~ '", "arguments": ' -}}
+            {{- arguments ~ '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- else -%}
+        {%- set role = 'system' if message.role == 'developer' else message.role -%}
+        {{- '<|im_start|>' ~ role ~ '\n' ~ content ~ '<|im_end|>\n' -}}
+    {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\n' -}}

@@ -98,41 +98,45 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
                                             "owned_by": "tileinfer", "max_model_len": max_context}]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
         _note_ignored(body, "/v1/completions")
+        prompts = body.prompts()
         sampling = body.sampling(body.max_tokens, body.logprobs)
-        sub = await _start(engine, body.one_prompt(), sampling, body.stream)
+        sub = await _start(engine, prompts, sampling, body.stream, body.n)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name}
+        echoes = [_prompt_text(p, tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
         if body.stream:
-            return _sse(_stream_completion(engine, sub, head, body.include_usage))
-        out = await _result(engine, sub)
-        logprobs = _completion_logprobs(out, tokenizer, body.logprobs) if body.logprobs is not None else None
-        return {**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs,
-                                     "finish_reason": out.finish_reason}], "usage": _usage(out)}
+            return _sse(_stream_completion(engine, sub, head, body.include_usage, echoes, body.logprobs, tokenizer))
+        outs = await _results(engine, sub, request)
+        choices = [{"index": i, "text": echoes[i] + out.text, "finish_reason": out.finish_reason,
+                    "logprobs": _completion_logprobs(_pairs(out), tokenizer, body.logprobs)[0]
+                    if body.logprobs is not None else None} for i, out in enumerate(outs)]
+        return {**head, "choices": choices, "usage": _usage(sub, outs)}
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
         _note_ignored(body, "/v1/chat/completions")
         try:
-            prompt = render_chat(template, [m.as_template_dict() for m in body.messages],
-                                 **(body.chat_template_kwargs or {}))
+            prompt = render_chat(template, [m.as_template_dict() for m in body.messages], **body.template_variables())
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         top_n = body.top_n()
         sampling = body.sampling(body.reply_budget(), top_n)
-        sub = await _start(engine, prompt, sampling, body.stream, renames={"logprobs": "top_logprobs",
-                                                                           "prompt": "messages"})
+        sub = await _start(engine, [prompt], sampling, body.stream, body.n,
+                           renames={"logprobs": "top_logprobs", "prompt": "messages"})
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name}
         if body.stream:
-            return _sse(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"}, body.include_usage))
-        out = await _result(engine, sub)
-        logprobs = _chat_logprobs(out, tokenizer, top_n) if top_n is not None else None
-        return {**head, "choices": [{"index": 0, "message": chat_message(out.text), "logprobs": logprobs,
-                                     "finish_reason": out.finish_reason}], "usage": _usage(out)}
+            return _sse(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"}, body.include_usage,
+                                     top_n, tokenizer))
+        outs = await _results(engine, sub, request)
+        choices = [{"index": i, "message": chat_message(out.text), "finish_reason": out.finish_reason,
+                    "logprobs": _chat_logprobs(_pairs(out), tokenizer, top_n) if top_n is not None else None}
+                   for i, out in enumerate(outs)]
+        return {**head, "choices": choices, "usage": _usage(sub, outs)}
 
     app.include_router(v1)
     return app
@@ -148,6 +152,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid_body(_: Request, e: RequestValidationError):
         message, param = validation_message(e.errors())
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, e: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody is there to read it
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException):
@@ -186,10 +194,10 @@ def _check_model(model: str | None, served: str) -> None:
 
 
 # ---------------------------------------------------------------------------- one request's events
-async def _start(engine: EngineThread, prompt, sampling: dict, stream: bool, renames: dict | None = None
-                 ) -> Submission:
+async def _start(engine: EngineThread, prompts: list, sampling: dict, stream: bool, n: int,
+                 renames: dict | None = None) -> Submission:
     """Hand the request to the engine thread and wait until it was taken; APIError if it was refused."""
-    sub = Submission(prompt, sampling, stream, asyncio.get_running_loop())
+    sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), n=n)
     engine.submit(sub)
     event = await _next(engine, sub)
     if isinstance(event, Rejected):
@@ -200,6 +208,7 @@ async def _start(engine: EngineThread, prompt, sampling: dict, stream: bool, ren
     if isinstance(event, Failed):
         raise APIError(503, event.message, type="server_error")
     assert isinstance(event, Added), event
+    sub.prompt_tokens = event.prompt_tokens
     return sub
 
 
@@ -212,13 +221,39 @@ async def _next(engine: EngineThread, sub: Submission):
         raise
 
 
-async def _result(engine: EngineThread, sub: Submission):
-    while True:
-        event = await _next(engine, sub)
-        if isinstance(event, Finished):
-            return event.output
-        if isinstance(event, Failed):
-            raise APIError(503, event.message, type="server_error")
+async def _results(engine: EngineThread, sub: Submission, request: Request) -> list:
+    """Every choice's RequestOutput, in choice order. If the client goes away first, the request is
+    aborted (its pages go back) and nothing is answered."""
+    async def collect() -> list:
+        outs = [None] * sub.num_choices
+        for _ in range(sub.num_choices):
+            event = await _next(engine, sub)
+            while isinstance(event, Delta):
+                event = await _next(engine, sub)
+            if isinstance(event, Failed):
+                raise APIError(503, event.message, type="server_error")
+            outs[event.index] = event.output
+        return outs
+
+    result, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+    if not result.done():
+        result.cancel()  # _next aborts the request
+        log.info("%s: the client went away; its request was aborted", request.url.path)
+        raise ClientGone()
+    gone.cancel()
+    return result.result()
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer (nobody reads the reply)."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected. The body was read already, so the next ASGI message
+    is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def chat_message(text: str) -> dict:
@@ -227,9 +262,15 @@ def chat_message(text: str) -> dict:
     return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
 
-def _usage(out) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(sub: Submission, outs) -> dict:
+    """Each prompt counted once however many choices it has; every choice's tokens."""
+    prompt, completion = sum(sub.prompt_tokens), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _prompt_text(prompt, tokenizer) -> str:
+    """A prompt as text (echo): as given, or its token ids decoded."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -242,84 +283,112 @@ def _data(obj) -> str:
 
 
 async def _events(engine: EngineThread, sub: Submission):
-    """The request's events until the last; if the stream stops early (the client went away), abort it."""
-    done = False
+    """The request's events until every choice finished (or the engine failed); if the stream stops early
+    (the client went away), abort it."""
+    left = sub.num_choices
     try:
-        while not done:
+        while left:
             event = await _next(engine, sub)
-            done = isinstance(event, (Finished, Failed))
+            left = 0 if isinstance(event, Failed) else left - isinstance(event, Finished)
             yield event
     finally:
-        if not done:
+        if left:
             engine.abort(sub)
 
 
-async def _stream_completion(engine: EngineThread, sub: Submission, head: dict, include_usage: bool):
-    def choice(text: str, finish_reason=None) -> dict:
-        return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+async def _stream_completion(engine: EngineThread, sub: Submission, head: dict, include_usage: bool,
+                             echoes: list[str], top_n: int | None, tokenizer):
+    def choice(index: int, text: str, finish_reason=None, logprobs=None) -> dict:
+        return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}]}
 
+    offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
+    for index, echo in enumerate(echoes):
+        if echo:
+            yield _data(choice(index, echo))
+    outs = []
     async for event in _events(engine, sub):
-        if isinstance(event, Delta) and event.text:
-            yield _data(choice(event.text))
+        if isinstance(event, Delta) and (event.text or event.logprobs is not None):
+            logprobs = None
+            if event.logprobs is not None and top_n is not None:
+                logprobs, offsets[event.index] = _completion_logprobs([(event.token, event.logprobs)], tokenizer,
+                                                                      top_n, offsets[event.index])
+            yield _data(choice(event.index, event.text, logprobs=logprobs))
         elif isinstance(event, Finished):
-            yield _data(choice("", event.output.finish_reason))
-            if include_usage:
-                yield _data({**head, "choices": [], "usage": _usage(event.output)})
+            outs.append(event.output)
+            yield _data(choice(event.index, "", event.output.finish_reason))
         elif isinstance(event, Failed):
             yield _data(APIError(503, event.message, type="server_error").body())
+    if include_usage and len(outs) == sub.num_choices:
+        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
     yield "data: [DONE]\n\n"
 
 
-async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, include_usage: bool):
-    def choice(delta: dict, finish_reason=None) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, include_usage: bool,
+                       top_n: int | None, tokenizer):
+    def choice(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}]}
 
-    def parts(reasoning: str, content: str):
+    def parts(index: int, reasoning: str, content: str, logprobs=None):
         if reasoning:
-            yield _data(choice({"reasoning_content": reasoning}))
-        if content:
-            yield _data(choice({"content": content}))
+            yield _data(choice(index, {"reasoning_content": reasoning}, logprobs=logprobs))
+            logprobs = None
+        if content or logprobs is not None:
+            yield _data(choice(index, {"content": content} if content else {}, logprobs=logprobs))
 
-    yield _data(choice({"role": "assistant", "content": ""}))
-    split_stream = ReasoningStream()
+    for index in range(sub.num_choices):
+        yield _data(choice(index, {"role": "assistant", "content": ""}))
+    splits = [ReasoningStream() for _ in range(sub.num_choices)]
+    outs = []
     async for event in _events(engine, sub):
-        if isinstance(event, Delta) and event.text:
-            for chunk in parts(*split_stream.feed(event.text)):
+        if isinstance(event, Delta):
+            logprobs = None
+            if event.logprobs is not None and top_n is not None:
+                logprobs = _chat_logprobs([(event.token, event.logprobs)], tokenizer, top_n)
+            for chunk in parts(event.index, *splits[event.index].feed(event.text), logprobs):
                 yield chunk
         elif isinstance(event, Finished):
-            for chunk in parts(*split_stream.finish()):
+            outs.append(event.output)
+            for chunk in parts(event.index, *splits[event.index].finish()):
                 yield chunk
-            yield _data(choice({}, event.output.finish_reason))
-            if include_usage:
-                yield _data({**head, "choices": [], "usage": _usage(event.output)})
+            yield _data(choice(event.index, {}, event.output.finish_reason))
         elif isinstance(event, Failed):
             yield _data(APIError(503, event.message, type="server_error").body())
+    if include_usage and len(outs) == sub.num_choices:
+        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
     yield "data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------------------- logprobs
+def _pairs(out) -> list[tuple[int, dict[int, float]]]:
+    """(token, its logprobs entry) of every generated token."""
+    return list(zip(out.token_ids, out.logprobs or []))
+
+
 def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     """The n most likely tokens (the engine's entry lists them first, then the sampled one if it is not among them)."""
     return list(entry.items())[:n]
 
 
-def _completion_logprobs(out, tokenizer, n: int) -> dict:
-    tokens, token_logprobs, top_logprobs, offsets, at = [], [], [], [], 0
-    for token, entry in zip(out.token_ids, out.logprobs or []):
+def _completion_logprobs(pairs, tokenizer, n: int, at: int = 0) -> tuple[dict, int]:
+    """The completions API's logprobs of these tokens, their text starting at offset `at`; and the offset after."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token, entry in pairs:
         text = tokenizer.decode([token], skip_special_tokens=False)
         tokens.append(text)
         token_logprobs.append(entry[token])
         top_logprobs.append({tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in _top(entry, n)})
         offsets.append(at)
         at += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, at
 
 
-def _chat_logprobs(out, tokenizer, n: int) -> dict:
+def _chat_logprobs(pairs, tokenizer, n: int) -> dict:
     def item(token: int, logprob: float) -> dict:
         text = tokenizer.decode([token], skip_special_tokens=False)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    content = [{**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, n)]}
-               for token, entry in zip(out.token_ids, out.logprobs or [])]
-    return {"content": content}
+    return {"content": [{**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, n)]}
+                        for token, entry in pairs]}

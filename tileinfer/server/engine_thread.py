@@ -1,7 +1,7 @@
 """EngineThread: the one thread that calls the engine, for a server whose handlers run on an asyncio loop.
 
-The engine is single-threaded. Handlers never touch it: they `submit` a request (a prompt and its sampling
-fields) or `abort` one, which puts a command on a thread-safe queue. The thread blocks on that queue while
+The engine is single-threaded. Handlers never touch it: they `submit` a request (its prompts, n choices
+of each, and the sampling fields) or `abort` one, which puts a command on a thread-safe queue. The thread blocks on that queue while
 the engine is idle (no polling), and otherwise drains it between engine steps. Everything that can fail
 on a request (the prompt's tokens, SamplingParams, fitting in max_context) is checked on this thread, and
 the answer goes back to the handler's asyncio.Queue through `loop.call_soon_threadsafe`:
@@ -9,9 +9,13 @@ the answer goes back to the handler's asyncio.Queue through `loop.call_soon_thre
     Added(prompt_tokens)             first, when the engine took the request, or
     Rejected(message, param)         first and last, when it could not (the handler answers 400);
     Busy(message)                    first and last, when the waiting queue is full (the handler answers 503);
-    Delta(text, token)               per token read back (text: what is safe to show, streaming);
-    Finished(output)                 last: the engine's RequestOutput;
+    Delta(index, text, token, logprobs)  per token of choice `index` read back (streaming: text is what is
+                                     safe to show; logprobs the token's entry, when asked for);
+    Finished(index, output)          once per choice: the engine's RequestOutput;
     Failed(message)                  last, when the engine itself stopped (a CUDA error, a bug).
+
+Choice index = prompt number x n + choice number (OpenAI's order). The n choices of a prompt are n engine
+requests; all but the first share the first one's prompt pages (Request.shares_prompt_with).
 """
 from __future__ import annotations
 
@@ -32,8 +36,7 @@ log = logging.getLogger("tileinfer.server")
 
 @dataclass(frozen=True, slots=True)
 class Added:
-    request_id: int
-    prompt_tokens: int
+    prompt_tokens: list[int]   # per prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +52,15 @@ class Busy:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
+    index: int
     text: str
-    token: int
+    token: int                        # -1: text held back until the end (stop strings), no token of its own
+    logprobs: dict | None = None      # the token's entry (token -> log-probability), when asked for
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
+    index: int
     output: RequestOutput
 
 
@@ -65,14 +71,24 @@ class Failed:
 
 @dataclass
 class Submission:
-    """One request as a handler hands it over: the prompt (text or token ids) and SamplingParams' fields.
-    max_tokens None: all the context the prompt leaves (a chat's default)."""
-    prompt: str | list[int]
+    """One request as a handler hands it over: its prompts (each text or token ids), n choices of each, and
+    SamplingParams' fields. max_tokens None: all the context the prompt leaves (a chat's default)."""
+    prompts: list[str | list[int]]
     sampling: dict
     stream: bool
     loop: asyncio.AbstractEventLoop
+    n: int = 1
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False   # aborted before the engine thread saw it
+    prompt_tokens: list[int] = field(default_factory=list)  # per prompt, once added (Added)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompts, list) or not self.prompts:
+            raise TypeError(f"Submission.prompts is a non-empty list of prompts, got {self.prompts!r}")
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
     def send(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -87,7 +103,7 @@ class EngineThread:
         self.max_waiting = max_waiting  # requests waiting for admission at most (None: no limit)
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[int, tuple[Request, Submission]] = {}  # request id -> its request and submission
+        self._live: dict[int, tuple[Request, Submission, int]] = {}  # request id -> request, submission, choice
         self._last_token: dict[int, float] = {}  # request id -> when its last token was handed out
         self._thread = threading.Thread(target=self._run, name="tileinfer-engine", daemon=True)
         self.error: str | None = None  # why the engine stopped, if it did
@@ -147,32 +163,49 @@ class EngineThread:
                           f"{self.max_waiting}); retry later"))
             return
         try:
-            ids, _ = self.engine.prompt_ids(sub.prompt)
-            sampling = dict(sub.sampling)
-            if sampling.get("max_tokens") is None:
-                sampling["max_tokens"] = max(1, self.engine.config.max_context - len(ids))
-            req = self.engine.make_request(ids, SamplingParams(**sampling))
-            self.engine.add(req, stream=sub.stream)
+            requests = self._requests(sub)
         except ValueError as e:
             sub.send(Rejected(str(e), _param_of(str(e))))
             return
-        self._live[req.request_id] = (req, sub)
+        for index, req in enumerate(requests):
+            self.engine.add(req, stream=sub.stream)
+            self._live[req.request_id] = (req, sub, index)
+        prompt_tokens = [r.num_prompt for r in requests[::sub.n]]
         if self.metrics is not None:
-            self.metrics.added(len(ids))
-        sub.send(Added(req.request_id, len(ids)))
+            self.metrics.added(sum(prompt_tokens))
+        sub.send(Added(prompt_tokens))
+
+    def _requests(self, sub: Submission) -> list[Request]:
+        """The submission's engine requests, all checked before any is added (ValueError names the problem).
+        Choice j > 0 of a prompt shares choice 0's prompt pages; with a seed, choice j samples with seed + j."""
+        requests = []
+        for i, prompt in enumerate(sub.prompts):
+            ids, _ = self.engine.prompt_ids(prompt, i)
+            sampling = dict(sub.sampling)
+            if sampling.get("max_tokens") is None:
+                sampling["max_tokens"] = max(1, self.engine.config.max_context - len(ids))
+            first = None
+            for j in range(sub.n):
+                if j and sampling.get("seed") is not None:
+                    sampling["seed"] = (sub.sampling["seed"] + j) % 2**64
+                req = self.engine.make_request(ids, SamplingParams(**sampling), shares_prompt_with=first)
+                first = first or req
+                requests.append(req)
+        return requests
 
     def _abort(self, sub: Submission) -> None:
         sub.cancelled = True
-        for rid, (req, s) in list(self._live.items()):
+        for rid, (req, s, _) in list(self._live.items()):
             if s is sub:
                 self.engine.abort(req)
                 del self._live[rid]
                 self._last_token.pop(rid, None)
 
     def _abort_all(self) -> None:
-        for req, sub in self._live.values():
-            self.engine.abort(req)
+        for sub in {id(sub): sub for _, sub, _ in self._live.values()}.values():
             sub.send(Failed("the server is shutting down"))
+        for req, _, _ in self._live.values():
+            self.engine.abort(req)
         self._live.clear()
 
     def _step(self) -> None:
@@ -183,9 +216,10 @@ class EngineThread:
         except Exception as e:  # the engine is unusable now: every waiting client hears why
             log.exception("the engine step failed")
             self.error = f"{type(e).__name__}: {e}"
-            for req, sub in self._live.values():
-                self.engine.abort(req)  # host-side only: its pages go back even if the device is gone
+            for sub in {id(sub): sub for _, sub, _ in self._live.values()}.values():
                 sub.send(Failed(f"the engine failed: {self.error}"))
+            for req, _, _ in self._live.values():
+                self.engine.abort(req)  # host-side only: its pages go back even if the device is gone
             self._live.clear()
             return
         if self.metrics is not None:
@@ -195,13 +229,14 @@ class EngineThread:
             if live is None:
                 continue  # aborted, or not the server's
             self._time_token(req.request_id)
-            sub = live[1]
+            _, sub, index = live
             done = req.status == FINISHED and not req.unresolved
             if sub.stream:
-                sub.send(Delta(req.detokenizer.stream_delta(done), token))
+                entry = req.logprobs[-1] if req.logprobs else None
+                sub.send(Delta(index, req.detokenizer.stream_delta(done), token, entry))
             if done:
                 self._finish(req)
-        for req, _ in [v for v in self._live.values() if v[0].status == FINISHED and not v[0].unresolved]:
+        for req, _, _ in [v for v in self._live.values() if v[0].status == FINISHED and not v[0].unresolved]:
             self._finish(req)  # finished without a token of its own in this step
 
     def _time_token(self, request_id: int) -> None:
@@ -214,15 +249,15 @@ class EngineThread:
         self._last_token[request_id] = now
 
     def _finish(self, req: Request) -> None:
-        _, sub = self._live.pop(req.request_id)
+        _, sub, index = self._live.pop(req.request_id)
         self._last_token.pop(req.request_id, None)
         if self.metrics is not None:
             self.metrics.finished(req)
         if sub.stream:
             rest = req.detokenizer.stream_delta(True)
             if rest:
-                sub.send(Delta(rest, -1))
-        sub.send(Finished(self.engine.output(req)))
+                sub.send(Delta(index, rest, -1))
+        sub.send(Finished(index, self.engine.output(req)))
 
 
 def _param_of(message: str) -> str | None:

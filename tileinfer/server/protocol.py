@@ -1,14 +1,19 @@
 """The request bodies of the OpenAI endpoints, validated by pydantic, and their mapping to SamplingParams.
 
 Fields the server does not know are ignored with one log line naming them, as vLLM does (`ignored`); the
-ones it knows but cannot honour yet (n > 1, echo) are refused with a 400 naming them. Ranges are checked
+ones it knows but cannot honour (echo with logprobs) are refused with a 400 naming them. Ranges are checked
 once, by SamplingParams, whose ValueError names the field.
 """
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+MAX_N = 16          # choices per prompt
+MAX_PROMPTS = 64    # prompts per completions request
 
 
 class APIError(Exception):
@@ -49,6 +54,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
 
     @property
     def ignored(self) -> list[str]:
@@ -57,16 +63,13 @@ class _Sampling(BaseModel):
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """SamplingParams' keyword arguments (the ones given); checked where the request is made."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: only n=1 is supported (one choice per request)", param="n")
-        if logprobs is not None and self.stream:
-            raise APIError(400, "logprobs with stream=true is not supported yet; ask without stream",
-                           param="logprobs")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         given = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
                      seed=self.seed, presence_penalty=self.presence_penalty,
                      frequency_penalty=self.frequency_penalty, top_k=self.top_k, min_p=self.min_p,
                      repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                     stop_token_ids=self.stop_token_ids)
+                     stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens)
         out = {k: v for k, v in given.items() if v is not None}
         out["max_tokens"] = max_tokens  # None: what the context leaves (resolved with the prompt's length)
         out.setdefault("temperature", 1.0)  # OpenAI's default
@@ -81,16 +84,20 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: Literal[False] = False
+    echo: bool = False
 
-    def one_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one (text or token ids) or a list of them, each continued n times."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, f"prompt is a list of {len(p)} prompts: send one prompt per request",
+            if len(p) > MAX_PROMPTS:
+                raise APIError(400, f"prompt is a list of {len(p)} prompts; at most {MAX_PROMPTS} a request",
                                param="prompt")
-            p = p[0]
-        return p
+            return list(p)
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's log-probabilities, which this server "
+                                "does not compute; ask for one of them", param="echo")
+        return [p]
 
 
 class TextPart(BaseModel):
@@ -99,17 +106,63 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """A message as chat templates read it: role and text content; an assistant's earlier tool calls; a
+    tool's result (role "tool", with the id of the call it answers)."""
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and self.content is None:
+            raise ValueError("a tool message needs content (the tool's result)")
+        return self
 
     def as_template_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        out = {"role": self.role, "content": content or ""}
+        if self.tool_calls:  # templates read arguments as a mapping (Qwen3's renders it back as JSON)
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                  "arguments": _json_arguments(c.function.arguments)}} for c in self.tool_calls]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def _json_arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # not JSON: the template gets the text as it came
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: dict
 
 
 class ChatCompletionRequest(_Sampling):
@@ -119,6 +172,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict | None = None  # passed to the chat template, e.g. {"enable_thinking": false}
+    tools: list[Tool] | None = None           # passed to the chat template (the model's output is not parsed)
+
+    def template_variables(self) -> dict:
+        extra = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            extra.setdefault("tools", [t.model_dump() for t in self.tools])
+        return extra
 
     def reply_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
