@@ -179,6 +179,14 @@ __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const
     }
 }
 
+// In place: every token whose bit in `mask` (int32 words, bit t % 32 of word t / 32) is clear gets -inf
+// (a structured output's grammar allows only the set bits). The block's threads share the vocabulary.
+__device__ __forceinline__ void mask_row_logits(float *row, int vocab, const int *__restrict__ mask) {
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        if (!((mask[i >> 5] >> (i & 31)) & 1)) row[i] = -TI_INF;
+    }
+}
+
 // ============================================================================= kernels
 // grid (rows), block (1024). out[r] = argmax of logits row r (lowest index on ties).
 extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *__restrict__ logits, int vocab,
@@ -203,16 +211,18 @@ __device__ __forceinline__ void emit(int *out, int *host_out, const int *host_sl
 // disables top-p. counters[r] is the position being sampled. With pen_offsets (and the penalty
 // tokens, counts and factors) the block first applies row r's penalties in place (penalize_row; in
 // the same launch, not one of its own before it: one kernel less a step). num_keys > 0: the LM head
-// wrote row 0's per-block keys to head_keys (batch 1); unless row 0 has penalty entries, its argmax
-// comes from those keys. The token goes out as emit() writes it.
+// wrote row 0's per-block keys to head_keys (batch 1); unless row 0 has penalty entries or a mask, its
+// argmax comes from those keys. mask_rows[r] >= 0: row r keeps only the tokens its bitmask in `masks`
+// allows (mask_row_logits, after the penalties). The token goes out as emit() writes it.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         float *logits, int vocab, const float *__restrict__ temperature,
         const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
         const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out,
         const u64 *__restrict__ head_keys, int num_keys, const int *__restrict__ pen_offsets,
         const int *__restrict__ pen_tokens, const int *__restrict__ pen_counts, const float *__restrict__ repetition,
-        const float *__restrict__ presence, const float *__restrict__ frequency, int *__restrict__ host_out,
-        const int *__restrict__ host_slot, int host_stride) {
+        const float *__restrict__ presence, const float *__restrict__ frequency, const int *__restrict__ mask_rows,
+        const int *__restrict__ masks, int mask_words, int *__restrict__ host_out, const int *__restrict__ host_slot,
+        int host_stride) {
     pdl_start();
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -226,7 +236,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         penalize_row(z, vocab, r, pen_offsets, pen_tokens, pen_counts, repetition, presence, frequency);
         __syncthreads();  // the block's writes are visible to its own later reads
     }
-    const bool keyed = r == 0 && num_keys > 0 && !penalized;
+    const int mask_row = mask_rows != nullptr ? mask_rows[r] : -1;
+    if (mask_row >= 0) {
+        mask_row_logits(z, vocab, masks + (size_t)mask_row * mask_words);
+        __syncthreads();
+    }
+    const bool keyed = r == 0 && num_keys > 0 && !penalized && mask_row < 0;
     const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk) : block_argmax(thread_argmax(z, vocab), sv, si);
     if (!(temp > 0.f)) {
         if (threadIdx.x == 0) emit(out, host_out, host_slot, host_stride, r, m.i);

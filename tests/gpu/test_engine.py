@@ -138,6 +138,30 @@ def test_penalties_change_greedy_output_and_are_batch_independent(tiny_llm):
     assert len(set(alone.token_ids)) >= len(set(plain.token_ids))
 
 
+def test_structured_output_on_the_gpu_holds_and_leaves_free_requests_alone(tiny_llm):
+    import json
+
+    import jsonschema
+
+    from tileinfer.engine.structured import StructuredOutputs
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                        "maxItems": 3}},
+              "required": ["id", "tags"], "additionalProperties": False}
+    json_params = [SamplingParams(max_tokens=60, temperature=t, seed=s, structured_outputs=StructuredOutputs(json=schema))
+                   for t, s in ((0, 0), (1.0, 1), (0.7, 2))]
+    free = prompts_of([33, 70], seed=12)
+    alone = [o.token_ids for o in tiny_llm.generate(free, greedy(20))]
+    outs = tiny_llm.generate(prompts_of([9, 9, 40], seed=13) + free, json_params + [greedy(20), greedy(20)])
+    for o in outs[:3]:
+        jsonschema.validate(json.loads(o.text), schema)
+        assert o.finish_reason == "stop"
+    assert [o.token_ids for o in outs[3:]] == alone  # the free requests' tokens as without the others
+    choice = tiny_llm.generate(prompts_of([12], seed=14), SamplingParams(
+        max_tokens=10, temperature=0, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])))[0]
+    assert choice.text in ("alpha", "beta")
+
+
 def test_stops_and_finish_reasons(tiny_llm):
     prompt = prompts_of([20], seed=8)[0]
     base = tiny_llm.generate([prompt], greedy(30))[0]

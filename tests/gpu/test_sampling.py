@@ -373,3 +373,34 @@ def test_launcher_rejects_bad_arguments(case, buf, stream):
     with pytest.raises(ValueError) as info:
         LAUNCHER_ERRORS[case](buf.poisoned, stream)
     print(f"{case}: {info.value}")
+
+
+# ============================================================================= structured-output masks
+
+
+@pytest.mark.parametrize("vocab", [1000, 4097, 151936], ids=lambda v: f"vocab{v}")
+def test_sample_applies_bitmasks_as_numpy(vocab, buf, stream):
+    # Rows with a mask keep only its tokens (after any penalties); rows with mask_rows -1 are untouched;
+    # greedy and sampled draws both come from the masked rows.
+    rng = np.random.default_rng(seed_of("masks", vocab))
+    rows, words = 6, (vocab + 31) // 32
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(3)
+    bitmasks = rng.integers(-2**31, 2**31, (3, words), dtype=np.int64).astype(np.int32)
+    bitmasks[1] = 0
+    bitmasks[1, 7 // 32] = 1 << (7 % 32)  # one token allowed: 7
+    mask_rows = np.array([0, -1, 1, 2, -1, 0], np.int32)
+    want = np.stack([sampler.apply_mask(logits[r], bitmasks[m]) if m >= 0 else logits[r]
+                     for r, m in enumerate(mask_rows)])
+    dev_logits = buf.upload(logits)
+    out = buf.poisoned((rows,), np.int32)
+    temperature = np.array([0, 0, 0, 0.8, 1.0, 1.2], np.float32)
+    seeds, counters = np.arange(rows, dtype=np.uint64) + 5, np.full(rows, 9, np.int32)
+    sample(dev_logits, buf.upload(temperature), buf.upload(np.zeros(rows, np.int32)),
+           buf.upload(np.ones(rows, np.float32)), buf.upload(np.zeros(rows, np.float32)), buf.upload(seeds),
+           buf.upload(counters), out, stream, masks=(buf.upload(mask_rows), buf.upload(bitmasks)))
+    assert_bits_equal(dev_logits.to_host(stream), want, f"masks vocab={vocab}")
+    got = out.to_host(stream)
+    expected = [sampler.sample(want[r], temperature=float(temperature[r]), top_k=0, top_p=1.0, seed=int(seeds[r]),
+                               counter=9) for r in range(rows)]
+    np.testing.assert_array_equal(got, expected)
+    assert got[2] == 7

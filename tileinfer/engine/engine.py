@@ -35,6 +35,7 @@ from .outputs import EngineStats, RequestOutput
 from .params import SamplingParams
 from .scheduler import FINISHED, Request, ScheduledRow, Scheduler
 from .speculative import SpecStats, accept
+from .structured import Grammars
 
 Event = tuple[Request, int, str]  # (request, new token, the text it completes)
 
@@ -108,6 +109,7 @@ class Engine:
         self._next_id = 0
         self._inflight: _InFlight | None = None
         self._last_rows: dict[int, int] = {}  # request id -> its row in the step in flight (if it samples)
+        self._grammars: Grammars | None = None  # made for the first structured-output request
 
     # ------------------------------------------------------------------ requests
     def prompt_ids(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
@@ -141,6 +143,10 @@ class Engine:
             req.seq = seq
         req.keep_seq = keep_seq
         req.shares_prompt_with = shares_prompt_with
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.runner.config.vocab_size, self.eos_token_ids)
+            req.matcher = self._grammars.matcher(params.structured_outputs)
         self._next_id += 1
         return req
 
@@ -160,7 +166,8 @@ class Engine:
                                                      stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
         if p.logprobs is not None:
             req.logprobs = []
-        req.sync = p.has_penalties or p.logprobs is not None  # a ban needs only the count of tokens, known ahead
+        # a ban needs only the count of tokens (known ahead); penalties, logprobs and a grammar need the tokens
+        req.sync = p.has_penalties or p.logprobs is not None or req.matcher is not None
         if self.drafter is not None and not req.sync and not p.min_tokens:  # one token a step for these
             req.spec = SpecStats()
             req.spec_rng = np.random.default_rng(req.seed)
@@ -284,8 +291,12 @@ class Engine:
         if any(r.request.penalties is not None for r in rows):
             penalties = [r.request.penalties.arrays(r.request.num_output) if r.request.penalties is not None
                          and r.samples else None for r in rows]
+        masks = None
+        if any(r.request.matcher is not None for r in rows):
+            masks = [r.request.matcher.mask() if r.request.matcher is not None and r.samples else None for r in rows]
         slot = self.runner.launch(batch, [r.request.sampling_row for r in rows], sample=any(r.samples for r in rows),
-                                  penalties=penalties, token_src=token_src if max(token_src) >= 0 else None)
+                                  penalties=penalties, masks=masks,
+                                  token_src=token_src if max(token_src) >= 0 else None)
         self.scheduler.update(rows)
         self._count_step(rows)  # before the placeholders below change what r.samples says
         samplers = []
@@ -342,12 +353,14 @@ class Engine:
         # before min_tokens no stop string is looked for (EOS and stop ids cannot be sampled then)
         text = req.detokenizer.add(token, find_stop=index - req.num_prompt + 1 >= req.params.min_tokens) \
             if req.detokenizer is not None else ""
+        if req.matcher is not None:
+            req.matcher.consume(token)
         stop = None
         if token in req.stop_ids:
             stop = token
         elif req.detokenizer is not None and req.detokenizer.stopped_by is not None:
             stop = req.detokenizer.stopped_by
-        if stop is not None:
+        if stop is not None or (req.matcher is not None and req.matcher.done):
             req.closed = True
             req.unresolved = 0
             del req.token_ids[index + 1:]  # tokens launched after this one are dropped

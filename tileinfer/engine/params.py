@@ -6,7 +6,8 @@ same here. Every invalid value raises ValueError naming the field and its allowe
 Order of the logits processing, per generated token (cuda_src/sampling.cu):
   1. penalties on the raw logits: repetition (prompt and output tokens; a positive logit is
      divided by it, a negative one multiplied), then frequency x count and presence (output
-     tokens only) subtracted;
+     tokens only) subtracted; then tokens banned (min_tokens) or outside a structured output's
+     grammar (structured_outputs) set to -inf;
   2. temperature (0 = greedy: the argmax, lowest index on ties; nothing below applies);
   3. min_p, top_k, top_p restrict the candidates; a Gumbel-max draw picks one, seeded by
      (seed, position), so a request's samples depend only on its own seed and tokens.
@@ -18,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..runner.sampler import MAX_BANNED_TOKENS
+from .structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
 
@@ -49,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None          # top-n log-probabilities per generated token (0..20)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to hold to
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -86,6 +89,8 @@ class SamplingParams:
                              f"{MAX_BANNED_TOKENS - 8} (they are banned until min_tokens)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {type(self.structured_outputs).__name__}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

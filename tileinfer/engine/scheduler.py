@@ -70,6 +70,7 @@ class Request:
     sync: bool = False        # needs each step's results before the next is planned (penalties, logprobs)
     unresolved: int = 0       # sampled tokens launched but not yet read back (placeholders in token_ids)
     closed: bool = False      # finished by a stop or an abort: results still in flight are dropped
+    matcher: object | None = None   # structured.Matcher: the grammar its text is held to
     spec: object | None = None      # speculative.SpecStats, when the engine speculates for this request
     spec_rng: object | None = None  # numpy Generator of its acceptance draws (sampling)
     keep_seq: bool = False          # keep the sequence's pages when finished (a chat's next turn reuses them)

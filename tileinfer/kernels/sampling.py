@@ -14,7 +14,8 @@ def argmax(logits: DeviceArray, out: DeviceArray, stream) -> None:
 
 def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, top_p: DeviceArray,
            min_p: DeviceArray, seeds: DeviceArray, counters: DeviceArray, out: DeviceArray, stream, *,
-           penalties: tuple[DeviceArray, ...] | None = None, head_keys: DeviceArray | None = None,
+           penalties: tuple[DeviceArray, ...] | None = None, masks: tuple[DeviceArray, DeviceArray] | None = None,
+           head_keys: DeviceArray | None = None,
            host_out: DeviceArray | None = None, host_slot: DeviceArray | None = None) -> None:
     """Per row r: greedy if temperature[r] <= 0, else a Gumbel-max sample from the min-p, then top-k,
     then top-p filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r]).
@@ -26,6 +27,10 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
     prompt only): logits[r, t] is divided by repetition[r] when positive (else multiplied; 1 = off), then
     reduced by frequency[r] * counts[e] + (presence[r] if counts[e] > 0). Rows without entries are left
     alone; ids outside the vocabulary are skipped. Rounded as runner/sampler.apply_penalties rounds.
+
+    masks: (mask_rows, bitmasks): row r's allowed tokens are bitmask mask_rows[r] (int32 words, bit t % 32 of
+    word t // 32 for token t; mask_rows[r] < 0: no mask); every other logit becomes -inf after the penalties
+    (structured output; runner/sampler.apply_mask).
 
     head_keys: the per-block keys the batch-1 LM head wrote with the logits (linear(head_keys=)), for
     one row only; row 0's largest logit is then read from them (a few KB instead of the vocabulary)
@@ -52,6 +57,15 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
         for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
             expect(name, arr, (rows,), FLOAT32)
         pen_args = list(penalties)
+    mask_args = [None, None, I32(0)]
+    if masks is not None:
+        mask_rows, bitmasks = masks
+        expect("mask_rows", mask_rows, (rows,), INT32)
+        expect("bitmasks", bitmasks, (None, None), INT32)
+        if bitmasks.shape[1] * 32 < vocab:
+            raise ValueError(f"sample: bitmasks of {bitmasks.shape[1]} words cover {bitmasks.shape[1] * 32} tokens, "
+                             f"the vocabulary has {vocab}")
+        mask_args = [mask_rows, bitmasks, I32(bitmasks.shape[1])]
     num_keys = 0
     if head_keys is not None:
         if rows != 1:
@@ -67,5 +81,5 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
             raise ValueError(f"sample: host_out rows hold {stride} tokens, the step samples {rows}")
     kernel("sampling.cu", "sample_rows").launch(
         (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out, head_keys,
-                           I32(num_keys), *pen_args, host_out, host_slot, I32(stride)], stream)
+                           I32(num_keys), *pen_args, *mask_args, host_out, host_slot, I32(stride)], stream)
 

@@ -24,7 +24,7 @@ from ..kv.int8 import dequantize, quantize, smoothing_factors
 from ..kv.paged_cache import cdiv, check_kv_quantize
 from ..model.checkpoint import Checkpoint
 from ..model.reference import ReferenceModel
-from .sampler import apply_penalties, sample as sample_token
+from .sampler import apply_mask, apply_penalties, sample as sample_token
 from .base import CheckpointRunner
 from .step import SamplingRow
 
@@ -172,8 +172,10 @@ class CPURunner(CheckpointRunner):
         return rows
 
     def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-               penalties: list | None = None, token_src: list[int] | None = None) -> int | None:
-        """Run one step now; returns the slot to `collect` its sampled tokens from (None with sample=False)."""
+               penalties: list | None = None, masks: list | None = None,
+               token_src: list[int] | None = None) -> int | None:
+        """Run one step now; returns the slot to `collect` its sampled tokens from (None with sample=False).
+        penalties / masks: per row None, or its penalty entries / its allowed-token bitmask."""
         rows = self._check_step(batch)
         self._copy_pending_pages()
         if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
@@ -187,6 +189,8 @@ class CPURunner(CheckpointRunner):
             row = sampling[i] if sampling else SamplingRow()
             if penalties is not None and penalties[i] is not None:
                 last[i] = apply_penalties(last[i], *penalties[i], row.repetition, row.presence, row.frequency)
+            if masks is not None and masks[i] is not None:
+                last[i] = apply_mask(last[i], masks[i])
             out[i] = sample_token(last[i], temperature=row.temperature, top_k=row.top_k, top_p=row.top_p,
                             min_p=row.min_p, seed=row.seed, counter=start + len(ids))
         self._last_logits, self._prev = last, out
@@ -198,8 +202,8 @@ class CPURunner(CheckpointRunner):
         return None if slot is None else self._pending.pop(slot)[:n]
 
     def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-             penalties: list | None = None) -> np.ndarray | None:
-        return self.collect(self.launch(batch, sampling, sample=sample, penalties=penalties), len(batch))
+             penalties: list | None = None, masks: list | None = None) -> np.ndarray | None:
+        return self.collect(self.launch(batch, sampling, sample=sample, penalties=penalties, masks=masks), len(batch))
 
     def logits_rows(self, n: int) -> np.ndarray:
         """The last sampled step's first n logits rows, after penalties, before temperature (for logprobs)."""

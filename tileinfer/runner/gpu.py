@@ -145,7 +145,7 @@ class GPURunner(CheckpointRunner):
         self.cache = cache
         self.max_context = max_context
         self.steps = StepBuffers(self.max_batch_tokens, self.max_num_seqs, cache.layout.block_table_width,
-                                 penalty_capacity=penalty_capacity)
+                                 penalty_capacity=penalty_capacity, mask_words=(self.config.vocab_size + 31) // 32)
         self.graphs = GraphManager()
         self.graphs.add_kind(DECODE, self._enqueue_decode)
 
@@ -187,6 +187,7 @@ class GPURunner(CheckpointRunner):
         K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                  d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
                  self.steps.sampled.rows(0, b), stream, penalties=penalties,
+                 masks=(d["mask_rows"].rows(0, b), self.steps.masks),
                  head_keys=self.workspace.head_keys if keyed else None, host_out=self.steps.sampled_out,
                  host_slot=d["sample_slot"])
 
@@ -202,17 +203,18 @@ class GPURunner(CheckpointRunner):
 
     # ------------------------------------------------------------------ steps
     def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-             penalties: list | None = None) -> np.ndarray | None:
+             penalties: list | None = None, masks: list | None = None) -> np.ndarray | None:
         """One forward step over (sequence, new ids[, start]) rows (see prepare_step), waited for; the
         positions must already be reserved.
 
         Returns each sequence's next token (or None with sample=False, e.g. a non-final prefill chunk).
         """
-        slot = self.launch(batch, sampling, sample=sample, penalties=penalties)
+        slot = self.launch(batch, sampling, sample=sample, penalties=penalties, masks=masks)
         return self.collect(slot, len(batch))
 
     def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-               penalties: list | None = None, token_src: list[int] | None = None) -> int | None:
+               penalties: list | None = None, masks: list | None = None,
+               token_src: list[int] | None = None) -> int | None:
         """Enqueue one step without waiting for it; returns the slot to `collect` its samples from
         (None with sample=False). At most two sampled steps may be in flight."""
         self._check_open()
@@ -222,9 +224,9 @@ class GPURunner(CheckpointRunner):
             # Padded to its bucket, eager or not, so a graph replay and an eager step run the same launches.
             bucket = bucket_for(len(batch), self.buckets)
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
-                         token_src=token_src)
+                         masks=masks, token_src=token_src)
             self.steps.set_sample_slot(self._slot)
-            self.steps.upload_penalties(self.stream)
+            self.steps.upload_entries(self.stream)
             if self.use_graphs:
                 self.graphs.run(DECODE, bucket, self.stream)
             else:
@@ -232,7 +234,7 @@ class GPURunner(CheckpointRunner):
             self.steps.fetched()
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
-                                 token_src=token_src)
+                                 masks=masks, token_src=token_src)
             self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
             self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream)

@@ -105,3 +105,14 @@ def apply_penalties(logits_row: np.ndarray, tokens, counts, repetition: float, p
     penalty = freq * counts.astype(np.float32) + np.where(counts > 0, pres, np.float32(0))
     row[tokens] = np.where(counts < 0, np.float32(-np.inf), l - penalty)
     return row
+
+
+def apply_mask(logits_row: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """A new row with every token the bitmask does not allow at -inf, as the sampling kernel applies it:
+    mask is int32 words, bit t % 32 of word t // 32 set when token t is allowed."""
+    bits = np.unpackbits(np.asarray(mask, np.int32).view(np.uint8), bitorder="little").astype(bool)
+    row = np.array(logits_row, np.float32)
+    allowed = np.zeros(row.size, bool)
+    allowed[:min(bits.size, row.size)] = bits[:row.size]
+    row[~allowed] = -np.inf
+    return row

@@ -39,7 +39,8 @@ _GREEDY = SamplingRow()
 
 
 class StepBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, table_width: int, penalty_capacity: int = 0):
+    def __init__(self, max_tokens: int, max_seqs: int, table_width: int, penalty_capacity: int = 0,
+                 mask_words: int = 1):
         self.max_tokens, self.max_seqs, self.table_width = max_tokens, max_seqs, table_width
         fields = [
             ("tokens", (max_tokens,), np.int32),
@@ -60,6 +61,7 @@ class StepBuffers:
             ("presence", (max_seqs,), np.float32),
             ("frequency", (max_seqs,), np.float32),
             ("pen_offsets", (max_seqs + 1,), np.int32),  # each row's range of penalty entries
+            ("mask_rows", (max_seqs,), np.int32),      # each row's allowed-token bitmask in `masks` (-1: none)
             ("sample_slot", (1,), np.int32),           # the row of sampled_host the step's tokens go to
         ]
         offsets, offset = {}, 0
@@ -78,6 +80,7 @@ class StepBuffers:
             self.dev[name] = DeviceArray(shape, dtype, ptr=self.device.ptr + offsets[name], base=self.device)
         self.pinned.bytes[:] = 0
         self.host["token_src"][:] = -1
+        self.host["mask_rows"][:] = -1
         self.src_dirty = 0  # leading token_src entries a step set (reset to -1 by the next)
         # Sampled token ids: on the device in `sampled` (the next step's token_src reads them there), and
         # written by the sampling kernel straight into mapped page-locked memory, one row per step in
@@ -98,6 +101,10 @@ class StepBuffers:
         self.penalties = DeviceArray((2, self.penalty_capacity), np.int32)
         self.penalties_host = PinnedBuffer(self.penalties.nbytes)
         self.num_penalty_entries = 0
+        # Allowed-token bitmasks (structured output) of the rows that have one, uploaded only as far as used.
+        self.masks = DeviceArray((max_seqs, max(int(mask_words), 1)), np.int32)
+        self.masks_host = PinnedBuffer(self.masks.nbytes)
+        self.num_masks = 0
         # What each row of the block tables and sampling fields holds now: (sequence, table version)
         # and the SamplingRow object, so unchanged rows are not rewritten every step.
         self.row_tables: list[tuple[object, int] | None] = [None] * max_seqs
@@ -120,7 +127,7 @@ class StepBuffers:
     def upload(self, stream) -> None:
         """Copy the mirror and the penalty entries to the device; record `uploaded`."""
         call(driver.cuMemcpyHtoDAsync, self.device.ptr, self.pinned.ptr, self.nbytes, stream.handle)
-        self.upload_penalties(stream)
+        self.upload_entries(stream)
         self.uploaded.record(stream)
         self._upload_pending = True
 
@@ -132,14 +139,17 @@ class StepBuffers:
         """A step that fetches the mirror itself was launched: wait for it before rewriting the mirror."""
         self._upload_pending = True
 
-    def upload_penalties(self, stream) -> None:
-        """Copy the penalty entries in use (they live outside the mirror)."""
+    def upload_entries(self, stream) -> None:
+        """Copy the penalty entries and bitmasks in use (they live outside the mirror)."""
         n = self.num_penalty_entries
         if n:
             cap = self.penalty_capacity
             call(driver.cuMemcpyHtoDAsync, self.penalties.ptr, self.penalties_host.ptr, n * 4, stream.handle)
             call(driver.cuMemcpyHtoDAsync, self.penalties.ptr + cap * 4, self.penalties_host.ptr + cap * 4, n * 4,
                  stream.handle)
+        if self.num_masks:
+            nbytes = self.num_masks * self.masks.shape[1] * 4
+            call(driver.cuMemcpyHtoDAsync, self.masks.ptr, self.masks_host.ptr, nbytes, stream.handle)
 
     def set_sample_slot(self, slot: int) -> None:
         """The row of sampled_host (0 or 1) the next uploaded step's sampling kernel writes."""
@@ -161,12 +171,14 @@ class StepBuffers:
         self.sampled_host.free()
         self.penalties.free()
         self.penalties_host.free()
+        self.masks.free()
+        self.masks_host.free()
         for e in (*self.sampled_ready, self.uploaded):
             e.destroy()
 
 
 def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: list[SamplingRow] | None = None,
-                 pad_to: int | None = None, penalties: list | None = None,
+                 pad_to: int | None = None, penalties: list | None = None, masks: list | None = None,
                  token_src: list[int] | None = None, pad_tokens: int | None = None) -> StepShape:
     """Fill the pinned mirror for one step; the positions it computes must be reserved already.
 
@@ -176,6 +188,7 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     pad_to: the number of sequences (and, for one-token steps, tokens) of the graph bucket;
     padding rows have no query tokens (attention skips them) and slot -1 (nothing is stored).
     penalties: per row None or (token ids, output counts) int32 arrays for apply_penalties.
+    masks: per row None or its allowed-token bitmask (int32 words, as sampler.apply_mask reads it).
     token_src: per row -1, or (for a one-token row) the row of the previous step whose sample is
     this row's token: it is read on the device, so the host need not have it yet.
     pad_tokens: the step's token rows, padding included (a graphed verify step: bucket x tokens a row).
@@ -198,6 +211,7 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
         num_tokens = num_seqs  # a decode bucket: one row per (padding) sequence
     _write_padding(buffers, len(batch), num_seqs, offset, num_tokens)
     _fill_penalties(buffers, penalties, num_seqs)
+    _fill_masks(buffers, masks, num_seqs)
     return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, max_q_len=rows.max_q)
 
 
@@ -327,3 +341,25 @@ def _fill_penalties(buffers: StepBuffers, penalties: list | None, num_seqs: int)
         n += len(ids)
     offsets[num_seqs:] = n
     buffers.num_penalty_entries = n
+
+
+def _fill_masks(buffers: StepBuffers, masks: list | None, num_seqs: int) -> None:
+    rows = buffers.host["mask_rows"]
+    if not masks or all(m is None for m in masks):
+        if buffers.num_masks:
+            rows[:] = -1
+        buffers.num_masks = 0
+        return
+    words = buffers.masks.shape[1]
+    host = buffers.masks_host.array(buffers.masks.shape, np.int32)
+    n = 0
+    rows[:] = -1
+    for i, m in enumerate(masks[:num_seqs]):
+        if m is None:
+            continue
+        if m.shape != (words,):
+            raise ValueError(f"prepare_step: row {i}'s bitmask has {m.shape} words, the buffers hold ({words},)")
+        host[n] = m
+        rows[i] = n
+        n += 1
+    buffers.num_masks = n

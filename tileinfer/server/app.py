@@ -103,7 +103,8 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
         _note_ignored(body, "/v1/completions")
         prompts = body.prompts()
         sampling = body.sampling(body.max_tokens, body.logprobs)
-        sub = await _start(engine, prompts, sampling, body.stream, body.n)
+        sub = await _start(engine, prompts, sampling, body.stream, body.n,
+                           renames={"structured_outputs": body.structured_param})
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name}
         echoes = [_prompt_text(p, tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
@@ -126,7 +127,8 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
         top_n = body.top_n()
         sampling = body.sampling(body.reply_budget(), top_n)
         sub = await _start(engine, [prompt], sampling, body.stream, body.n,
-                           renames={"logprobs": "top_logprobs", "prompt": "messages"})
+                           renames={"logprobs": "top_logprobs", "prompt": "messages",
+                                    "structured_outputs": body.structured_param})
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name}
         if body.stream:

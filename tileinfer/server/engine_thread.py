@@ -263,7 +263,7 @@ class EngineThread:
 def _param_of(message: str) -> str | None:
     """The field a ValueError names first (SamplingParams' messages start with it; the prompt's with
     "prompt" or "the prompt"), or None."""
-    word = message.removeprefix("the ").split(" ", 1)[0]
+    word = message.removeprefix("the ").split(" ", 1)[0].rstrip(":")
     if word == "prompt":
         return word
     return word if word in SamplingParams.__dataclass_fields__ else None

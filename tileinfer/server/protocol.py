@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..engine.structured import StructuredOutputs
+
 
 MAX_N = 16          # choices per prompt
 MAX_PROMPTS = 64    # prompts per completions request
@@ -31,6 +33,31 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON valid for a schema."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class GuidedFields(BaseModel):
+    """vLLM's structured_outputs object: one of json, regex, choice, grammar (and json_object)."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -55,6 +82,59 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: GuidedFields | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's constraint, if any (at most one way of asking for it); APIError naming the field."""
+        asked = self._structured_fields()
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output, got {', '.join(n for n, _ in asked)}",
+                           param=asked[1][0])
+        name, fields = asked[0]
+        if isinstance(fields.get("json"), str):
+            try:
+                fields["json"] = json.loads(fields["json"])
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"{name}: the schema is not valid JSON: {e}", param=name) from None
+        try:
+            return StructuredOutputs(**fields)
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
+
+    @property
+    def structured_param(self) -> str:
+        """The field the request asked for its structured output with (to name in errors)."""
+        asked = self._structured_fields()
+        return asked[0][0] if asked else "structured_outputs"
+
+    def _structured_fields(self) -> list[tuple[str, dict]]:
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            f = self.response_format
+            if f.type == "json_schema":
+                if f.json_schema is None:
+                    raise APIError(400, "response_format of type json_schema needs json_schema: {name, schema}",
+                                   param="response_format")
+                asked.append(("response_format", dict(json=f.json_schema.schema_)))
+            else:
+                asked.append(("response_format", dict(json_object=True)))
+        if self.structured_outputs is not None:
+            g = self.structured_outputs
+            asked.append(("structured_outputs", dict(json=g.json_, regex=g.regex, choice=g.choice, grammar=g.grammar,
+                                                     json_object=bool(g.json_object))))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        return asked
 
     @property
     def ignored(self) -> list[str]:
@@ -69,7 +149,8 @@ class _Sampling(BaseModel):
                      seed=self.seed, presence_penalty=self.presence_penalty,
                      frequency_penalty=self.frequency_penalty, top_k=self.top_k, min_p=self.min_p,
                      repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                     stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens)
+                     stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
+                     structured_outputs=self.structured())
         out = {k: v for k, v in given.items() if v is not None}
         out["max_tokens"] = max_tokens  # None: what the context leaves (resolved with the prompt's length)
         out.setdefault("temperature", 1.0)  # OpenAI's default

@@ -1,0 +1,114 @@
+"""Structured output: a request's text held to a JSON schema, a regex, a list of choices or a grammar.
+
+    SamplingParams(max_tokens=200, structured_outputs=StructuredOutputs(json={"type": "object", ...}))
+
+The grammar engine is llguidance (the one vLLM and llama.cpp use). Per constrained request a matcher
+follows the tokens generated so far; before each of its samples the engine asks it for the allowed
+tokens, a bitmask of one bit per vocabulary entry, and the sampling step sets every other logit to
+-inf (after penalties, before temperature, so greedy, top-k/top-p and logprobs all see the constrained
+distribution). EOS is allowed only where the grammar may end, and a request whose grammar is complete
+finishes ("stop"). Requests without a constraint pay nothing.
+
+JSON is generated compact (", " and ": " separators, no other whitespace): a model cannot then spend
+its budget on whitespace the grammar would allow.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint (the fields follow vLLM's StructuredOutputsParams)."""
+    json: dict | str | None = None       # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False            # any JSON object
+    regex: str | None = None             # the whole text matches this regular expression
+    choice: list[str] | None = None      # the whole text is one of these strings
+    grammar: str | None = None           # a Lark grammar (llguidance's dialect)
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json is a JSON schema (dict or JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    def grammar_text(self) -> str:
+        """The constraint as an llguidance grammar."""
+        from llguidance import LLMatcher
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not a JSON schema: {e}") from None
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class Grammars:
+    """The engine's grammar side: the tokenizer as llguidance sees it (built on first use, about a
+    second for Qwen3's vocabulary), and a matcher per constrained request."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self._tokenizer_json = tokenizer.to_str()
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll = None
+
+    def _ll_tokenizer(self):
+        if self._ll is None:
+            from llguidance import LLTokenizer
+            self._ll = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        return self._ll
+
+    def matcher(self, spec: StructuredOutputs) -> "Matcher":
+        """A matcher for one request; ValueError naming the problem if the grammar engine rejects it."""
+        from llguidance import LLMatcher
+        grammar = spec.grammar_text()
+        error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer())
+        if error:
+            raise ValueError(f"structured_outputs: the grammar engine rejects it: {error}")
+        return Matcher(LLMatcher(self._ll_tokenizer(), grammar, log_level=0), self.vocab_size)
+
+
+class Matcher:
+    """One request's grammar state, advanced token by token."""
+
+    def __init__(self, ll_matcher, vocab_size: int):
+        self._m = ll_matcher
+        self.words = (vocab_size + 31) // 32
+
+    def mask(self) -> np.ndarray:
+        """The allowed next tokens: int32 words, bit t % 32 of word t // 32 set for token t."""
+        out = np.empty(self.words, np.int32)
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        return out
+
+    def consume(self, token: int) -> None:
+        if not self._m.consume_token(token):
+            raise RuntimeError(f"the grammar did not accept token {token} although it was sampled under its mask: "
+                               f"{self._m.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing more may follow."""
+        return self._m.is_stopped()
