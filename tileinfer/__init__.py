@@ -20,8 +20,9 @@ from .config import EngineConfig
 from .engine.outputs import RequestOutput, StreamOutput
 from .engine.params import SamplingParams
 from .engine.speculative import OracleDraft
+from .engine.structured import StructuredOutputs
 from .generate import GenerationResult, generate, load_model
 from .llm import LLM
 
 __all__ = ["ChatSession", "ContextFullError", "EngineConfig", "GenerationResult", "LLM", "OracleDraft",
-           "RequestOutput", "SamplingParams", "StreamOutput", "generate", "load_model"]
+           "RequestOutput", "SamplingParams", "StreamOutput", "StructuredOutputs", "generate", "load_model"]
