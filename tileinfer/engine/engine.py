@@ -21,6 +21,7 @@ computed, `keep_seq=True`): it is admitted onto its held pages, and when it fini
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ from .params import SamplingParams
 from .scheduler import FINISHED, Request, ScheduledRow, Scheduler
 from .speculative import SpecStats, accept
 from .structured import Grammars
+
+log = logging.getLogger(__name__)
 
 Event = tuple[Request, int, str]  # (request, new token, the text it completes)
 
@@ -354,18 +357,27 @@ class Engine:
         text = req.detokenizer.add(token, find_stop=index - req.num_prompt + 1 >= req.params.min_tokens) \
             if req.detokenizer is not None else ""
         if req.matcher is not None:
-            req.matcher.consume(token)
+            error = req.matcher.consume(token)
+            if error is not None:  # this request cannot go on; the others can
+                log.error("request %d: the grammar refused token %d sampled under its mask: %s", req.request_id,
+                          token, error)
+                self._end(req, index, "abort", "grammar")
+                return req, token, text
         stop = None
         if token in req.stop_ids:
             stop = token
         elif req.detokenizer is not None and req.detokenizer.stopped_by is not None:
             stop = req.detokenizer.stopped_by
         if stop is not None or (req.matcher is not None and req.matcher.done):
-            req.closed = True
-            req.unresolved = 0
-            del req.token_ids[index + 1:]  # tokens launched after this one are dropped
-            self.scheduler.finish(req, "stop", stop)
+            self._end(req, index, "stop", stop)
         return req, token, text
+
+    def _end(self, req: Request, index: int, reason: str, stop_reason) -> None:
+        """Finish a request at its token `index`: tokens launched after it are dropped."""
+        req.closed = True
+        req.unresolved = 0
+        del req.token_ids[index + 1:]
+        self.scheduler.finish(req, reason, stop_reason)
 
     def _logprobs(self, indices: list[int], rows: list[ScheduledRow], sampled) -> dict[int, dict[int, float]]:
         """Top-n log-probabilities (of the logits after penalties, before temperature) per row."""

@@ -103,10 +103,10 @@ class Matcher:
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         return out
 
-    def consume(self, token: int) -> None:
-        if not self._m.consume_token(token):
-            raise RuntimeError(f"the grammar did not accept token {token} although it was sampled under its mask: "
-                               f"{self._m.get_error()}")
+    def consume(self, token: int) -> str | None:
+        """Advance by a sampled token; the grammar engine's error if it refuses it (a bug: the token was
+        sampled under this matcher's mask)."""
+        return None if self._m.consume_token(token) else self._m.get_error()
 
     @property
     def done(self) -> bool:

@@ -27,6 +27,7 @@ from ..chat import render_chat
 from ..model.tokenizer import CHAT_TEMPLATE
 from .engine_thread import Added, Busy, Delta, EngineThread, Failed, Finished, Rejected, Submission
 from .metrics import ServerMetrics
+from . import tools
 from .reasoning import ReasoningStream, split
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        validation_message)
@@ -133,11 +134,14 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
                 "model": served_model_name}
         if body.stream:
             return _sse(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"}, body.include_usage,
-                                     top_n, tokenizer))
+                                     top_n, tokenizer, body.uses_tools))
         outs = await _results(engine, sub, request)
-        choices = [{"index": i, "message": chat_message(out.text), "finish_reason": out.finish_reason,
-                    "logprobs": _chat_logprobs(_pairs(out), tokenizer, top_n) if top_n is not None else None}
-                   for i, out in enumerate(outs)]
+        choices = []
+        for i, out in enumerate(outs):
+            message = chat_message(out.text, body.uses_tools)
+            choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(_pairs(out), tokenizer, top_n)
+                            if top_n is not None else None,
+                            "finish_reason": "tool_calls" if message.get("tool_calls") else out.finish_reason})
         return {**head, "choices": choices, "usage": _usage(sub, outs)}
 
     app.include_router(v1)
@@ -258,10 +262,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def chat_message(text: str) -> dict:
-    """The assistant's message: Qwen3's reasoning (a reply opening with <think>) as reasoning_content."""
+def chat_message(text: str, uses_tools: bool = False) -> dict:
+    """The assistant's message: Qwen3's reasoning (a reply opening with <think>) as reasoning_content; with
+    tools, the calls in the reply as tool_calls (content None if nothing else is left)."""
     reasoning, content = split(text)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    if uses_tools:
+        content, calls = tools.parse(content)
+        if calls:
+            message.update(content=content or None, tool_calls=[c.as_dict() for c in calls])
+    return message
 
 
 def _usage(sub: Submission, outs) -> dict:
@@ -327,21 +337,31 @@ async def _stream_completion(engine: EngineThread, sub: Submission, head: dict, 
 
 
 async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, include_usage: bool,
-                       top_n: int | None, tokenizer):
+                       top_n: int | None, tokenizer, uses_tools: bool):
     def choice(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
         return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": finish_reason}]}
 
-    def parts(index: int, reasoning: str, content: str, logprobs=None):
+    splits = [ReasoningStream() for _ in range(sub.num_choices)]
+    calls = [tools.ToolCallStream() if uses_tools else None for _ in range(sub.num_choices)]
+    num_calls = [0] * sub.num_choices
+
+    def parts(index: int, reasoning: str, content: str, logprobs=None, last: bool = False):
         if reasoning:
             yield _data(choice(index, {"reasoning_content": reasoning}, logprobs=logprobs))
             logprobs = None
+        made = []
+        if calls[index] is not None:
+            content, made = calls[index].feed(content)
+            content += calls[index].finish() if last else ""
         if content or logprobs is not None:
             yield _data(choice(index, {"content": content} if content else {}, logprobs=logprobs))
+        for call in made:
+            yield _data(choice(index, {"tool_calls": [call.as_dict(index=num_calls[index])]}))
+            num_calls[index] += 1
 
     for index in range(sub.num_choices):
         yield _data(choice(index, {"role": "assistant", "content": ""}))
-    splits = [ReasoningStream() for _ in range(sub.num_choices)]
     outs = []
     async for event in _events(engine, sub):
         if isinstance(event, Delta):
@@ -352,9 +372,10 @@ async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, includ
                 yield chunk
         elif isinstance(event, Finished):
             outs.append(event.output)
-            for chunk in parts(event.index, *splits[event.index].finish()):
+            for chunk in parts(event.index, *splits[event.index].finish(), last=True):
                 yield chunk
-            yield _data(choice(event.index, {}, event.output.finish_reason))
+            reason = "tool_calls" if num_calls[event.index] else event.output.finish_reason
+            yield _data(choice(event.index, {}, reason))
         elif isinstance(event, Failed):
             yield _data(APIError(503, event.message, type="server_error").body())
     if include_usage and len(outs) == sub.num_choices:

@@ -245,6 +245,23 @@ class Tool(BaseModel):
     type: Literal["function"] = "function"
     function: dict
 
+    @model_validator(mode="after")
+    def _named(self):
+        if not isinstance(self.function.get("name"), str) or not self.function["name"]:
+            raise ValueError("a tool's function needs a name")
+        return self
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -253,13 +270,38 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict | None = None  # passed to the chat template, e.g. {"enable_thinking": false}
-    tools: list[Tool] | None = None           # passed to the chat template (the model's output is not parsed)
+    tools: list[Tool] | None = None           # rendered by the chat template; calls in the reply parsed
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None   # False: at most one call when calls are forced
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools offered (and not switched off with tool_choice "none"): the reply's calls are parsed."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def template_variables(self) -> dict:
         extra = dict(self.chat_template_kwargs or {})
-        if self.tools:
+        if self.uses_tools:
             extra.setdefault("tools", [t.model_dump() for t in self.tools])
         return extra
+
+    def _structured_fields(self) -> list[tuple[str, dict]]:
+        """Besides response_format and the rest: tool_choice "required" or a named function, as a grammar."""
+        from .tools import forced_grammar
+        asked = super()._structured_fields()
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return asked
+        if not self.tools:
+            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+        name = None
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in [t.function["name"] for t in self.tools]:
+                raise APIError(400, f"tool_choice names the function '{name}', which is not among the tools",
+                               param="tool_choice")
+        grammar = forced_grammar([t.model_dump() for t in self.tools], name, parallel=self.parallel_tool_calls is not False)
+        return asked + [("tool_choice", {"grammar": grammar})]
 
     def reply_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
