@@ -153,6 +153,8 @@ class EngineThread:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine)  # the gauges from the start, not from the first step
         while True:
             if not self._accepting and not self._live:
                 self.drained.set()
