@@ -77,9 +77,9 @@ class ServeProcess:
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of GET /metrics: name -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return {name: float(value) for name, value in
-                (line.split(" ") for line in text.splitlines() if line and not line.startswith("#") and "{" not in line)}
+        lines = httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines()
+        samples = (line.split(" ") for line in lines if line and not line.startswith("#") and "{" not in line)
+        return {name: float(value) for name, value in samples}
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)

@@ -113,7 +113,7 @@ class EngineThread:
         self._thread.start()
 
     def stop_accepting(self) -> None:
-        """Refuse (Failed, a 503) every request submitted from now on; those already in run on. Safe in a
+        """Refuse (Failed, a 503) every request submitted from now on; those submitted before run on. Safe in a
         signal handler: one SimpleQueue.put, which is reentrant."""
         self._commands.put(_STOP_ACCEPTING)
 
