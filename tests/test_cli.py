@@ -137,6 +137,41 @@ def test_device_cpu_is_passed_through_without_asking_for_a_gpu(capsys, no_gpu_ca
     assert no_gpu_calls == [(micro, {"device": "cpu", "progress": True})]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--page-size", "0"], "--page-size must be an integer >= 1, got 0"),
+    (["--num-pages", "0"], "--num-pages must be an integer >= 1, got 0"),
+    (["--max-num-batched-tokens", "-4"], "--max-num-batched-tokens must be an integer >= 1, got -4"),
+    (["--max-waiting", "0"], "--max-waiting must be an integer >= 1, got 0"),
+    (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: utilization must be in (0, 1]"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0, got -1.0"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout must be a number of seconds >= 0, got inf"),
+    (["--draft-model", "/nonexistent/dir"], "--draft-model /nonexistent/dir: no such checkpoint directory"),
+])
+def test_serve_checks_its_engine_options_before_the_gpu(capsys, no_gpu_calls, micro, argv, message):
+    rc, err = run_cli(capsys, "serve", "--model", str(micro), *argv)
+    assert rc == 1 and message in err, err
+
+
+def test_serve_passes_its_engine_options_to_the_llm(capsys, monkeypatch, micro):
+    made = []
+
+    def fake_llm(model, **options):
+        made.append((model, options))
+        raise RuntimeError("fake LLM called")
+    monkeypatch.setattr(tileinfer, "LLM", fake_llm)
+    rc, err = run_cli(capsys, "serve", "--device", "cpu", "--model", str(micro), "--page-size", "16",
+                      "--num-pages", "80", "--no-prefix-caching", "--max-num-batched-tokens", "256",
+                      "--gpu-memory-utilization", "0.5", "--draft-model", str(micro), "--num-draft-tokens", "3",
+                      "--kv-int8", "--max-context", "1024")
+    assert rc == 1 and "fake LLM called" in err, err
+    assert made == [(str(micro), dict(device="cpu", max_num_seqs=8, max_context=1024, page_size=16,
+                                      enable_prefix_caching=False, max_num_batched_tokens=256,
+                                      gpu_memory_utilization=0.5, num_pages=80, kv_quantize="int8",
+                                      draft_model=str(micro), num_draft_tokens=3, progress=True))]
+    tileinfer.config.EngineConfig(model=micro, **made[0][1])  # every one is a field
+
+
 def test_device_is_cuda_or_cpu(capsys):
     parser = cli.build_parser()
     assert parser.parse_args(["generate", "--prompt", "x"]).device == "cuda"

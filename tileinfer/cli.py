@@ -9,7 +9,9 @@
 Without --model, a synthetic Qwen3-0.6B checkpoint (random weights: its text is noise) is written
 once to the user cache and used, so the commands run on a fresh machine with nothing else set up.
 The arguments and the checkpoint are checked before the GPU is touched. Errors print one line and
-exit with status 1 (a malformed command line: status 2); Ctrl-C exits with status 130.
+exit with status 1 (a malformed command line: status 2); Ctrl-C exits with status 130, except that
+`serve` takes SIGTERM or Ctrl-C as a request to stop gracefully (the requests in flight get
+--shutdown-timeout seconds, then status 0; server/graceful.py) and only a second Ctrl-C as an interrupt.
 """
 from __future__ import annotations
 
@@ -64,13 +66,19 @@ def _check_checkpoint(option: str, path: str | None) -> None:
 def _check_arguments(args):
     """Everything the command line says, checked without the GPU: sampling, counts, the checkpoints.
     Returns the SamplingParams."""
-    from tileinfer.config import check_count
     sampling = _sampling(args)
+    _check_model_options(args)
+    return sampling
+
+
+def _check_model_options(args) -> None:
+    """The options of the model every command has (--max-context, --num-draft-tokens, --model, --draft-model),
+    checked without the GPU; the checkpoints last, as they are read from disk."""
+    from tileinfer.config import check_count
     check_count("--max-context", args.max_context)
     check_count("--num-draft-tokens", args.num_draft_tokens)
     _check_checkpoint("--model", args.model)
     _check_checkpoint("--draft-model", args.draft_model)
-    return sampling
 
 
 def _load(args):
@@ -187,20 +195,47 @@ def _chat(args) -> int:
 _SERVE_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
 
 
-def _serve(args) -> int:
+def _check_serve_arguments(args) -> None:
+    """The serve command line, checked without the GPU and before anything loads."""
+    import math
     from tileinfer.config import check_count
+    from tileinfer.kv.sizing import check_utilization
     if args.max_num_seqs is None:
         args.max_num_seqs = _SERVE_MAX_NUM_SEQS[args.device]
-    check_count("--max-num-seqs", args.max_num_seqs)
-    check_count("--max-context", args.max_context)
+    for option, value in (("--max-num-seqs", args.max_num_seqs), ("--page-size", args.page_size),
+                          ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        check_count(option, value)
+    for option, value in (("--num-pages", args.num_pages), ("--max-waiting", args.max_waiting)):
+        if value is not None:
+            check_count(option, value)
+    try:
+        check_utilization(args.gpu_memory_utilization)
+    except ValueError as e:
+        raise ValueError(f"--gpu-memory-utilization: {e}") from None
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
-    _check_checkpoint("--model", args.model)
+    _check_model_options(args)
+
+
+def _serve_engine_options(args) -> dict:
+    """The serve command line as tileinfer.LLM's keyword arguments (EngineConfig's fields)."""
+    return dict(device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
+                page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_pages=args.num_pages,
+                kv_quantize="int8" if args.kv_int8 else None, draft_model=args.draft_model,
+                num_draft_tokens=args.num_draft_tokens, progress=True)
+
+
+def _serve(args) -> int:
+    _check_serve_arguments(args)
     try:
-        import uvicorn
         from tileinfer.server.app import create_app
+        from tileinfer.server.graceful import serve
     except ImportError as e:
         raise RuntimeError(f"tileinfer serve needs FastAPI and uvicorn ({e.name} is not installed): "
                            f"pip install tileinfer[serve]") from None
@@ -209,15 +244,27 @@ def _serve(args) -> int:
         from tileinfer.cuda import get_device
         get_device()  # no GPU: say so before loading
     name = args.served_model_name or Path(args.model).resolve().name
-    with tileinfer.LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
-                       kv_quantize="int8" if args.kv_int8 else None, progress=True) as llm:
-        app = create_app(llm, name, api_key=args.api_key)
-        print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    return 0
+    with tileinfer.LLM(args.model, **_serve_engine_options(args)) as llm:
+        app = create_app(llm, name, api_key=args.api_key, max_waiting=args.max_waiting)
+        print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops: requests "
+              f"in flight get {args.shutdown_timeout:g} s to finish; a second Ctrl-C aborts them)", file=sys.stderr)
+        forced = serve(app, host=args.host, port=args.port, grace=args.shutdown_timeout)
+    return 130 if forced else 0
+
+
+SERVE_DESCRIPTION = """An OpenAI-compatible HTTP server over one model: /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics, /tokenize, /detokenize.
+
+Stopping: on SIGTERM or Ctrl-C the server stops taking requests at once (GET /health answers 503
+"stopping", a new request 503 in OpenAI's error shape), lets the requests in flight finish for
+--shutdown-timeout seconds, then aborts the rest (a streaming client gets an error chunk and [DONE], a
+waiting one a 503), frees the GPU and exits with status 0. A second Ctrl-C aborts at once (status 130)."""
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    import dataclasses
+    from tileinfer.config import EngineConfig
+    engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     p.add_argument("--model", required=True, help="a Hugging Face Qwen3 checkpoint directory")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the GPU (default); cpu: a float32 numpy runner, slow, for a machine without one")
@@ -229,8 +276,35 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name clients send and /v1/models lists (default: the checkpoint folder's name)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests decoding at once (default: 256 on cuda, 8 on cpu)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="requests waiting for admission at most; more are answered 503 (default: no limit)")
     p.add_argument("--max-context", type=int, default=4096, help="positions of a prompt and its reply (4096)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine["max_num_batched_tokens"], metavar="N",
+                   help=f"tokens in one engine step; long prompts are prefilled in chunks of at most this "
+                        f"({engine['max_num_batched_tokens']})")
     p.add_argument("--kv-int8", action="store_true", help="an INT8 KV cache: about half the bytes of BF16")
+    p.add_argument("--page-size", type=int, default=engine["page_size"], metavar="N",
+                   help=f"positions in one KV cache page ({engine['page_size']})")
+    p.add_argument("--num-pages", type=int, default=None, metavar="N",
+                   help="KV cache pages, instead of sizing the pool from free GPU memory (cpu: from --max-num-seqs "
+                        "sequences of --max-context)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=engine["gpu_memory_utilization"],
+                   metavar="FRACTION",
+                   help=f"fraction of the GPU's total memory the weights, workspace and KV cache may use "
+                        f"({engine['gpu_memory_utilization']})")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share the KV pages of a common prompt prefix between requests")
+    _add_draft_arguments(p)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are "
+                        "aborted (30)")
+
+
+def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="a smaller Qwen3 checkpoint with the same tokenizer: speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="N",
+                   help="tokens the draft proposes per step (4)")
 
 
 def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -246,9 +320,7 @@ def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> 
     p.add_argument("--kv-int8", action="store_true",
                    help="an INT8 KV cache (int8 values + one float32 scale per vector, keys smoothed): about half "
                         "the bytes of BF16")
-    p.add_argument("--draft-model", default=None,
-                   help="a smaller Qwen3 checkpoint with the same tokenizer: speculative decoding")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens the draft proposes per step (4)")
+    _add_draft_arguments(p)
     p.add_argument("--max-context", type=int, default=4096,
                    help="positions the prompt and the reply (chat: the conversation) may use (4096)")
 
@@ -279,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description=sizing_cli.DESCRIPTION)
     sizing_cli.add_arguments(s)
     s.set_defaults(run=sizing_cli.run)
-    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_arguments(v)
     v.set_defaults(run=_serve)
     return parser

@@ -7,6 +7,9 @@ Handlers run on the asyncio loop and never call the engine: they hand each reque
 and await its events (engine_thread.py). A request is refused with OpenAI's error shape and status 400
 before anything streams, so a streaming client sees a bad request as an HTTP error too. A streaming
 client that goes away aborts its request, and the engine frees its pages.
+
+Stopping (lifecycle.py; graceful.py turns SIGTERM and Ctrl-C into it): /health answers 503 "stopping" and
+new requests 503 at once, requests in flight run on for a grace period, what is left is aborted.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from starlette.exceptions import HTTPException
 from ..chat import render_chat
 from ..model.tokenizer import CHAT_TEMPLATE
 from .engine_thread import Added, Busy, Delta, EngineThread, Failed, Finished, Rejected, Submission
+from .lifecycle import Lifecycle
 from .metrics import ServerMetrics
 from . import tools
 from .reasoning import ReasoningStream, split
@@ -39,18 +43,19 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
     """The app over a loaded LLM; max_waiting: requests waiting for admission at most (more are answered 503)."""
     metrics = ServerMetrics()
     engine = EngineThread(llm.engine, metrics, max_waiting=max_waiting)
-    phase = {"now": "loading"}  # loading -> serving -> stopping: what /health says
+    lifecycle = Lifecycle(engine)  # loading -> serving -> stopping: what /health says
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        phase["now"] = "serving"
+        lifecycle.serving()
         yield
-        phase["now"] = "stopping"
+        lifecycle.stop_accepting()
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="TileInfer", lifespan=lifespan)
     app.state.engine_thread = engine
+    app.state.lifecycle = lifecycle
     _add_error_handlers(app)
     template = llm.runner.checkpoint.chat_template or CHAT_TEMPLATE
     tokenizer = llm.tokenizer
@@ -58,7 +63,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
 
     @app.get("/health")
     async def health():
-        status = phase["now"] if engine.error is None else f"failed: {engine.error}"
+        status = lifecycle.phase if engine.error is None else f"failed: {engine.error}"
         code = 200 if status == "serving" and engine.serving else 503
         return JSONResponse({"status": status, "requests": engine.num_requests}, status_code=code)
 

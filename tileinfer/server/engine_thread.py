@@ -1,8 +1,8 @@
 """EngineThread: the one thread that calls the engine, for a server whose handlers run on an asyncio loop.
 
 The engine is single-threaded. Handlers never touch it: they `submit` a request (its prompts, n choices
-of each, and the sampling fields) or `abort` one, which puts a command on a thread-safe queue. The thread blocks on that queue while
-the engine is idle (no polling), and otherwise drains it between engine steps. Everything that can fail
+of each, and the sampling fields) or `abort` one, which puts a command on a thread-safe queue. The
+thread blocks on that queue while the engine is idle (no polling), and otherwise drains it between engine steps. Everything that can fail
 on a request (the prompt's tokens, SamplingParams, fitting in max_context) is checked on this thread, and
 the answer goes back to the handler's asyncio.Queue through `loop.call_soon_threadsafe`:
 
@@ -12,10 +12,17 @@ the answer goes back to the handler's asyncio.Queue through `loop.call_soon_thre
     Delta(index, text, token, logprobs)  per token of choice `index` read back (streaming: text is what is
                                      safe to show; logprobs the token's entry, when asked for);
     Finished(index, output)          once per choice: the engine's RequestOutput;
-    Failed(message)                  last, when the engine itself stopped (a CUDA error, a bug).
+    Failed(message)                  last, when the engine itself stopped (a CUDA error, a bug), or the
+                                     server is shutting down (first and last for a request it refused).
 
 Choice index = prompt number x n + choice number (OpenAI's order). The n choices of a prompt are n engine
 requests; all but the first share the first one's prompt pages (Request.shares_prompt_with).
+
+Shutting down (lifecycle.py drives it): `stop_accepting` makes the thread refuse every request submitted
+after it, while those already added run on; `drained` is set once none is left; `abort_all` ends the
+rest (their handlers get Failed); `stop` aborts what is left, collects a step still in flight and ends
+the thread, after which `submit` answers Failed at once. The commands are handled in the order they
+were queued, so a request submitted before `stop_accepting` counts as in flight, and one after it is refused.
 """
 from __future__ import annotations
 
@@ -94,7 +101,12 @@ class Submission:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-_STOP = object()
+_STOP = object()            # abort what is left, end the thread
+_STOP_ACCEPTING = object()  # refuse the requests submitted from now on
+_ABORT_ALL = object()       # abort every request the thread holds
+
+SHUTTING_DOWN = "the server is shutting down and takes no new requests; retry on another server"
+ABORTED_AT_SHUTDOWN = "the server is shutting down: this request did not finish within the shutdown grace period"
 
 
 class EngineThread:
@@ -107,16 +119,34 @@ class EngineThread:
         self._last_token: dict[int, float] = {}  # request id -> when its last token was handed out
         self._thread = threading.Thread(target=self._run, name="tileinfer-engine", daemon=True)
         self.error: str | None = None  # why the engine stopped, if it did
+        self.drained = threading.Event()  # set once, after stop_accepting, no request is left
+        self._accepting = True  # engine thread only
+        self._closed = False    # stop was called: submit answers at once (under _lock, so nothing is left unread)
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
         self._thread.start()
 
+    def stop_accepting(self) -> None:
+        """Refuse (Failed, a 503) every request submitted from now on; those submitted before run on. Safe in a
+        signal handler: one SimpleQueue.put, which is reentrant."""
+        self._commands.put(_STOP_ACCEPTING)
+
+    def abort_all(self) -> None:
+        """End every request the thread holds now; each handler gets Failed(ABORTED_AT_SHUTDOWN)."""
+        self._commands.put(_ABORT_ALL)
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort what is running and end the thread."""
-        if self._thread.is_alive():
+        """Abort what is running, collect a step still in flight (the device is idle afterwards, so the
+        LLM can be closed) and end the thread. Idempotent."""
+        with self._lock:
+            self._closed = True
             self._commands.put(_STOP)
+        if self._thread.is_alive():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the engine thread did not end within %.0f s of being told to stop", timeout)
 
     @property
     def serving(self) -> bool:
@@ -128,28 +158,63 @@ class EngineThread:
         return len(self._live)
 
     def submit(self, sub: Submission) -> None:
-        self._commands.put(("add", sub))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("add", sub))
+                return
+        sub.send(Failed(SHUTTING_DOWN))  # the thread has ended, or is about to: nobody would answer
 
     def abort(self, sub: Submission) -> None:
         self._commands.put(("abort", sub))
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine)  # the gauges from the start, not from the first step
         while True:
-            idle = self.error is not None or not self.engine.has_unfinished
-            try:
-                commands = [self._commands.get()] if idle else []
-                while True:  # everything else already queued, without waiting
-                    commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                pass
-            if any(c is _STOP for c in commands):
-                self._abort_all()
-                return
-            for kind, sub in commands:
-                self._add(sub) if kind == "add" else self._abort(sub)
+            if not self._accepting and not self._live:
+                self.drained.set()
+            for command in self._next_commands():
+                if command is _STOP:
+                    self._stop()
+                    return
+                self._handle(command)
             if self.error is None and self.engine.has_unfinished:
                 self._step()
+            elif self.metrics is not None:
+                self.metrics.after_step(self.engine)  # an abort frees pages without a step: the gauges say so
+
+    def _next_commands(self) -> list:
+        """Every command queued, in order; waits for the first one while the engine has nothing to run."""
+        idle = self.error is not None or not self.engine.has_unfinished
+        commands = [self._commands.get()] if idle else []
+        try:
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _handle(self, command) -> None:
+        if command is _STOP_ACCEPTING:
+            self._accepting = False
+        elif command is _ABORT_ALL:
+            self._abort_all(ABORTED_AT_SHUTDOWN)
+        else:
+            kind, sub = command
+            if kind == "abort":
+                self._abort(sub)
+            elif self._accepting:
+                self._add(sub)
+            else:
+                sub.send(Failed(SHUTTING_DOWN))
+
+    def _stop(self) -> None:
+        self._abort_all(ABORTED_AT_SHUTDOWN)
+        self.drained.set()
+        try:
+            self.engine.drain()  # a step launched ahead may still run on the device
+        except Exception:  # the device failed under it: said in the log, the LLM is closed regardless
+            log.exception("collecting the last engine step at shutdown failed")
 
     def _add(self, sub: Submission) -> None:
         if sub.cancelled:
@@ -201,12 +266,13 @@ class EngineThread:
                 del self._live[rid]
                 self._last_token.pop(rid, None)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, message: str) -> None:
         for sub in {id(sub): sub for _, sub, _ in self._live.values()}.values():
-            sub.send(Failed("the server is shutting down"))
+            sub.send(Failed(message))
         for req, _, _ in self._live.values():
             self.engine.abort(req)
         self._live.clear()
+        self._last_token.clear()
 
     def _step(self) -> None:
         """One engine step, its tokens handed out. If the engine fails, every request is told, and later
@@ -216,11 +282,7 @@ class EngineThread:
         except Exception as e:  # the engine is unusable now: every waiting client hears why
             log.exception("the engine step failed")
             self.error = f"{type(e).__name__}: {e}"
-            for sub in {id(sub): sub for _, sub, _ in self._live.values()}.values():
-                sub.send(Failed(f"the engine failed: {self.error}"))
-            for req, _, _ in self._live.values():
-                self.engine.abort(req)  # host-side only: its pages go back even if the device is gone
-            self._live.clear()
+            self._abort_all(f"the engine failed: {self.error}")  # host-side only: pages go back even without a device
             return
         if self.metrics is not None:
             self.metrics.after_step(self.engine)

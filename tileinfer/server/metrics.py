@@ -19,9 +19,9 @@ class ServerMetrics:
         self.running = Gauge("tileinfer_requests_running", "Requests the scheduler is running", registry=r)
         self.waiting = Gauge("tileinfer_requests_waiting", "Requests waiting to be admitted (or readmitted)",
                              registry=r)
-        self.kv_used = Gauge("tileinfer_kv_pages_used", "KV cache pages held by sequences or the prefix cache",
-                             registry=r)
-        self.kv_free = Gauge("tileinfer_kv_pages_free", "KV cache pages free to allocate", registry=r)
+        self.kv_used = Gauge("tileinfer_kv_pages_used", "KV cache pages the requests hold", registry=r)
+        self.kv_free = Gauge("tileinfer_kv_pages_free", "KV cache pages free to allocate, prefix-cached pages no "
+                             "request holds among them", registry=r)
         self.hit_rate = Gauge("tileinfer_prefix_cache_hit_rate",
                               "Prompt tokens served by the prefix cache over all prompt tokens, finished requests",
                               registry=r)
