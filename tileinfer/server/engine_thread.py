@@ -132,6 +132,8 @@ class EngineThread:
                 return
             for kind, sub in commands:
                 self._add(sub) if kind == "add" else self._abort(sub)
+            if commands and self.metrics is not None:
+                self.metrics.gauges(self.engine)  # an abort frees pages even when no step follows
             if self.error is None and self.engine.has_unfinished:
                 self._step()
 
