@@ -9,11 +9,13 @@
 Without --model, a synthetic Qwen3-0.6B checkpoint (random weights: its text is noise) is written
 once to the user cache and used, so the commands run on a fresh machine with nothing else set up.
 The arguments and the checkpoint are checked before the GPU is touched. Errors print one line and
-exit with status 1 (a malformed command line: status 2); Ctrl-C exits with status 130.
+exit with status 1 (a malformed command line: status 2); Ctrl-C exits with status 130; SIGTERM
+stops `tileinfer serve` after its open requests, with status 0.
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -209,12 +211,23 @@ def _serve(args) -> int:
         from tileinfer.cuda import get_device
         get_device()  # no GPU: say so before loading
     name = args.served_model_name or Path(args.model).resolve().name
-    with tileinfer.LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
-                       kv_quantize="int8" if args.kv_int8 else None, progress=True) as llm:
-        app = create_app(llm, name, api_key=args.api_key)
-        print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again; this handler turns that into
+    # SystemExit(0), so the LLM is closed and the exit status says the stop was asked for, not a crash.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with tileinfer.LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
+                           max_context=args.max_context, kv_quantize="int8" if args.kv_int8 else None,
+                           progress=True) as llm:
+            app = create_app(llm, name, api_key=args.api_key)
+            print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+            uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
