@@ -417,6 +417,28 @@ def test_metrics_count_what_the_requests_did(served, reference):
     assert "tileinfer_preemptions_total" in after
 
 
+
+def test_page_gauges_after_an_abort_without_a_later_step(served):
+    """A request with a penalty runs synchronous steps: once it is aborted no step follows, yet the gauges
+    must show its pages back; pages the prefix cache keeps count as free and as cached, never as used."""
+    manager = served.llm.runner.cache.manager
+    prompt = list(range(1000, 1000 + 2 * manager.page_size + 5))  # two full pages: cached once it ends
+    stream = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=300, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True,
+                                                                         "repetition_penalty": 1.1})
+    for _ in zip(range(2), stream):
+        pass
+    stream.close()
+    engine_thread = served.app.state.engine_thread
+    wait_for(lambda: engine_thread.num_requests == 0 and not served.llm.engine.has_unfinished, 10,
+             "the closed stream's request ending")
+    wait_for(lambda: scrape(served)["tileinfer_requests_running"] == 0, 5, "the gauges catching up with the abort")
+    m = scrape(served)
+    assert m["tileinfer_requests_waiting"] == 0 and m["tileinfer_kv_pages_used"] == 0, m
+    assert m["tileinfer_kv_pages_free"] == manager.num_pages
+    assert m["tileinfer_kv_pages_cached"] == manager.num_cached_pages >= 2
+
+
 # ---------------------------------------------------------------------------- health, CLI
 def test_health_is_503_until_the_app_starts(served):
     assert TestClient(create_app(served.llm, NAME)).get("/health").status_code == 503  # lifespan not run

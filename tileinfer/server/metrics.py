@@ -1,7 +1,9 @@
 """The server's Prometheus metrics (GET /metrics), in a registry of its own.
 
 The engine thread updates them (engine_thread.py): after every step the gauges (requests running and
-waiting, KV pages used and free) and the counters that grew (preemptions, prompt and generated tokens);
+waiting, KV pages used, free and cached) and the counters that grew (preemptions, prompt and generated
+tokens), and the gauges again after it handled requests added or aborted (an abort frees pages without a
+step when nothing else runs);
 per request its time to first token, the gaps between its tokens (inter-token latency) and its
 end-to-end latency, and its prompt tokens served by the prefix cache (the hit rate).
 """
@@ -19,9 +21,12 @@ class ServerMetrics:
         self.running = Gauge("tileinfer_requests_running", "Requests the scheduler is running", registry=r)
         self.waiting = Gauge("tileinfer_requests_waiting", "Requests waiting to be admitted (or readmitted)",
                              registry=r)
-        self.kv_used = Gauge("tileinfer_kv_pages_used", "KV cache pages the requests hold", registry=r)
-        self.kv_free = Gauge("tileinfer_kv_pages_free", "KV cache pages free to allocate, prefix-cached pages no "
-                             "request holds among them", registry=r)
+        # Every page is used or free; cached pages are free ones the prefix cache still names (block_manager.py).
+        self.kv_used = Gauge("tileinfer_kv_pages_used", "KV cache pages held by at least one sequence", registry=r)
+        self.kv_free = Gauge("tileinfer_kv_pages_free",
+                             "KV cache pages free to allocate, the prefix cache's cached pages included", registry=r)
+        self.kv_cached = Gauge("tileinfer_kv_pages_cached",
+                               "Free KV cache pages kept for prefix-cache hits (held by no sequence)", registry=r)
         self.hit_rate = Gauge("tileinfer_prefix_cache_hit_rate",
                               "Prompt tokens served by the prefix cache over all prompt tokens, finished requests",
                               registry=r)
@@ -41,13 +46,18 @@ class ServerMetrics:
     def added(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def after_step(self, engine) -> None:
-        """The gauges and the engine's counters, read after a step (engine thread)."""
-        s = engine.scheduler
+    def gauges(self, engine) -> None:
+        """Requests running and waiting, KV pages used, free and cached, read now (engine thread)."""
+        s, m = engine.scheduler, engine.scheduler.manager
         self.running.set(len(s.running))
         self.waiting.set(len(s.waiting))
-        self.kv_free.set(s.manager.num_free_pages)
-        self.kv_used.set(s.manager.num_pages - s.manager.num_free_pages)
+        self.kv_free.set(m.num_free_pages)
+        self.kv_used.set(m.num_pages - m.num_free_pages)
+        self.kv_cached.set(m.num_cached_pages)
+
+    def after_step(self, engine) -> None:
+        """The gauges and the engine's counters, read after a step (engine thread)."""
+        self.gauges(engine)
         st = engine.stats
         self.preemptions.inc(st.preemptions - self._preempted)
         self.generation_tokens.inc(st.generated_tokens - self._generated)

@@ -1,0 +1,110 @@
+"""scripts/bench_serve.py and scripts/serve_load.py against a real `tileinfer serve` process on the CPU runner
+(the tiny checkpoint, 127.0.0.1): the benchmark's report adds up, and the load test's three checks pass.
+The server stops on SIGTERM with exit status 0."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+KEY = "sk-bench-key"
+SERVER = ["--device", "cpu", "--max-num-seqs", "4", "--max-context", "512"]
+
+
+def load(name: str):
+    """A script as a module, loaded once (serve_load.py finds bench_serve under its own name)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bench-serve") / "server.log"
+    with load("serve_load").ServerProcess(["--model", str(tiny_checkpoint), "--api-key", KEY, *SERVER], log) as s:
+        s.wait_healthy(60)
+        yield s
+        code = s.stop(30)
+        assert code == 0, f"the server's exit status after SIGTERM was {code}:\n{s.log_tail()}"
+
+
+def bench(server, tmp_path, *argv: str) -> tuple[int, dict]:
+    out = tmp_path / "bench.json"
+    rc = load("bench_serve").main(["--base-url", server.url, "--api-key", KEY, "--seed", "3", "--timeout", "30",
+                                   "--out", str(out), *argv])
+    return rc, json.loads(out.read_text())
+
+
+def assert_ordered(report: dict) -> None:
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = report[name]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], (name, s)
+        assert s["mean"] > 0, (name, s)
+
+
+def test_bench_reports_every_request_and_ordered_percentiles(server, tmp_path, tiny_checkpoint):
+    rc, r = bench(server, tmp_path, "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
+                  "--range-ratio", "0.5")
+    assert rc == 0 and r["successful_requests"] == 6 and r["failed_requests"] == 0, r["first_error"]
+    rows = r["requests"]
+    assert all(8 <= q["prompt_tokens"] <= 24 and 4 <= q["output_len"] <= 12 for q in rows), rows
+    assert [q["output_tokens"] for q in rows] == [q["output_len"] for q in rows]  # ignore_eos: exactly max_tokens
+    assert r["total_output_tokens"] == r["requested_output_tokens"] == sum(q["output_len"] for q in rows)
+    assert r["total_input_tokens"] == sum(q["prompt_tokens"] for q in rows)
+    assert all(0 < q["ttft_ms"] <= q["e2e_ms"] for q in rows)
+    assert_ordered(r)
+    assert r["request_throughput"] > 0 and r["output_throughput"] > 0
+    assert r["total_token_throughput"] > r["output_throughput"]
+    assert r["model"] == tiny_checkpoint.name  # the first of /v1/models: the checkpoint folder's name
+
+
+def test_bench_of_a_dataset_at_a_rate_and_a_concurrency(server, tmp_path):
+    dataset = tmp_path / "lengths.json"
+    dataset.write_text(json.dumps([{"prompt_len": 20, "output_len": 6}, {"prompt": "The capital of France is",
+                                   "output_len": 5}, {"prompt_len": 9, "output_len": 7}]))
+    rc, r = bench(server, tmp_path, "--dataset", str(dataset), "--request-rate", "20", "--max-concurrency", "2")
+    assert rc == 0 and r["successful_requests"] == 3, r["first_error"]
+    assert [q["output_tokens"] for q in r["requests"]] == [6, 5, 7]
+    assert [r["requests"][i]["prompt_tokens"] for i in (0, 2)] == [20, 9]
+    assert r["request_rate"] == 20 and r["max_concurrency"] == 2
+    assert_ordered(r)
+
+
+def test_failed_requests_are_counted_not_fatal(server, tmp_path):
+    rc, r = bench(server, tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+                  "--model", "no-such-model")
+    assert rc == 1 and r["successful_requests"] == 0 and r["failed_requests"] == 3
+    assert r["first_error"].startswith("HTTP 404") and "no-such-model" in r["first_error"]
+    assert r["ttft_ms"]["p50"] is None and r["request_throughput"] == 0
+
+
+def test_serve_load_at_a_tiny_scale(tiny_checkpoint, tmp_path):
+    out = tmp_path / "load.json"
+    argv = [sys.executable, str(SCRIPTS / "serve_load.py"), "--model", str(tiny_checkpoint), *SERVER,
+            "--num-requests", "12", "--concurrency", "4", "--disconnect-fraction", "0.25", "--prompt-len", "8", "160",
+            "--max-tokens", "4", "24", "--prefix-len", "70", "--seed", "0", "--timeout", "60",
+            "--startup-timeout", "60", "--idle-timeout", "20", "--stop-timeout", "30",
+            "--server-log", str(tmp_path / "server.log"), "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: the server child goes with it
+    try:
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 0, stdout
+    s = json.loads(out.read_text())
+    assert s["ok"] and all(s["checks"].values()), stdout
+    assert s["mismatches"] == 0 and s["pages_held_after"] == 0 and s["failed"] == 0
+    assert s["finished"] + s["disconnected"] == 12 and s["disconnected"] >= 1 and s["finished"] >= 1
+    assert s["server_exit_code"] == 0 and s["pages_free_after"] > 0 and s["output_tokens_per_second"] > 0
