@@ -252,8 +252,10 @@ def test_presets_round_trip_through_config_json(tmp_path, name):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported for Apertus"),
     ({"architectures": ["ApertusForTokenClassification"]}, "lacks 'ApertusForCausalLM'"),
     ({"attention_bias": True}, "attention_bias=True"),
-    ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+    ({"rope_scaling": {**PUBLISHED_8B["rope_scaling"], "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
      "high_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "llama3 rope scaling needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ({"model_type": "llama"}, "'qwen3' and 'apertus' models only"),
 ])
 def test_config_errors_name_the_field(change, message):

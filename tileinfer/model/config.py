@@ -190,10 +190,12 @@ class _DecoderConfig:
             kinds = "'default' or 'llama3'" if cls.accepts_llama3_rope else "only plain RoPE"
             raise ConfigError(f"{source}: rope scaling {rope_type!r} is not supported for {cls.display_name} "
                               f"({kinds})")
-        defaults = Llama3RopeScaling()
-        fields = {f.name: scaling.get(f.name, getattr(defaults, f.name)) for f in dataclasses.fields(Llama3RopeScaling)}
+        names = [f.name for f in dataclasses.fields(Llama3RopeScaling)]
+        missing = [name for name in names if name not in scaling]
+        if missing:  # transformers requires them all too
+            raise ConfigError(f"{source}: llama3 rope scaling needs {', '.join(missing)}")
         try:
-            return theta, Llama3RopeScaling(**fields)
+            return theta, Llama3RopeScaling(**{name: scaling[name] for name in names})
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
