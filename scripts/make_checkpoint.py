@@ -1,6 +1,7 @@
-"""Write a synthetic Qwen3 checkpoint in the Hugging Face layout (random weights, real shapes).
+"""Write a synthetic Qwen3 or Apertus checkpoint in the Hugging Face layout (random weights, real shapes).
 
     python scripts/make_checkpoint.py --preset qwen3-8b --out /data/qwen3-8b-synthetic
+    python scripts/make_checkpoint.py --preset apertus-8b --out /data/apertus-8b-synthetic
 """
 from __future__ import annotations
 

@@ -21,6 +21,15 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def apertus_tiny_checkpoint(tmp_path_factory) -> Path:
+    """The "apertus-tiny" preset (its own 384-token byte-level tokenizer with Apertus' special tokens, 2 small
+    layers) written once per session. Treat it as read-only; copy it before changing anything."""
+    out = tmp_path_factory.mktemp("apertus-tiny-checkpoint")
+    write_checkpoint(preset("apertus-tiny"), out, seed=0, progress=False)
+    return out
+
+
 # ---------------------------------------------------------------------------- GPU tests
 # Tests marked `gpu` need a CUDA device. Without one (CI) they are skipped with the reason
 # the driver gave, so a CPU-only run stays green and says why.

@@ -65,6 +65,8 @@ def test_table_reproduces_the_seed(capsys, model, bf16, int8, at_4k, at_32k):
     ("qwen3-0.6b", 28, 114_688, 59_136),    # 112 KiB, 57.75 KiB
     ("qwen3-4b", 36, 147_456, 76_032),      # 144 KiB, 74.25 KiB
     ("qwen3-8b", 36, 147_456, 76_032),
+    ("apertus-8b", 32, 131_072, 67_584),    # 128 KiB, 66 KiB
+    ("apertus-70b", 80, 327_680, 168_960),  # 320 KiB, 165 KiB
 ])
 def test_exact_bytes_per_position_and_page(model, layers, bf16, int8):
     cfg = preset(model)
@@ -75,6 +77,18 @@ def test_exact_bytes_per_position_and_page(model, layers, bf16, int8):
     assert sizing.bytes_per_page(cfg, 16, "int8") == 16 * int8
     assert sizing.cache_bytes(cfg, 4096) == 4096 * bf16
     assert sizing.cache_bytes(cfg, 32768, kv_dtype="int8") == 32768 * int8
+
+
+def test_tileinfer_size_apertus_8b(capsys):
+    from tileinfer import cli
+    rc = cli.main(["size", "apertus-8b"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith("apertus-8b (preset): 32 layers, 8 KV heads of 128, page size 64")
+    rows = table(out)
+    assert rows["BF16"]["per position"] == "128 KiB" and rows["INT8"]["per position"] == "66 KiB"
+    assert rows["BF16"]["4,096 positions"] == "0.54 GB" and rows["INT8"]["32,768 positions"] == "2.2 GB"
+    assert "weights: 16 GB (8.05 B parameters in bf16)" in out   # untied head, two MLP matrices a layer
 
 
 def test_cache_is_whole_pages():

@@ -27,7 +27,8 @@ from .runner.gpu import GPURunner
 def load_model(path: str | Path, *, device="cuda", max_num_seqs: int = 8, max_batch_tokens: int = 2048,
                max_logit_rows: int = 256, batch_invariant: bool = False, progress: bool = True):
     """A Hugging Face Qwen3 checkpoint directory loaded for one (or a few) sequences: bf16 weights on the GPU
-    (device="cuda" or "cuda:N"), or float32 numpy weights for the CPU runner (device="cpu")."""
+    (device="cuda" or "cuda:N"), or float32 numpy weights for the CPU runner (device="cpu"), which also runs
+    Apertus checkpoints."""
     kind, ordinal = parse_device(device)
     if kind == "cpu":
         return CPURunner(path, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,

@@ -23,17 +23,23 @@ from .engine.scheduler import FINISHED, Request
 from .engine.speculative import DraftRunner
 from .kv import Sequence
 from .model.checkpoint import Checkpoint
+from .model.qwen3 import check_supported
 from .runner.startup import Started, start_cpu, start_gpu
 
 
 def check_checkpoints(config: EngineConfig):
-    """Open (and so validate) the checkpoint and draft without a GPU; the model's config."""
+    """Open (and so validate) the checkpoint and draft without a GPU, and check that the device runs them; the
+    model's config."""
     model = Checkpoint.open(config.model).config
+    if not config.on_cpu:
+        check_supported(model, config.model)
     if config.max_context > model.max_position_embeddings:
         raise ValueError(f"max_context {config.max_context} exceeds the model's {model.max_position_embeddings} "
                          f"positions (max_position_embeddings in config.json)")
     if config.draft_model is not None:
         draft = Checkpoint.open(config.draft_model).config
+        if not config.on_cpu:
+            check_supported(draft, config.draft_model)
         if draft.vocab_size != model.vocab_size:
             raise ValueError(f"draft_model's vocabulary ({draft.vocab_size}) differs from the target's "
                              f"({model.vocab_size}); speculation needs the same tokenizer")
@@ -42,10 +48,10 @@ def check_checkpoints(config: EngineConfig):
 
 class LLM:
     def __init__(self, model: str | Path, **options):
-        """model: a Hugging Face Qwen3 checkpoint directory; options: EngineConfig's fields (max_num_seqs,
-        max_context, page_size, enable_prefix_caching, max_num_batched_tokens, gpu_memory_utilization,
-        num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant, async_scheduling,
-        device, progress, draft_model, num_draft_tokens)."""
+        """model: a Hugging Face Qwen3 checkpoint directory (or Apertus, with device="cpu"); options:
+        EngineConfig's fields (max_num_seqs, max_context, page_size, enable_prefix_caching, max_num_batched_tokens,
+        gpu_memory_utilization, num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant,
+        async_scheduling, device, progress, draft_model, num_draft_tokens)."""
         self.config = EngineConfig(model=model, **options)
         self.model_config = check_checkpoints(self.config)
         self._closed = False

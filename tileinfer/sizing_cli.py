@@ -1,6 +1,6 @@
 """The memory-sizing utility: `tileinfer size MODEL` and `scripts/kv_sizing.py MODEL` (the same code).
 
-MODEL is a preset name (qwen3-4b), a checkpoint directory or a config.json. Prints the KV cache's
+MODEL is a preset name (qwen3-4b, apertus-8b), a checkpoint directory or a config.json. Prints the KV cache's
 bytes per position and per page in BF16 and INT8, the cache at each --context, the weights, and
 how many positions and sequences of each context fit on the GPU (NVML) or in --gpu-memory GB.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tileinfer.kv import sizing
 from tileinfer.model.checkpoint import Checkpoint, CheckpointError
-from tileinfer.model.config import PRESETS, Qwen3Config
+from tileinfer.model.config import PRESETS, ModelConfig, read_config
 
 DEFAULT_CONTEXTS = "4096,32768"
 DESCRIPTION = " ".join(__doc__.split("\n\n")[1].split())
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- inputs
 
-def resolve_model(spec: str) -> tuple[str, Qwen3Config]:
+def resolve_model(spec: str) -> tuple[str, ModelConfig]:
     """(kind, config) for a preset name, a checkpoint directory or a config.json, tried in that order."""
     if spec.lower() in PRESETS:
         return "preset", PRESETS[spec.lower()]
@@ -84,7 +84,7 @@ def resolve_model(spec: str) -> tuple[str, Qwen3Config]:
                 raise
             raise CheckpointError(f"{e} (to size from the config alone, give its config.json)") from None
     if path.is_file():
-        return "config.json", Qwen3Config.from_json(path)
+        return "config.json", read_config(path)
     choices = f"choose one of {', '.join(PRESETS)} or give a checkpoint directory / config.json"
     if path.suffix == ".json" or len(path.parts) > 1:
         raise ValueError(f"{spec}: no such file or directory; {choices}")

@@ -1,7 +1,7 @@
-"""A Hugging Face Qwen3 checkpoint directory, opened and checked before anything touches the GPU.
+"""A Hugging Face Qwen3 or Apertus checkpoint directory, opened and checked before anything touches the GPU.
 
 Layout (what transformers' save_pretrained writes):
-  config.json                               -> Qwen3Config
+  config.json                               -> Qwen3Config or ApertusConfig (by model_type)
   model.safetensors                         one file of weights, or
   model.safetensors.index.json + shards     {"weight_map": {tensor name: shard file name}}
   generation_config.json (optional)         eos_token_id: int or list
@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import tokenizers
 
-from tileinfer.model.config import ConfigError, Qwen3Config
+from tileinfer.model.config import ConfigError, ModelConfig, read_config
 from tileinfer.model.safetensors_io import SafetensorsError, SafetensorsFile, TensorInfo
 from tileinfer.model.tokenizer import load_tokenizer
 
@@ -37,25 +37,24 @@ class CheckpointError(ValueError):
     """A checkpoint directory the engine cannot load; the message says which file and what to fix."""
 
 
-def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every weight the Qwen3 forward reads, Hugging Face name -> shape ([out, in] for linears)."""
-    d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the forward reads, Hugging Face name -> shape ([out, in] for linears)."""
+    d, hd = config.hidden_size, config.head_dim
     q, kv = config.q_size, config.kv_size
+    attention_norm, mlp_norm = config.norm_names
     shapes = {"model.embed_tokens.weight": (config.vocab_size, d)}
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
         shapes.update({
-            p + "input_layernorm.weight": (d,),
+            p + attention_norm + ".weight": (d,),
             p + "self_attn.q_proj.weight": (q, d),
             p + "self_attn.k_proj.weight": (kv, d),
             p + "self_attn.v_proj.weight": (kv, d),
             p + "self_attn.o_proj.weight": (d, q),
             p + "self_attn.q_norm.weight": (hd,),
             p + "self_attn.k_norm.weight": (hd,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (i, d),
-            p + "mlp.up_proj.weight": (i, d),
-            p + "mlp.down_proj.weight": (d, i),
+            p + mlp_norm + ".weight": (d,),
+            **mlp_tensors(config, p + "mlp."),
         })
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
@@ -63,10 +62,26 @@ def expected_tensors(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# xIELU's learned scalars, as transformers' XIELUActivation keeps them: alpha_p and alpha_n are parameters
+# of shape [1], beta and eps buffers of shape [] (saved with the weights all the same).
+XIELU_SCALARS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
+
+
+def mlp_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One layer's MLP weights under `prefix` ("model.layers.N.mlp."): gated SiLU's three matrices, or
+    xIELU's two and its activation's four scalars."""
+    d, i = config.hidden_size, config.intermediate_size
+    if config.mlp == "gated_silu":
+        return {prefix + "gate_proj.weight": (i, d), prefix + "up_proj.weight": (i, d),
+                prefix + "down_proj.weight": (d, i)}
+    return {prefix + "up_proj.weight": (i, d), prefix + "down_proj.weight": (d, i),
+            **{prefix + "act_fn." + name: shape for name, shape in XIELU_SCALARS.items()}}
+
+
 @dataclass(eq=False)
 class Checkpoint:
     path: Path
-    config: Qwen3Config
+    config: ModelConfig
     tensors: dict[str, TensorInfo]          # name -> where it lives (TensorInfo.path is the shard)
     eos_token_ids: list[int]
     chat_template: str | None
@@ -79,7 +94,7 @@ class Checkpoint:
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory")
         try:
-            config = Qwen3Config.from_json(path / "config.json")
+            config = read_config(path / "config.json")
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
         files, tensors = _open_weights(path)
@@ -165,7 +180,7 @@ def _read_json(file: Path):
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
-def _check_tensors(path: Path, config: Qwen3Config, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     expected = expected_tensors(config)
     if config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) head; the forward uses the embedding.
@@ -173,21 +188,26 @@ def _check_tensors(path: Path, config: Qwen3Config, tensors: dict[str, TensorInf
     missing = [name for name in expected if name not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}; is this a Qwen3 checkpoint "
-                              f"with {config.num_hidden_layers} layers?")
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}; is this a checkpoint of "
+                              f"{config.display_name} with {config.num_hidden_layers} layers?")
     extra = sorted(name for name in tensors if name not in expected)
     if extra:
         raise CheckpointError(f"{path}: {len(extra)} unexpected tensor(s), e.g. {', '.join(extra[:5])}; "
-                              f"not a plain Qwen3 checkpoint (or config.json does not match the weights)")
+                              f"not a plain {config.display_name} model (or config.json does not match the weights)")
     for name, shape in expected.items():
         info = tensors[name]
-        if info.shape != shape:
+        if info.shape != shape and not (is_scalar(shape) and is_scalar(info.shape)):
             raise CheckpointError(f"{info.path}: tensor {name!r} has shape {list(info.shape)}, "
                                   f"but config.json implies {list(shape)}")
         if info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{info.path}: tensor {name!r} has dtype {info.dtype}; only "
                                   f"{', '.join(FLOAT_DTYPES)} weights can be loaded (no quantized checkpoints)")
     return {name: tensors[name] for name in expected}
+
+
+def is_scalar(shape: tuple[int, ...]) -> bool:
+    """One value, stored as [] or [1]: either is taken for the other (exporters differ for xIELU's scalars)."""
+    return shape in ((), (1,))
 
 
 def _eos_token_ids(path: Path) -> list[int]:

@@ -33,6 +33,16 @@ from .weights import DeviceWeights
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+def check_supported(config, source) -> None:
+    """Refuse, before the GPU is touched, a model this forward would compute wrongly: it runs Qwen3 (gated
+    SiLU MLP, plain RoPE, Qwen3's tensor names) with head_dim 128. `source` names the checkpoint."""
+    if config.family != "qwen3":
+        raise ValueError(f"{source}: the GPU forward for {config.display_name} models is not built yet (the GPU "
+                         f"runs Qwen3 only); run it with device='cpu'")
+    if config.head_dim != 128:
+        raise ValueError(f"{source}: head_dim {config.head_dim} is not supported (the kernels need 128)")
+
+
 class Workspace:
     """Activation buffers for steps of up to `max_tokens` rows and `max_logit_rows` logits rows."""
 

@@ -1,13 +1,17 @@
-"""A float32 numpy Qwen3 forward pass: the oracle the kernels and the engine are tested against.
+"""A float32 numpy forward pass of Qwen3 and Apertus: the oracle the kernels and the engine are tested against.
 
-The math follows Hugging Face transformers' Qwen3 step by step, in float32:
-  per layer:  h = h + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))   on x = input_layernorm(h)
-              h = h + down(silu(gate(x)) * up(x))                               on x = post_attention_layernorm(h)
+The math follows Hugging Face transformers' Qwen3 and Apertus step by step, in float32:
+  per layer:  h = h + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))   on x = first norm(h)
+              h = h + mlp(x)                                                    on x = second norm(h)
   then model.norm and the LM head (the embedding when tied).
+The families differ in three places, each decided once when the model is built: the norms' names
+(input_layernorm / post_attention_layernorm, or attention_layernorm / feedforward_layernorm), the MLP
+(Qwen3: down(silu(gate(x)) * up(x)); Apertus: down(xielu(up(x))), GatedSiluMLP or XieluMLP) and the
+RoPE frequency table (plain, or with Apertus' llama3 scaling: rope_table).
 Clarity over speed, but every step is one batched matmul so a Qwen3-0.6B shape runs on a CPU.
 
-The module-level functions (rms_norm, rope_inv_freq, apply_rope, attention) are oracles for kernel
-tests too. Weights use Hugging Face names and layout (`[out, in]`, y = x @ W.T).
+The module-level functions (rms_norm, rope_inv_freq, llama3_inv_freq, apply_rope, attention, silu, xielu)
+are oracles for kernel tests too. Weights use Hugging Face names and layout (`[out, in]`, y = x @ W.T).
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tileinfer.model.checkpoint import expected_tensors as weight_shapes  # one list of HF names and shapes
-from tileinfer.model.config import Qwen3Config
+from tileinfer.model.checkpoint import is_scalar
+from tileinfer.model.config import Llama3RopeScaling, ModelConfig
 
 # ---------------------------------------------------------------------------------------------- pieces
 
@@ -35,6 +40,34 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     return (1.0 / theta ** exponents).astype(np.float32)
+
+
+def llama3_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling) -> np.ndarray:
+    """Rotary frequencies with Llama 3.1's scaling (transformers' rope_type "llama3"), in float64.
+    # [head_dim // 2] float32
+
+    A frequency whose wavelength 2 pi / f is below original / high_freq_factor stays; above
+    original / low_freq_factor it becomes f / factor; between, it blends the two with weight
+    s = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor) on f.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * np.pi / freq
+    low_band = wavelength > original / scaling.low_freq_factor     # long wavelengths: interpolated
+    high_band = wavelength < original / scaling.high_freq_factor   # short wavelengths: kept
+    s = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - s) * freq / scaling.factor + s * freq
+    out = np.where(low_band, freq / scaling.factor, np.where(high_band, freq, blended))
+    return out.astype(np.float32)
+
+
+def rope_table(config: ModelConfig) -> np.ndarray:
+    """The model's rotary frequencies: plain, or scaled as its config's rope_scaling says. # [head_dim // 2]"""
+    if config.rope_scaling is None:
+        return rope_inv_freq(config.head_dim, config.rope_theta)
+    return llama3_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -86,6 +119,27 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives the right limit, -0
         return x / (np.float32(1.0) + np.exp(-x))
+
+
+def softplus(x) -> np.ndarray:
+    """log(1 + exp(x)), without overflow. # same shape as x, float32"""
+    return np.logaddexp(np.float32(0.0), np.asarray(x, np.float32))
+
+
+def xielu(x: np.ndarray, alpha_p, alpha_n, beta, eps) -> np.ndarray:
+    """transformers' XIELUActivation from its stored parameters (alpha_p, alpha_n softplus-inverse, beta, eps):
+
+        a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n)
+        f(x) = a_p x^2 + beta x                                  for x > 0
+               (expm1(min(x, eps)) - x) a_n + beta x             otherwise       # same shape as x, float32
+    """
+    x = np.asarray(x, np.float32)
+    beta, eps = np.float32(beta), np.float32(eps)
+    a_p, a_n = softplus(alpha_p), beta + softplus(alpha_n)
+    with np.errstate(over="ignore", invalid="ignore"):  # the branch np.where drops may overflow
+        positive = a_p * x * x + beta * x
+        negative = (np.expm1(np.minimum(x, eps)) - x) * a_n + beta * x
+    return np.where(x > 0, positive, negative)
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -194,33 +248,65 @@ class ReferenceCache:
 
 
 @dataclass(slots=True)
+class GatedSiluMLP:
+    """Qwen3's MLP: down(silu(gate(x)) * up(x))."""
+    gate_proj: np.ndarray   # [intermediate, hidden]
+    up_proj: np.ndarray     # [intermediate, hidden]
+    down_proj: np.ndarray   # [hidden, intermediate]
+
+    @classmethod
+    def from_weights(cls, w: dict[str, np.ndarray], p: str) -> "GatedSiluMLP":
+        return cls(w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+
+    def __call__(self, x: np.ndarray, r) -> np.ndarray:
+        return r(silu(x @ self.gate_proj.T) * (x @ self.up_proj.T)) @ self.down_proj.T
+
+
+@dataclass(slots=True)
+class XieluMLP:
+    """Apertus' MLP, not gated: down(xielu(up(x))) with the layer's own four xIELU scalars."""
+    up_proj: np.ndarray     # [intermediate, hidden]
+    down_proj: np.ndarray   # [hidden, intermediate]
+    alpha_p: np.float32     # as stored: softplus-inverse of the x > 0 side's gain
+    alpha_n: np.float32     # as stored: softplus-inverse of the x <= 0 side's gain minus beta
+    beta: np.float32
+    eps: np.float32
+
+    @classmethod
+    def from_weights(cls, w: dict[str, np.ndarray], p: str) -> "XieluMLP":
+        scalars = [np.float32(w[p + "act_fn." + name].reshape(())) for name in ("alpha_p", "alpha_n", "beta", "eps")]
+        return cls(w[p + "up_proj.weight"], w[p + "down_proj.weight"], *scalars)
+
+    def __call__(self, x: np.ndarray, r) -> np.ndarray:
+        return r(xielu(x @ self.up_proj.T, self.alpha_p, self.alpha_n, self.beta, self.eps)) @ self.down_proj.T
+
+
+@dataclass(slots=True)
 class _Layer:
-    input_norm: np.ndarray  # [hidden]
+    input_norm: np.ndarray  # [hidden]: Qwen3's input_layernorm, Apertus' attention_layernorm
     q_proj: np.ndarray      # [H * hd, hidden]
     k_proj: np.ndarray      # [KV * hd, hidden]
     v_proj: np.ndarray      # [KV * hd, hidden]
     o_proj: np.ndarray      # [hidden, H * hd]
     q_norm: np.ndarray      # [hd]
     k_norm: np.ndarray      # [hd]
-    post_norm: np.ndarray   # [hidden]
-    gate_proj: np.ndarray   # [intermediate, hidden]
-    up_proj: np.ndarray     # [intermediate, hidden]
-    down_proj: np.ndarray   # [hidden, intermediate]
+    post_norm: np.ndarray   # [hidden]: Qwen3's post_attention_layernorm, Apertus' feedforward_layernorm
+    mlp: GatedSiluMLP | XieluMLP
 
 
 def _as_float32(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
     array = np.asarray(array)
     if array.dtype.kind in "biuc" or array.dtype == np.object_:
         raise ValueError(f"weight {name!r} has dtype {array.dtype}; expected a floating-point dtype")
-    if array.shape != shape:
+    if array.shape != shape and not (is_scalar(shape) and is_scalar(array.shape)):
         raise ValueError(f"weight {name!r} has shape {array.shape}; the config expects {shape}")
-    return np.ascontiguousarray(array, dtype=np.float32)
+    return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
 
 
 class ReferenceModel:
-    """Qwen3 in float32 numpy. `forward` returns logits for every given token."""
+    """Qwen3 or Apertus in float32 numpy. `forward` returns logits for every given token."""
 
-    def __init__(self, config: Qwen3Config, weights: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         shapes = weight_shapes(config)
         missing = [name for name in shapes if name not in weights]
         if missing:
@@ -233,20 +319,21 @@ class ReferenceModel:
         self.norm = w["model.norm.weight"]           # [hidden]
         # Tied models reuse the embedding as the LM head, as transformers does.
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]  # [vocab, hidden]
-        self.layers = [self._layer(w, i) for i in range(config.num_hidden_layers)]
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta)  # [hd / 2]
+        mlp = XieluMLP if config.mlp == "xielu" else GatedSiluMLP
+        self.layers = [self._layer(config, w, i, mlp) for i in range(config.num_hidden_layers)]
+        self.inv_freq = rope_table(config)  # [hd / 2]
 
     @staticmethod
-    def _layer(w: dict[str, np.ndarray], i: int) -> _Layer:
+    def _layer(config: ModelConfig, w: dict[str, np.ndarray], i: int, mlp: type) -> _Layer:
         p = f"model.layers.{i}."
+        attention_norm, mlp_norm = config.norm_names
         return _Layer(
-            input_norm=w[p + "input_layernorm.weight"],
+            input_norm=w[p + attention_norm + ".weight"],
             q_proj=w[p + "self_attn.q_proj.weight"], k_proj=w[p + "self_attn.k_proj.weight"],
             v_proj=w[p + "self_attn.v_proj.weight"], o_proj=w[p + "self_attn.o_proj.weight"],
             q_norm=w[p + "self_attn.q_norm.weight"], k_norm=w[p + "self_attn.k_norm.weight"],
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_proj=w[p + "mlp.gate_proj.weight"], up_proj=w[p + "mlp.up_proj.weight"],
-            down_proj=w[p + "mlp.down_proj.weight"],
+            post_norm=w[p + mlp_norm + ".weight"],
+            mlp=mlp.from_weights(w, p + "mlp."),
         )
 
     @classmethod
@@ -301,7 +388,7 @@ class ReferenceModel:
         for index, layer in enumerate(self.layers):
             h = h + self._attention_block(layer, r(rms_norm(h, layer.input_norm, eps)), positions, cache, index,
                                           start, r)
-            h = h + self._mlp_block(layer, r(rms_norm(h, layer.post_norm, eps)), r)
+            h = h + layer.mlp(r(rms_norm(h, layer.post_norm, eps)), r)
         return h
 
     def _attention_block(self, layer: _Layer, x: np.ndarray, positions: np.ndarray,
@@ -311,7 +398,7 @@ class ReferenceModel:
         q = r(x @ layer.q_proj.T).reshape(n, c.num_attention_heads, c.head_dim)
         k = r(x @ layer.k_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
         v = r(x @ layer.v_proj.T).reshape(n, c.num_key_value_heads, c.head_dim)
-        # Qwen3 normalises each head's q and k before RoPE.
+        # Both families normalise each head's q and k before RoPE.
         q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), positions, self.inv_freq)
         k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), positions, self.inv_freq)
         cache.write(index, start, k, v)
@@ -320,10 +407,6 @@ class ReferenceModel:
         keys, values, key_positions = cache.read(index)
         out = r(attention(r(q), keys, values, positions, key_positions))
         return out.reshape(n, c.q_size) @ layer.o_proj.T  # [n, hidden]
-
-    @staticmethod
-    def _mlp_block(layer: _Layer, x: np.ndarray, r) -> np.ndarray:
-        return r(silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
 
     def forward_rows(self, ids: np.ndarray, positions: np.ndarray, cache, rows: slice | None = None) -> np.ndarray:
         """Logits of the given rows (default all) of tokens `ids` at `positions`, over any cache with

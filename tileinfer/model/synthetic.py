@@ -1,11 +1,13 @@
-"""Synthetic Qwen3 checkpoints in exactly the Hugging Face layout, for machines without a network.
+"""Synthetic Qwen3 and Apertus checkpoints in exactly the Hugging Face layout, for machines without a network.
 
 Weights are random bf16 but shaped like a trained model's, so kernels and the engine see realistic
 numbers: linears N(0, 0.02) (o_proj and down_proj shrunk by 1/sqrt(2 * layers), so the residual
 stream grows like a trained model's), RMSNorm weights 1 + N(0, 0.05), three rotary pairs of layer 0's
 k_norm 100x the rest (real Qwen3's first layer has such channels; they exercise INT8 key smoothing)
 with the matching q_norm channels 100x smaller (as trained, so attention scores stay moderate),
-and a final norm scaled so the logits have a trained model's spread (see `final_norm_scale`).
+and a final norm scaled so the logits have a trained model's spread (see `final_norm_scale`). Apertus'
+xIELU scalars start where transformers initialises them (a_p 0.8, a_n 0.8, beta 0.5, eps -1e-6), alpha_p
+and alpha_n moved by N(0, 0.1) per layer so that no two layers share an activation.
 
 Every chunk of every tensor has its own generator, seeded from (seed, tensor name, chunk index), so
 the bytes depend on the seed alone, not on the thread count; chunks are generated on a thread pool
@@ -28,8 +30,9 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from tileinfer.model import apertus_tokenizer
 from tileinfer.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensors
-from tileinfer.model.config import Qwen3Config
+from tileinfer.model.config import ModelConfig
 from tileinfer.model.safetensors_io import write_safetensors_streamed
 from tileinfer.model.tokenizer import qwen3_tokenizer_json, tokenizer_config
 
@@ -61,8 +64,16 @@ def final_norm_scale(hidden_size: int) -> float:
     return TARGET_LOGIT_STD / (LINEAR_STD * math.sqrt(hidden_size))
 
 
-def tensor_init(name: str, config: Qwen3Config) -> tuple[float, float]:
+# xIELU's stored values at transformers' initialisation (mean, std): alpha_p = softplus^-1(0.8),
+# alpha_n = softplus^-1(0.8 - beta).
+XIELU_INIT = {"alpha_p": (math.log(math.expm1(0.8)), 0.1), "alpha_n": (math.log(math.expm1(0.3)), 0.1),
+              "beta": (0.5, 0.0), "eps": (-1e-6, 0.0)}
+
+
+def tensor_init(name: str, config: ModelConfig) -> tuple[float, float]:
     """(mean, std) of the normal distribution `name` is drawn from."""
+    if ".act_fn." in name:
+        return XIELU_INIT[name.rsplit(".", 1)[1]]
     if name == "model.norm.weight":
         gain = final_norm_scale(config.hidden_size)
         return gain, gain * NORM_JITTER
@@ -73,7 +84,7 @@ def tensor_init(name: str, config: Qwen3Config) -> tuple[float, float]:
     return 0.0, LINEAR_STD                            # embeddings, lm_head, other linears
 
 
-def generate_chunk(config: Qwen3Config, seed: int, name: str, index: int, size: int) -> np.ndarray:
+def generate_chunk(config: ModelConfig, seed: int, name: str, index: int, size: int) -> np.ndarray:
     """Chunk `index` (of CHUNK_ELEMENTS each, the last one shorter) of tensor `name`, as flat bf16."""
     rng = np.random.default_rng(_entropy(seed, name, index))
     values = rng.standard_normal(size, dtype=np.float32)
@@ -90,7 +101,7 @@ def generate_chunk(config: Qwen3Config, seed: int, name: str, index: int, size: 
     return values.astype(BF16)                      # round to nearest even
 
 
-def outlier_channels(config: Qwen3Config, seed: int) -> np.ndarray:
+def outlier_channels(config: ModelConfig, seed: int) -> np.ndarray:
     """The channels of layer 0's outlier rotary pairs (i, i + head_dim/2), the same for q_norm and k_norm."""
     half = config.head_dim // 2
     pairs = np.random.default_rng(_entropy(seed, "k_norm outliers", 0)).choice(half, K_NORM_OUTLIER_PAIRS, replace=False)
@@ -122,7 +133,7 @@ def shard_file_names(num_shards: int) -> list[str]:
     return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
 
 
-def write_checkpoint(config: Qwen3Config, out: str | Path, seed: int = 0, max_shard_bytes: int = 4 * 10**9,
+def write_checkpoint(config: ModelConfig, out: str | Path, seed: int = 0, max_shard_bytes: int = 4 * 10**9,
                      workers: int | None = None, progress: bool = True) -> int:
     """Write a complete HF-layout checkpoint for `config` into `out`; returns the weight bytes written."""
     if not isinstance(seed, int) or seed < 0:
@@ -144,7 +155,7 @@ def write_checkpoint(config: Qwen3Config, out: str | Path, seed: int = 0, max_sh
     return total
 
 
-def _write_weights(config: Qwen3Config, out: Path, seed: int, shapes: dict[str, tuple[int, ...]],
+def _write_weights(config: ModelConfig, out: Path, seed: int, shapes: dict[str, tuple[int, ...]],
                    shards: dict[str, list[str]], workers: int | None, progress: bool) -> int:
     """Generate every tensor chunk by chunk on a thread pool and stream them into the shard files."""
     total = sum(math.prod(shape) for shape in shapes.values()) * BF16.itemsize
@@ -159,12 +170,18 @@ def _write_weights(config: Qwen3Config, out: Path, seed: int, shapes: dict[str, 
     return total
 
 
-def write_text_files(config: Qwen3Config, out: Path) -> None:
-    """config.json, generation_config.json, tokenizer.json and tokenizer_config.json."""
+def write_text_files(config: ModelConfig, out: Path) -> None:
+    """config.json, generation_config.json, tokenizer.json and tokenizer_config.json (the family's)."""
     _write_json(out / "config.json", config.to_hf_dict())
-    _write_json(out / "generation_config.json", GENERATION_CONFIG)
-    _write_json(out / "tokenizer_config.json", tokenizer_config(model_max_length=config.max_position_embeddings))
-    (out / "tokenizer.json").write_text(qwen3_tokenizer_json(), encoding="utf-8")
+    if config.family == "apertus":
+        generation, tokenizer = apertus_tokenizer.GENERATION_CONFIG, apertus_tokenizer.tokenizer_json()
+        tokenizer_settings = apertus_tokenizer.tokenizer_config(model_max_length=config.max_position_embeddings)
+    else:
+        generation, tokenizer = GENERATION_CONFIG, qwen3_tokenizer_json()
+        tokenizer_settings = tokenizer_config(model_max_length=config.max_position_embeddings)
+    _write_json(out / "generation_config.json", generation)
+    _write_json(out / "tokenizer_config.json", tokenizer_settings)
+    (out / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
 
 
 def _chunk_sizes(numel: int) -> list[tuple[int, int]]:

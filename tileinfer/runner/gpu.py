@@ -36,7 +36,7 @@ from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import Checkpoint
-from ..model.qwen3 import Workspace, forward, head_keys_written
+from ..model.qwen3 import Workspace, check_supported, forward, head_keys_written
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
 from .base import CheckpointRunner
@@ -77,8 +77,7 @@ class GPURunner(CheckpointRunner):
                  progress: bool = True):
         self.checkpoint = Checkpoint.open(path)
         self.config = self.checkpoint.config
-        if self.config.head_dim != 128:
-            raise ValueError(f"{path}: head_dim {self.config.head_dim} is not supported (the kernels need 128)")
+        check_supported(self.config, path)
         self.eos_token_ids = list(self.checkpoint.eos_token_ids)
         self.device = get_device(device)
         self.stream = Stream()
