@@ -325,8 +325,8 @@ def train(run: Run, t: TrainSpec, tokens: Tokens, args, model_index: int, deadli
         if run.step % t.log_every == 0 or last:
             seconds = time.perf_counter() - timer
             rate = timed_tokens / seconds
-            log(run.name, step=run.step, of=run.total_steps, loss=loss.item(), lr=lr, grad_norm=norm.item(),
-                tokens_per_s=round(rate), tflops=round(rate * flops / 1e12, 1))
+            log(run.name, step=run.step, of=run.total_steps, loss=round(loss.item(), 4), lr=float(f"{lr:.3g}"),
+                grad_norm=round(norm.item(), 3), tokens_per_s=round(rate), tflops=round(rate * flops / 1e12, 1))
             timer, timed_tokens = time.perf_counter(), 0
         if run.step % t.eval_every == 0 or last:
             losses = evaluate(run.model, held_out, t.batch, autocast)
