@@ -36,6 +36,9 @@ from .llm import LLM
 from .model.tokenizer import CHAT_TEMPLATE
 
 
+DEFAULT_MAX_CONTEXT = 4096  # a chat's positions when neither the caller nor an LLM says
+
+
 class ContextFullError(ValueError):
     """The conversation plus the reply budget does not fit in the session's max_context."""
 
@@ -106,8 +109,8 @@ class ChatSession:
     sequence cut to the known tokens when the reply ends.
     """
 
-    def __init__(self, model, *, max_context: int = 4096, kv_quantize: str | None = None, system: str | None = None,
-                 on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True,
+    def __init__(self, model, *, max_context: int | None = None, kv_quantize: str | None = None,
+                 system: str | None = None, on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True,
                  draft_model=None, num_draft_tokens: int = 4):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
@@ -119,6 +122,8 @@ class ChatSession:
         if self.llm is not None:  # use its engine and pool while it is idle
             if self.llm.has_unfinished_requests():
                 raise RuntimeError("the LLM has requests in flight; finish them before starting a chat on it")
+            if max_context is None:
+                max_context = self.llm.config.max_context
             if max_context > self.llm.config.max_context:
                 raise ValueError(f"max_context {max_context} exceeds the LLM's max_context "
                                  f"({self.llm.config.max_context}), which sizes its block tables; create the LLM "
@@ -127,6 +132,8 @@ class ChatSession:
         self.model = model
         self.draft_model = draft_model
         limit = model.config.max_position_embeddings
+        if max_context is None:
+            max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if not isinstance(max_context, int) or isinstance(max_context, bool) or not 1 < max_context <= limit:
             raise ValueError(f"max_context must be an integer in 2..{limit} (the model's positions), got {max_context!r}")
         self.max_context = max_context

@@ -3,11 +3,12 @@
     tileinfer generate --prompt TEXT [--model DIR]     continue a prompt, streaming the text
     tileinfer chat [--model DIR]                        an interactive chat (/reset, /exit)
     tileinfer size MODEL                                KV cache and weight sizes, what fits
-    tileinfer serve --model DIR [--port 8000]           an OpenAI-compatible HTTP server (pip install tileinfer[serve])
+    tileinfer serve [--model DIR] [--port 8000]         an OpenAI-compatible HTTP server (pip install tileinfer[serve])
     tileinfer --version
 
-Without --model, a synthetic Qwen3-0.6B checkpoint (random weights: its text is noise) is written
-once to the user cache and used, so the commands run on a fresh machine with nothing else set up.
+Without --model, the demo model shipped with the package (tileinfer/demo: a small model of the Qwen3
+architecture trained on small talk and the Python docs) is used, so the commands answer in English on a
+fresh machine with nothing else set up.
 The arguments and the checkpoint are checked before the GPU is touched. Errors print one line and
 exit with status 1 (a malformed command line: status 2); Ctrl-C exits with status 130, except that
 `serve` takes SIGTERM or Ctrl-C as a request to stop gracefully (the requests in flight get
@@ -21,17 +22,14 @@ from pathlib import Path
 
 from tileinfer import __version__, sizing_cli
 
-DEFAULT_PRESET = "qwen3-0.6b"
-
-
 def _model_path(args) -> Path:
     if args.model:
         return Path(args.model)
-    from tileinfer.model.synthetic import cached_checkpoint, checkpoints_dir
-    print(f"tileinfer: no --model given: using a synthetic {DEFAULT_PRESET} checkpoint with RANDOM weights "
-          f"(its text is noise), kept in {checkpoints_dir()}; pass --model DIR for a real Qwen3 checkpoint",
-          file=sys.stderr)
-    return cached_checkpoint(DEFAULT_PRESET, progress=True)
+    from tileinfer.demo import TARGET
+    print(f"tileinfer: no --model given: using the demo model ({TARGET}: 16M parameters of the Qwen3 "
+          f"architecture trained on small talk and the Python docs; simple English); pass --model DIR for a "
+          f"Qwen3 checkpoint", file=sys.stderr)
+    return TARGET
 
 
 # The CLI option behind each SamplingParams field, to name in its ValueError.
@@ -243,8 +241,9 @@ def _serve(args) -> int:
     if args.device == "cuda":
         from tileinfer.cuda import get_device
         get_device()  # no GPU: say so before loading
-    name = args.served_model_name or Path(args.model).resolve().name
-    with tileinfer.LLM(args.model, **_serve_engine_options(args)) as llm:
+    model = _model_path(args)
+    name = args.served_model_name or ("tileinfer-demo" if not args.model else model.resolve().name)
+    with tileinfer.LLM(model, **_serve_engine_options(args)) as llm:
         app = create_app(llm, name, api_key=args.api_key, max_waiting=args.max_waiting)
         print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops: requests "
               f"in flight get {args.shutdown_timeout:g} s to finish; a second Ctrl-C aborts them)", file=sys.stderr)
@@ -265,7 +264,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     import dataclasses
     from tileinfer.config import EngineConfig
     engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    p.add_argument("--model", required=True, help="a Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--model", help="a Hugging Face Qwen3 checkpoint directory (default: the demo model, served as "
+                                   "'tileinfer-demo')")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the GPU (default); cpu: a float32 numpy runner, slow, for a machine without one")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
@@ -308,8 +308,8 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--model", help="a Hugging Face Qwen3 checkpoint directory (default: a synthetic "
-                                   f"{DEFAULT_PRESET} with random weights, made on first use)")
+    p.add_argument("--model", help="a Hugging Face Qwen3 checkpoint directory (default: the demo model shipped "
+                                   "with the package, tileinfer/demo)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the GPU (default); cpu: a float32 numpy runner, slow, for a machine without one")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")

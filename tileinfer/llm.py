@@ -136,6 +136,8 @@ class LLM:
             for req, _ in made:
                 self.engine.abort(req)
             raise
+        if not self.engine.scheduler.has_unfinished:
+            self.engine.drain()  # a step launched ahead for requests that ended: nothing is left in flight
         self.engine.stats.cached_prompt_tokens += sum(req.num_cached_tokens for req, _ in made)
         return [self.engine.output(req, text) for req, text in made]
 
