@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""The demo model (tileinfer/demo) on the GPU: fidelity and speculation, measured on weights that mean
+something.
+
+    python scripts/demo_checks.py [--data .carry/demo-data] [--out DIR]
+
+  1. greedy: the engine's greedy continuation (128 tokens, EOS not stopping it) of five fixed chats
+     against the float32 reference's; and each chat's reply as the engine gives it (ending at EOS);
+  2. transformers: Qwen3ForCausalLM loads the directory unchanged; its float32 logits on a held-out
+     chat against the engine's (max |difference|, top-1 agreement);
+  3. top-1: teacher-forced agreement of the engine's next-token argmax with the reference's over
+     held-out tokens (windows of chat and of docs from scripts/prepare_demo_data.py's held-out split);
+  4. INT8 cache: mean KL(BF16 cache || INT8 cache) of the next-token distributions over those
+     windows, with and without key smoothing;
+  5. speculation with the demo draft: greedy output equal to plain greedy (batch-invariant mode),
+     acceptance rate, tokens per target step, and wall-clock tokens/s against plain decoding, batch 1.
+
+Prints each part and writes demo_checks.json to --out ($OUT by default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tileinfer import LLM, SamplingParams
+from tileinfer.chat import render_chat
+from tileinfer.demo import DRAFT, TARGET
+from tileinfer.model.checkpoint import Checkpoint
+from tileinfer.model.reference import ReferenceModel
+
+PROMPTS = ["Hello!", "Hi, how are you doing today?", "What is your favourite food?",
+           "How do I read a file line by line in Python?", "What does the len() function do in Python?"]
+WINDOW = 500  # tokens per held-out window
+
+
+def chat_ids(checkpoint, tokenizer, question: str) -> list[int]:
+    text = render_chat(checkpoint.chat_template, [{"role": "user", "content": question}], enable_thinking=False)
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def windows(data: Path, tokens: int) -> list[list[int]]:
+    """Held-out windows, half chat and half docs, WINDOW tokens each, `tokens` in all."""
+    held = np.load(data / "tokens.npz")
+    n = max(1, tokens // WINDOW // 2)
+    out = []
+    for key in ("held_out_chat", "held_out_docs"):
+        arr = held[key]
+        step = max(WINDOW, (len(arr) - WINDOW) // n)
+        out += [arr[i:i + WINDOW].astype(np.int64).tolist() for i in range(0, step * n, step)][:n]
+    return out
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def part_greedy(llm, reference, checkpoint, tokenizer) -> dict:
+    rows = []
+    for q in PROMPTS:
+        ids = chat_ids(checkpoint, tokenizer, q)
+        engine = llm.generate([ids], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))[0].token_ids
+        ref = reference.greedy(ids, 128)
+        same = next((i for i, (a, b) in enumerate(zip(engine, ref)) if a != b), len(ref))
+        reply = llm.generate([ids], SamplingParams(max_tokens=96, temperature=0))[0].text
+        rows.append(dict(prompt=q, equal_tokens=same, of=128, reply=reply))
+        print(f"greedy {q!r}: engine = reference for {same} of 128 tokens; reply {reply!r}", flush=True)
+    return dict(rows=rows, all_equal=all(r["equal_tokens"] == 128 for r in rows))
+
+
+def part_transformers(llm, ids: list[int]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(TARGET, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    ours = llm.logits(ids)
+    diff = float(np.abs(theirs - ours).max())
+    agree = float((theirs.argmax(-1) == ours.argmax(-1)).mean())
+    print(f"transformers: {type(model).__name__} loaded; {len(ids)} positions, max |logits difference| {diff:.4f} "
+          f"(logits up to {float(np.abs(theirs).max()):.1f}), top-1 agreement {agree:.4f}", flush=True)
+    return dict(architecture=type(model).__name__, positions=len(ids), max_abs_diff=diff, top1_agreement=agree)
+
+
+def part_top1(llm, reference, wins) -> dict:
+    agree = total = 0
+    for w in wins:
+        ours, ref = llm.logits(w), reference.forward(w)
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(w)
+    print(f"top-1: engine (BF16) = float32 reference on {agree} of {total} held-out positions "
+          f"({agree / total:.4f})", flush=True)
+    return dict(positions=total, agreement=agree / total)
+
+
+def part_int8(wins, device: str) -> dict:
+    def logits_of(**cache) -> list[np.ndarray]:
+        with LLM(TARGET, device=device, max_context=1024, progress=False, **cache) as llm:
+            return [llm.logits(w) for w in wins]
+
+    base = [log_softmax(x) for x in logits_of()]
+    out = {}
+    for smoothing in (True, False):
+        kls = [(np.exp(p) * (p - log_softmax(q))).sum(-1)
+               for p, q in zip(base, logits_of(kv_quantize="int8", kv_smoothing=smoothing))]
+        key = "smoothed" if smoothing else "unsmoothed"
+        out[key] = float(np.concatenate(kls).mean())
+        print(f"INT8 cache, keys {key}: mean KL(BF16 || INT8) {out[key]:.6f} over {sum(len(w) for w in wins)} "
+              f"positions", flush=True)
+    return out
+
+
+def part_speculation(checkpoint, tokenizer, chats: list[str], new: int, device: str) -> dict:
+    prompts = [chat_ids(checkpoint, tokenizer, q) for q in chats]
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    result = {}
+    for name, extra in (("plain", {}), ("draft", dict(draft_model=DRAFT, num_draft_tokens=4))):
+        with LLM(TARGET, device=device, batch_invariant=device != "cpu", max_num_seqs=4, max_context=1024,
+                 progress=False, **extra) as llm:
+            llm.generate([prompts[0]], params)  # warm: kernels compiled, graphs captured
+            start, outs = time.perf_counter(), []
+            for p in prompts:  # batch 1, one after another
+                outs.append(llm.generate([p], params)[0])
+            seconds = time.perf_counter() - start
+        result[name] = dict(tokens=[o.token_ids for o in outs], tok_s=len(prompts) * new / seconds)
+        if name == "draft":
+            spec = [o.speculation for o in outs]
+            drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
+            emitted, steps = sum(s.emitted for s in spec), sum(s.target_steps for s in spec)
+            result[name].update(acceptance=accepted / drafted, tokens_per_target_step=emitted / steps)
+    same = result["plain"]["tokens"] == result["draft"]["tokens"]
+    d = result["draft"]
+    summary = dict(identical=same, acceptance=d["acceptance"], tokens_per_target_step=d["tokens_per_target_step"],
+                   plain_tok_s=result["plain"]["tok_s"], draft_tok_s=d["tok_s"],
+                   speedup=d["tok_s"] / result["plain"]["tok_s"], prompts=len(prompts), new_tokens=new)
+    print(f"speculation (k 4, batch 1, {len(prompts)} held-out chats x {new} tokens): greedy identical to plain: {same}; "
+          f"acceptance {summary['acceptance']:.3f}, {summary['tokens_per_target_step']:.2f} tokens per target step; "
+          f"{summary['plain_tok_s']:.1f} -> {summary['draft_tok_s']:.1f} tok/s ({summary['speedup']:.2f}x)", flush=True)
+    return summary
+
+
+def held_out_questions(data: Path, tokenizer, n: int) -> list[str]:
+    """The first user turns of held-out chats (their text between <|im_start|>user and <|im_end|>)."""
+    text = tokenizer.decode(np.load(data / "tokens.npz")["held_out_chat"][:40000].tolist(), skip_special_tokens=False)
+    out = []
+    for part in text.split("<|im_start|>user\n")[1:]:
+        q = part.split("<|im_end|>")[0].strip()
+        if 10 < len(q) < 200:
+            out.append(q)
+        if len(out) == n:
+            break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=Path(".carry/demo-data"))
+    ap.add_argument("--tokens", type=int, default=2000, help="held-out positions for top-1 and KL (2000)")
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run of the script)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args()
+    checkpoint = Checkpoint.open(TARGET)
+    tokenizer = checkpoint.tokenizer()
+    reference = ReferenceModel.from_checkpoint(checkpoint)
+    wins = windows(args.data, args.tokens)
+    report = {}
+    with LLM(TARGET, device=args.device, batch_invariant=args.device != "cpu", max_context=1024,
+             progress=False) as llm:
+        report["greedy"] = part_greedy(llm, reference, checkpoint, tokenizer)
+        report["top1"] = part_top1(llm, reference, wins)
+        try:
+            report["transformers"] = part_transformers(llm, wins[0][:256])
+        except Exception as e:  # noqa: BLE001 (the other parts stand on their own)
+            report["transformers"] = dict(error=f"{type(e).__name__}: {e}")
+            print(f"transformers: failed: {e}", flush=True)
+    report["int8_kl"] = part_int8(wins, args.device)
+    report["speculation"] = part_speculation(checkpoint, tokenizer, held_out_questions(args.data, tokenizer, 8), 128,
+                                             args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "demo_checks.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
