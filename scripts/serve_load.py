@@ -197,7 +197,8 @@ def offline_texts(model: Path, args, requests: list[LoadRequest]) -> list[str]:
     from tileinfer import LLM, SamplingParams
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
     with LLM(model, device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
-             kv_quantize="int8" if args.kv_int8 else None, progress=False) as llm:
+             kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant,
+             progress=False) as llm:
         return [o.text for o in llm.generate([r.prompt for r in requests], params)]
 
 
@@ -216,7 +217,7 @@ def model_dir(name: str) -> Path:
 
 
 def serve_args(model: Path, args) -> list[str]:
-    extra = ["--kv-int8"] if args.kv_int8 else []
+    extra = (["--kv-int8"] if args.kv_int8 else []) + (["--batch-invariant"] if args.batch_invariant else [])
     return ["--model", str(model), "--device", args.device, "--served-model-name", NAME,
             "--max-num-seqs", str(args.max_num_seqs), "--max-context", str(args.max_context), *extra]
 
@@ -262,7 +263,7 @@ def judge(model: Path, args, load: list[LoadRequest], final: LoadRequest, got: d
               "serves_after_load": got["final_ok"], "server_exit_0": got["exit_code"] == 0}
     return {
         "model": str(model), "device": args.device, "max_num_seqs": args.max_num_seqs,
-        "max_context": args.max_context, "kv_int8": args.kv_int8, "seed": args.seed,
+        "max_context": args.max_context, "kv_int8": args.kv_int8, "batch_invariant": args.batch_invariant, "seed": args.seed,
         "requests": len(load), "concurrency": args.concurrency, "finished": len(finished),
         "disconnected": len(closed), "failed": len(failed),
         "first_errors": [results[i].error for i in failed[:5]], "incomplete": incomplete[:20],
@@ -305,6 +306,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (256 on cuda, 8 on cpu)")
     p.add_argument("--max-context", type=int, default=4096, help="positions of a prompt and its reply (4096)")
     p.add_argument("--kv-int8", action="store_true", help="an INT8 KV cache")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the server and the twin in batch-invariant mode (on the GPU, what makes replies comparable "
+                        "token for token across different batches)")
     p.add_argument("--num-requests", type=int, default=1000, help="streamed requests (1000)")
     p.add_argument("--concurrency", type=int, default=256, help="requests in flight at most (256)")
     p.add_argument("--disconnect-fraction", type=float, default=0.1,

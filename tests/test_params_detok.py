@@ -89,3 +89,15 @@ def test_streaming_holds_back_a_possible_stop_prefix(hf):
             break
     assert d.stopped_by == "<END>"
     assert streamed == d.text == "one two "
+
+
+def test_tokens_ending_inside_a_character_are_flushed_at_the_end(hf):
+    # Byte tokens that never complete a character (a model can end on them): held back while streaming,
+    # then given as U+FFFD once the request ends, as a decode of the whole output gives them.
+    ids = hf.encode("Tiger", add_special_tokens=False).ids + [94, 95, 96]
+    d = IncrementalDetokenizer(hf)
+    streamed = "".join(d.add(t) for t in ids)
+    assert streamed == "Tiger" and d.stream_delta(False) == "Tiger"
+    assert d.stream_delta(True) == hf.decode(ids)[len("Tiger"):] and d.text == hf.decode(ids)
+    d.flush()  # twice is once
+    assert d.text == hf.decode(ids)

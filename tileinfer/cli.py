@@ -225,7 +225,8 @@ def _serve_engine_options(args) -> dict:
                 page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_pages=args.num_pages,
-                kv_quantize="int8" if args.kv_int8 else None, draft_model=args.draft_model,
+                kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant,
+                draft_model=args.draft_model,
                 num_draft_tokens=args.num_draft_tokens, progress=True)
 
 
@@ -283,6 +284,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens in one engine step; long prompts are prefilled in chunks of at most this "
                         f"({engine['max_num_batched_tokens']})")
     p.add_argument("--kv-int8", action="store_true", help="an INT8 KV cache: about half the bytes of BF16")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="kernels whose results do not depend on the batch around a request (slower; a reply is then "
+                        "the same whatever else the server runs)")
     p.add_argument("--page-size", type=int, default=engine["page_size"], metavar="N",
                    help=f"positions in one KV cache page ({engine['page_size']})")
     p.add_argument("--num-pages", type=int, default=None, metavar="N",

@@ -52,6 +52,20 @@ class IncrementalDetokenizer:
             self._find_stop(max(0, start - self._hold))
         return delta
 
+    def flush(self) -> None:
+        """At the end: the text of tokens still held back because they end inside a character. They decode
+        as U+FFFD, as a decode of the whole output gives them; the stop strings are looked for in it too."""
+        if self.stopped_by is not None or self._read_offset == len(self.ids):
+            return
+        prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
+        window = self._decode(self.ids[self._prefix_offset:])
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if len(window) > len(prefix):
+            start = len(self.text)
+            self.text += window[len(prefix):]
+            if self.stop:
+                self._find_stop(max(0, start - self._hold))
+
     def _find_stop(self, search_from: int) -> None:
         best = None
         for s in self.stop:
@@ -64,7 +78,10 @@ class IncrementalDetokenizer:
             self.text = self.text[:at + len(s)] if self.include_stop else self.text[:at]
 
     def stream_delta(self, finished: bool) -> str:
-        """New text safe to show: all of it once finished, else all but what could start a stop string."""
+        """New text safe to show: all of it once finished (held-back tokens flushed), else all but what could
+        start a stop string."""
+        if finished:
+            self.flush()
         end = len(self.text) if finished or self.stopped_by is not None else max(self._streamed, len(self.text) - self._hold)
         delta = self.text[self._streamed:end]
         self._streamed = end

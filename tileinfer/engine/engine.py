@@ -182,6 +182,10 @@ class Engine:
         if self.drafter is not None:
             self.drafter.release(req.request_id)
 
+    def bind_thread(self) -> None:
+        """Make the calling thread the one that steps this engine (a server's engine thread calls it first)."""
+        self.runner.bind_thread()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
@@ -189,6 +193,8 @@ class Engine:
     def output(self, req: Request, prompt: str | None = None) -> RequestOutput:
         out_ids = req.output_ids
         if req.detokenizer is not None:
+            if req.status == FINISHED:
+                req.detokenizer.flush()
             text = req.detokenizer.text
         else:
             text = self.tokenizer.decode(out_ids, skip_special_tokens=req.params.skip_special_tokens)

@@ -169,6 +169,7 @@ class EngineThread:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        self.engine.bind_thread()  # the LLM was made on another thread: the GPU's context is current there only
         if self.metrics is not None:
             self.metrics.after_step(self.engine)  # the gauges from the start, not from the first step
         while True:
