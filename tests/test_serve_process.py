@@ -24,6 +24,8 @@ from tileinfer.chat import render_chat
 from tileinfer.model.tokenizer import CHAT_TEMPLATE
 from tileinfer.server.reasoning import split
 
+from test_server import wait_for
+
 KEY = "K"
 NAME = "tiny"
 MAX_CONTEXT = 512
@@ -31,14 +33,6 @@ SERVE = ["--device", "cpu", "--host", "127.0.0.1", "--max-num-seqs", "8", "--max
          "--api-key", KEY, "--served-model-name", NAME]
 ERROR_FIELDS = {"message", "type", "param", "code"}  # OpenAI's error object
 EXIT_MARGIN = 15.0  # seconds past the grace a stopped server may take to exit (a loaded 2-core CI machine)
-
-
-def wait_for(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {seconds} s")
-        time.sleep(0.05)
 
 
 def free_port() -> int:

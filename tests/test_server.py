@@ -73,7 +73,12 @@ def reference(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    llm = LLM(tiny_checkpoint, **SETTINGS)
+    yield from serving(tiny_checkpoint, SETTINGS)
+
+
+def serving(checkpoint, settings: dict):
+    """A fixture's body: an LLM with these settings served on 127.0.0.1, stopped and closed after."""
+    llm = LLM(checkpoint, **settings)
     s = Served(llm)
     yield s
     s.stop()

@@ -14,7 +14,7 @@ from tileinfer import LLM, SamplingParams
 from tileinfer.engine.structured import StructuredOutputs
 from tileinfer.runner.sampler import apply_mask
 
-from test_server import KEY, NAME, Served, error_of
+from test_server import NAME, error_of, serving
 
 SETTINGS = dict(device="cpu", max_num_seqs=16, max_context=512, progress=False)
 
@@ -116,11 +116,7 @@ def test_a_schema_the_grammar_engine_rejects_is_a_value_error(llm):
 # ---------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    llm = LLM(tiny_checkpoint, **SETTINGS)
-    s = Served(llm)
-    yield s
-    s.stop()
-    llm.close()
+    yield from serving(tiny_checkpoint, SETTINGS)
 
 
 def test_hundreds_of_random_schemas_through_the_server_all_validate(served):

@@ -11,10 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tileinfer import LLM
 from tileinfer.server.tools import ToolCallStream, parse
 
-from test_server import NAME, Served, error_of
+from test_server import NAME, error_of, serving
 
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Bern"}}\n</tool_call>'
 
@@ -73,11 +72,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Bern?"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    llm = LLM(tiny_checkpoint, device="cpu", max_num_seqs=8, max_context=1024, progress=False)
-    s = Served(llm)
-    yield s
-    s.stop()
-    llm.close()
+    yield from serving(tiny_checkpoint, dict(device="cpu", max_num_seqs=8, max_context=1024, progress=False))
 
 
 @pytest.mark.parametrize("seed", range(6))
