@@ -2,7 +2,7 @@
 """The demo model (tileinfer/demo) on the GPU: fidelity and speculation, measured on weights that mean
 something.
 
-    python scripts/demo_checks.py [--data .carry/demo-data] [--out DIR]
+    python scripts/demo_checks.py [--data build/demo-data] [--out DIR]
 
   1. greedy: the engine's greedy continuation (128 tokens, EOS not stopping it) of five fixed chats
      against the float32 reference's; and each chat's reply as the engine gives it (ending at EOS);
@@ -160,7 +160,7 @@ def held_out_questions(data: Path, tokenizer, n: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=Path(".carry/demo-data"))
+    ap.add_argument("--data", type=Path, default=Path("build/demo-data"))
     ap.add_argument("--tokens", type=int, default=2000, help="held-out positions for top-1 and KL (2000)")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run of the script)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))

