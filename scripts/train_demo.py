@@ -532,7 +532,7 @@ def train_one(name: str, index: int, m: ModelSpec, t: TrainSpec, tokens: Tokens,
         special = json.loads((data / "manifest.json").read_text())["special_ids"]
         nbytes = write_model_dir(run.best_state, m, special, out / name)
         copy_tokenizer_files(data, out / name)
-        log(name, wrote=str(out / name), weight_bytes=nbytes, best_step=run.best_step,
+        log(name, wrote=name, weight_bytes=nbytes, best_step=run.best_step,
             best_held_out=round(run.best_loss, 4))
     return done
 
