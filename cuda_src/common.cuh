@@ -193,6 +193,28 @@ __device__ __forceinline__ void store_normed_row(const float *__restrict__ x, fl
     store_normed_row(x, r, w, out, dim, threadIdx.x + C * blockDim.x);
 }
 
+// ----------------------------------------------------------------------------- activations
+// xIELU, Apertus' MLP activation: the EPI_XIELU epilogue of the matrix products (the bf16 store of xielu(v))
+// with the layer's parameters act = [a_p, a_n, beta, eps], float32 in device memory (no kernel writes them:
+// they may be read at any time), the gains already through softplus on the host (tileinfer/model/weights.py,
+// xielu_params):
+//   f(x) = a_p x^2 + beta x                         for x > 0
+//          (expm1(min(x, eps)) - x) a_n + beta x    otherwise
+__device__ __forceinline__ float4 load_act(const float *__restrict__ act) { return *reinterpret_cast<const float4 *>(act); }
+
+// expm1(x) for x <= 0 (xIELU's negative side): a degree-6 Taylor polynomial near 0, where exp(x) - 1 would
+// cancel (relative error < 1e-7 for -0.25 < x <= 0), exp(x) - 1 below (error < 1e-6 of a result < -0.22).
+// A fraction of expm1f's code, for the GEMM epilogues' register budget.
+__device__ __forceinline__ float expm1_neg(float x) {
+    if (x > -0.25f)
+        return x * (1.f + x * (0.5f + x * (1.f / 6.f + x * (1.f / 24.f + x * (1.f / 120.f + x * (1.f / 720.f))))));
+    return __expf(x) - 1.f;
+}
+
+__device__ __forceinline__ float xielu(float x, const float4 &a) {
+    return x > 0.f ? a.x * x * x + a.z * x : (expm1_neg(fminf(x, a.w)) - x) * a.y + a.z * x;
+}
+
 // ----------------------------------------------------------------------------- tensor cores
 // Shared-memory address for PTX (32-bit .shared window).
 __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }

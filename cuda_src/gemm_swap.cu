@@ -45,12 +45,14 @@
 // 8 j + 2 t + (e & 1): the same as gemm_tma.cu's accumulators, with rows = weight rows and columns = batch.
 //
 // Epilogues as in gemm_tma.cu: 0 bf16 out [M, N]; 1 float32 out [M, N] += result (the
-// residual stream); 2 SiLU(gate) * up with W = [gate; up] (N = 2 I, out [M, I] bf16); 3 float32 out.
+// residual stream); 2 SiLU(gate) * up with W = [gate; up] (N = 2 I, out [M, I] bf16); 3 float32 out; 4 bf16
+// xIELU(result) with the parameters `act` (common.cuh; Apertus' up projection), which the plain and consumer
+// builds take last (null for the other epilogues).
 // For SILU_MUL each 16-row slab s of a tile holds gate rows j .. j + 7 in its rows 0-7 and up rows
 // j .. j + 7 in rows 8-15 (j = tile * TR / 2 + 8 s), so D rows g and g + 8 of a warp pair up; the
 // reduction reads gate at P[m][16 s + q] and up at P[m][16 s + 8 + q].
 //
-// Norm statistics from the residual epilogue (tileinfer/model/qwen3.py EPI_NORM, steps of 3-32 rows): a product
+// Norm statistics from the residual epilogue (tileinfer/model/forward.py EPI_NORM, steps of 3-32 rows): a product
 // that adds into the residual stream can also write what the next RMSNorm needs, and the product after
 // that norm applies it, so no rmsnorm kernel runs between them. Producer (the _np builds, EPI_RESIDUAL): for
 // each new residual r it writes next_x = bf16(r * next_w) ([M, N], the next norm's weights, no 1/rms) and
@@ -60,8 +62,8 @@
 // scales row m's sums by r_m before the epilogue: x W^T scaled by r_m is rmsnorm(r) W^T, up to where the
 // bf16 rounding falls (before the 1 / rms here, after it in the rmsnorm kernel).
 //
-// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi), the producer ..._np(..., epi, next_w, next_x,
-// ss_out) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps): grid (KS, tiles), block 128 * WG,
+// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi, act), the producer ..._np(..., epi, next_w, next_x,
+// ss_out) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps, act): grid (KS, tiles), block 128 * WG,
 // dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py, swap_smem: the same numbers);
 // tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (16
 // kernels a norm role, not 64; only WG = 1 is built, see the end of the file). The deep builds
@@ -72,7 +74,7 @@
 #include "cluster.cuh"
 #include "wgmma.cuh"
 
-enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, EPI_XIELU = 4 };
 // Builds of the swap-AB GEMM: the plain one, and the norm statistics' producer (_np) and consumer (_nc), so
 // that the plain build carries none of their code (one build taking both as arguments made every product
 // slower).
@@ -174,9 +176,14 @@ __device__ __forceinline__ bool swap_weight_row(int r, int tile, int N, bool sil
 }
 
 // Store 4 consecutive output columns n .. n + 3 of row m (n % 4 == 0, N % 8 == 0: all in range or none).
-__device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, int m, int n, float4 v) {
+__device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, int m, int n, float4 v,
+                                       const float *__restrict__ act) {
     const size_t at = (size_t)m * N + n;
-    if (epi == EPI_BF16) {
+    if (epi == EPI_BF16 || epi == EPI_XIELU) {
+        if (epi == EPI_XIELU) {
+            const float4 a = load_act(act);
+            v = make_float4(xielu(v.x, a), xielu(v.y, a), xielu(v.z, a), xielu(v.w, a));
+        }
         *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + at) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else if (epi == EPI_RESIDUAL) {
         float4 *o = reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at);
@@ -204,7 +211,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                                            void *__restrict__ out, int M, int N, int K, int epi,
                                            const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x,
                                            float *__restrict__ ss_out, const float *__restrict__ ss_in,
-                                           int ss_tiles, float eps) {
+                                           int ss_tiles, float eps, const float *__restrict__ act) {
     using C = Cfg<B, WG, DEEP>;
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -392,7 +399,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                 const int n = tile * TR + 4 * q;
                 if (n >= N) continue;
                 const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
-                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v);
+                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v, act);
             }
         }
     }
@@ -402,7 +409,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 #else
 template <int B, int WG, int KS, int NORM, bool DEEP>
 __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int, const bf16 *,
-                                           bf16 *, float *, const float *, int, float) {
+                                           bf16 *, float *, const float *, int, float, const float *) {
     pdl_start();
     __trap();
 }
@@ -412,18 +419,20 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
 #define SWAP_KERNEL(TAG, B, WG, DEEP, KS, CLUSTER)                                                          \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS(       \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int epi) {                                                                                      \
-        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f); \
+            int epi, const float *__restrict__ act) {                                                      \
+        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f, act); \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_np(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out) {   \
-        swap_block<B, WG, KS, NORM_PRODUCER, DEEP>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, nullptr, 0, 0.f); \
+        swap_block<B, WG, KS, NORM_PRODUCER, DEEP>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, nullptr, 0, 0.f, \
+                                                   nullptr);                                                \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_nc(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int epi, const float *__restrict__ ss_in, int ss_tiles, float eps) {                           \
-        swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps); \
+            int epi, const float *__restrict__ ss_in, int ss_tiles, float eps, const float *__restrict__ act) { \
+        swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps, \
+                                                   act);                                                    \
     }
 #define SWAP_SPLITS(TAG, B, WG, DEEP)                                                                       \
     SWAP_KERNEL(TAG, B, WG, DEEP, 1, )                                                                      \

@@ -41,7 +41,8 @@
 // accumulator column c (gate) and BN/2 + c (up) sit in the same thread (d[4 j + e] and
 // d[4 (j + BN/16) + e]). Gate rows past I read up rows (inside W): those outputs are not stored.
 //
-// Kernel arguments: (A, W, out, M, N, K, tmA, tmW); tmA, tmW: CUtensorMaps (128 bytes, by value,
+// Kernel arguments: (A, W, out, M, N, K, tmA, tmW, act); act: xIELU's parameters for EPI_XIELU (common.cuh;
+// Apertus' up projection), ignored (null) by the other epilogues; tmA, tmW: CUtensorMaps (128 bytes, by value,
 // __grid_constant__) of A ([M, K], box 64 x 128) and W ([N, K], box 64 x BN/2), bf16, 128-byte
 // swizzle, zero out-of-bounds fill, made by cuTensorMapEncodeTiled on the host (tileinfer/cuda/tensormap.py).
 // A and W themselves are not read (the maps hold the addresses). Launch: grid (min(tiles, SMs)),
@@ -81,7 +82,7 @@
 #include "mbarrier.cuh"
 #include "wgmma.cuh"
 
-enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, EPI_XIELU = 4 };
 
 #define BM 128
 #define BK 64
@@ -148,9 +149,16 @@ __device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {
 // An output pair of the plain epilogues (the persistent kernel's and the split-K one's): columns (col, col + 1)
 // of `row` (col even, N % 8 == 0).
 template <int EPI>
-__device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int row, int col, float2 v) {
+// EPI_XIELU reads its parameters here, pair by pair (from L1), rather than holding them in registers across
+// the epilogue's loops.
+__device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int row, int col, float2 v,
+                                           const float *__restrict__ act) {
     const size_t at = (size_t)row * N + col;
-    if (EPI == EPI_BF16) {
+    if (EPI == EPI_BF16 || EPI == EPI_XIELU) {
+        if (EPI == EPI_XIELU) {
+            const float4 a = load_act(act);
+            v = make_float2(xielu(v.x, a), xielu(v.y, a));
+        }
         *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + at) = pack_bf16x2(v.x, v.y);
     } else if (EPI == EPI_RESIDUAL) {
         float2 *o = reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at);
@@ -181,7 +189,7 @@ template <> struct Wgmma<256> {
 // blocks (SILU_MUL: 8-output blocks, gate block u with its up block u + BN / 16), all rows.
 template <int EPI, int BN, int KS>
 __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *__restrict__ out, u32 base, int M,
-                                               int N, int mt, int nt, int c, int rank) {
+                                               int N, int mt, int nt, int c, int rank, const float *__restrict__ act) {
     constexpr int PAIRS = BN / 4;                   // float2 pairs a thread: pair p = (d[2p], d[2p + 1])
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     constexpr int U = SILU ? BN / 16 : BN / 8;      // column blocks of the tile
@@ -243,7 +251,7 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
                             pack_bf16x2(gt.x / (1.f + __expf(-gt.x)) * up.x, gt.y / (1.f + __expf(-gt.y)) * up.y);
                 } else {
                     const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
-                    if (col < N) store_pair<EPI>(out, N, row, col, v[i][h]);
+                    if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act);
                 }
             }
         }
@@ -254,7 +262,7 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
 // ----------------------------------------------------------------------------- the kernel body
 template <int EPI, int BN, int KS>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
-                                        int M, int N, int K) {
+                                        int M, int N, int K, const float *__restrict__ act) {
     constexpr int WBOX = BN / 2;                      // rows of one W box
     constexpr int TILE_B = BN * BK * 2;               // bytes of one stage's W tile
     constexpr int STAGES = SMEM_TILES / (TILE_A + TILE_B);
@@ -361,7 +369,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         fence_regs(d);
         if (KS == 1 && lane == 0) mbar_arrive(empty + 8 * prev);
         if constexpr (KS > 1) {
-            split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank);
+            split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank, act);
             continue;  // the last (only) tile of this block
         }
 
@@ -393,7 +401,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                 for (int h = 0; h < 2; ++h) {
                     const int row = row_base + 8 * h;
                     if (row >= M || col >= N) continue;
-                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]));
+                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), act);
                 }
             }
         }
@@ -404,28 +412,33 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #undef TILE_STRIDE
 #else
 template <int EPI, int BN, int KS>
-__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int) { __trap(); }
+__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, const float *) {
+    __trap();
+}
 #endif
 
 // ============================================================================= kernels
-// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tmA, tmW); grid
+// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tmA, tmW, act); grid
 // (min(tiles, SMs)) with tiles = ceil(M / 128) * ceil(N / BN) (SILU_MUL: ceil(N / 2 / (BN / 2))),
 // block (384), dynamic shared memory SMEM_BYTES. A and W are the matrices tmA and tmW describe.
 #define GEMM_KERNEL(NAME, EPI, BN)                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW) {                     \
+            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW,                       \
+            const float *__restrict__ act) {                                                                \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K);                                                       \
+        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, act);                                                  \
     }
 GEMM_KERNEL(gemm_tma_e0, 0, 256)
 GEMM_KERNEL(gemm_tma_e1, 1, 256)
 GEMM_KERNEL(gemm_tma_e2, 2, 256)
 GEMM_KERNEL(gemm_tma_e3, 3, 256)
+GEMM_KERNEL(gemm_tma_e4, 4, 256)
 GEMM_KERNEL(gemm_tma_n128_e0, 0, 128)
 GEMM_KERNEL(gemm_tma_n128_e1, 1, 128)
 GEMM_KERNEL(gemm_tma_n128_e2, 2, 128)
 GEMM_KERNEL(gemm_tma_n128_e3, 3, 128)
+GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
 
 // Split K (batched decode, prefill chunks of 65-512 rows): gemm_tma_s{KS}_e{EPI} (BN = 256) and
 // gemm_tma_n128_s{KS}_e{EPI} (BN = 128), KS = 2, 3, 4 blocks per cluster. Same arguments; grid
@@ -434,19 +447,22 @@ GEMM_KERNEL(gemm_tma_n128_e3, 3, 128)
 #define GEMM_SPLIT_KERNEL(NAME, EPI, BN, KS)                                                                \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(KS, 1, 1) NAME(               \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW) {                     \
+            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW,                       \
+            const float *__restrict__ act) {                                                                \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K);                                                      \
+        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K, act);                                                 \
     }
 #define GEMM_SPLITS(KS)                                                                                     \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e0, 0, 256, KS)                                                      \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e1, 1, 256, KS)                                                      \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e2, 2, 256, KS)                                                      \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e3, 3, 256, KS)                                                      \
+    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e4, 4, 256, KS)                                                      \
     GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e0, 0, 128, KS)                                                 \
     GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e1, 1, 128, KS)                                                 \
     GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e2, 2, 128, KS)                                                 \
-    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e3, 3, 128, KS)
+    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e3, 3, 128, KS)                                                 \
+    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e4, 4, 128, KS)
 GEMM_SPLITS(2)
 GEMM_SPLITS(3)
 GEMM_SPLITS(4)

@@ -4,7 +4,8 @@
 // loads, coalesced across the warp (a warp reads 512 contiguous bytes of a row per step).
 // Each warp owns two output rows, so twice the loads are in flight per lane. x is small and
 // re-read from L1. The epilogue is fused: plain bf16 store, residual add into the float32
-// stream, SiLU(gate) * up, or float32 logits.
+// stream, SiLU(gate) * up, float32 logits, or bf16 xIELU(y) with the layer's parameters `act` (common.cuh;
+// Apertus' up projection).
 //
 // Matrices with few rows (o_proj and down_proj have N = hidden size) would leave most SMs
 // idle with one warp per row pair, so `ksplit` warps (1, 2, 4 or 8) share a row pair, each
@@ -18,7 +19,7 @@
 // W is [N, K] bf16 row-major (Hugging Face's [out, in]); x is [M, K] bf16; K % 8 == 0.
 #include "common.cuh"
 
-enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3 };
+enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, EPI_XIELU = 4 };
 
 #define WARPS 8
 #define UNROLL 4
@@ -118,6 +119,7 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
                                           const bf16 *__restrict__ norm_w, float eps, bf16 *xs, float *scratch,
                                           const bf16 *__restrict__ W, void *__restrict__ out, int N, int K,
                                           int pair, int kpart, int ksplit, float (*partial)[M][2],
+                                          const float *__restrict__ act,
                                           unsigned long long *__restrict__ best = nullptr,
                                           unsigned long long *keys = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -223,12 +225,14 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
             for (int m = 0; m < M; ++m) { acc0[m] += partial[w][m][0]; acc1[m] += partial[w][m][1]; }
     }
     if (lane != 0 || !active) return;
+    float4 a;
+    if (EPI == EPI_XIELU) a = load_act(act);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-        if (EPI == EPI_BF16) {
+        if (EPI == EPI_BF16 || EPI == EPI_XIELU) {
             bf16 *o = reinterpret_cast<bf16 *>(out) + (size_t)m * N;
-            o[r0] = f32_to_bf16(acc0[m]);
-            if (has_r1) o[r1] = f32_to_bf16(acc1[m]);
+            o[r0] = f32_to_bf16(EPI == EPI_XIELU ? xielu(acc0[m], a) : acc0[m]);
+            if (has_r1) o[r1] = f32_to_bf16(EPI == EPI_XIELU ? xielu(acc1[m], a) : acc1[m]);
         } else if (EPI == EPI_RESIDUAL) {
             float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
             o[r0] = old0[m] + acc0[m];
@@ -246,21 +250,24 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
 
 // ============================================================================= kernels
 // grid (ceil(pairs * ksplit / 8)), block (256). pairs = N/2 for SILU_MUL (N = 2 * intermediate),
-// else ceil(N/2); ksplit in {1, 2, 4, 8} warps per row pair.
+// else ceil(N/2); ksplit in {1, 2, 4, 8} warps per row pair; act: xIELU's parameters (EPI_XIELU; the
+// other epilogues ignore it: null).
 // gemv_pipe_m1_*: the same with the pipelined loop (PIPE above), at batch 1, for the epilogues
 // without a norm before them: residual (o_proj, down_proj) and f32 (the LM head).
 #define GEMV_KERNEL(NAME, M, EPI, PIPE)                                                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
         NAME(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, \
-             int ksplit) {                                                                              \
+             int ksplit, const float *__restrict__ act) {                                               \
         __shared__ float partial[WARPS][M][2];                                                          \
         const int warp = threadIdx.x >> 5;                                                              \
         gemv_rows<M, EPI, false, PIPE>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K,        \
-                                       (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
+                                       (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial, \
+                                       act);                                                            \
     }
 #define GEMV_ALL_EPI(M)                                                                                  \
     GEMV_KERNEL(gemv_m##M##_e0, M, 0, false) GEMV_KERNEL(gemv_m##M##_e1, M, 1, false)                   \
-    GEMV_KERNEL(gemv_m##M##_e2, M, 2, false) GEMV_KERNEL(gemv_m##M##_e3, M, 3, false)
+    GEMV_KERNEL(gemv_m##M##_e2, M, 2, false) GEMV_KERNEL(gemv_m##M##_e3, M, 3, false)                   \
+    GEMV_KERNEL(gemv_m##M##_e4, M, 4, false)
 GEMV_ALL_EPI(1)
 GEMV_ALL_EPI(2)
 GEMV_ALL_EPI(4)
@@ -278,29 +285,32 @@ GEMV_KERNEL(gemv_pipe_m1_e3, 1, 3, true)
         const int warp = threadIdx.x >> 5;                                                              \
         gemv_rows<1, EPI_F32, false, PIPE, true>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K, \
                                                  (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, \
-                                                 partial, best, keys);                                  \
+                                                 partial, nullptr, best, keys);                         \
     }
 GEMV_ARGMAX_KERNEL(gemv_argmax_m1_e3, false)
 GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
 
 // The same with the RMSNorm of the input fused in: y = rmsnorm(resid) * norm_w @ W^T, for the two
-// products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL). resid [M, K] float32;
-// dynamic shared memory M * K * 2 bytes; block (256) as the rmsnorm kernel's, K % 8 == 0.
+// products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL; Apertus' up: EPI_XIELU). resid [M, K] float32;
+// dynamic shared memory M * K * 2 bytes; block (256) as the rmsnorm kernel's, K % 8 == 0; act as above
+// (Apertus' up projection follows a norm too).
 // MIN_BLOCKS 4 caps a kernel at 64 registers (4 blocks an SM, the wave gemv_ksplit plans for; the
 // compiler would give gate/up 68, QKV 72). Capped, gate/up was faster or no slower on every Qwen3 size;
 // QKV only on short rows, so norm_linear takes the capped QKV build (gemv_norm_m1_e0_b4) for rows of at
-// most 1,024 (linear.NORM_SHORT_K).
+// most 1,024 (linear.NORM_SHORT_K). Apertus' up projection (xIELU) takes gate/up's cap.
 #define GEMV_NORM_KERNEL(NAME, M, EPI, MIN_BLOCKS)                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                                \
         NAME(const float *__restrict__ resid, const bf16 *__restrict__ norm_w, float eps, \
-                                const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, int ksplit) { \
+                                const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, int ksplit, \
+                                const float *__restrict__ act) {                                        \
         __shared__ float partial[WARPS][M][2];                                                          \
         __shared__ float scratch[32];                                                                   \
         extern __shared__ __align__(16) unsigned char xs_bytes[];                                       \
         const int warp = threadIdx.x >> 5;                                                              \
         gemv_rows<M, EPI, true, false>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
-                                N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial); \
+                                N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial, act); \
     }
 GEMV_NORM_KERNEL(gemv_norm_m1_e0, 1, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m1_e0_b4, 1, 0, 4)
 GEMV_NORM_KERNEL(gemv_norm_m1_e2, 1, 2, 4)
 GEMV_NORM_KERNEL(gemv_norm_m2_e0, 2, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m2_e2, 2, 2, 1)
+GEMV_NORM_KERNEL(gemv_norm_m1_e4, 1, 4, 4) GEMV_NORM_KERNEL(gemv_norm_m2_e4, 2, 4, 1)

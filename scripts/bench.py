@@ -47,7 +47,7 @@ def kv_bytes(cfg, positions: int, kv: str = "bf16") -> int:
 
 
 def bench_decode(model, context: int, new: int, repeats: int, kv: str = "bf16") -> dict:
-    prompt = np.random.default_rng(0).integers(0, 151643, context).tolist()
+    prompt = np.random.default_rng(0).integers(0, min(151643, model.config.vocab_size), context).tolist()
     kv_quantize = "int8" if kv == "int8" else None
     # Warm-up: kernels, the cache, the graph.
     tileinfer.generate(model, prompt, max_new_tokens=16, stop_at_eos=False, kv_quantize=kv_quantize)
@@ -116,8 +116,9 @@ def profile_graph(model, enqueue) -> list[dict]:
         nbytes = sum(w.nbytes for w in read)
         flops = 0
         x = args[0] if args else None
-        if len(read) == 1 and len(read[0].shape) == 2 and len(getattr(x, "shape", ())) == 2:
-            flops = 2 * x.shape[0] * read[0].shape[0] * read[0].shape[1]  # a matrix product x W^T
+        matrices = [w for w in read if len(w.shape) == 2]  # (an xIELU product also reads its 4 parameters)
+        if len(matrices) == 1 and len(getattr(x, "shape", ())) == 2:
+            flops = 2 * x.shape[0] * matrices[0].shape[0] * matrices[0].shape[1]  # a matrix product x W^T
         marks.append((self.name, event, nbytes, flops))
         original(self, grid, block, args, stream, smem)
 
@@ -237,7 +238,7 @@ def render_ablation(name: str, ab: dict, step: str = "decode step") -> str:
 
 def profile_prefill(model, n: int) -> list[dict]:
     """Per-kernel GPU time of one prefill step of n tokens (one chunk: n <= max_batch_tokens)."""
-    prompt = np.random.default_rng(1).integers(0, 151643, n).tolist()
+    prompt = np.random.default_rng(1).integers(0, min(151643, model.config.vocab_size), n).tolist()
     cache = model.ensure_cache(n + 1)
     seq = Sequence()
     try:
@@ -251,7 +252,7 @@ def profile_prefill(model, n: int) -> list[dict]:
 
 
 def bench_prefill(model, n: int, repeats: int) -> dict:
-    prompt = np.random.default_rng(1).integers(0, 151643, n).tolist()
+    prompt = np.random.default_rng(1).integers(0, min(151643, model.config.vocab_size), n).tolist()
     cache = model.ensure_cache(n + 1)
     times = []
     start, end = Event(), Event()

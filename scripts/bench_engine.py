@@ -15,7 +15,12 @@ import numpy as np
 
 from tileinfer import LLM, SamplingParams
 
-VOCAB = 151643
+VOCAB = 151643  # ordinary-text ids of Qwen3's tokenizer; a smaller vocabulary (Apertus') caps it: vocab()
+
+
+def vocab(llm: LLM) -> int:
+    """The ids random prompts are drawn from: [0, vocab(llm))."""
+    return min(VOCAB, llm.runner.config.vocab_size)
 
 
 def _run_until_done(llm: LLM) -> None:
@@ -28,7 +33,7 @@ def batch_decode(llm: LLM, batch: int, context: int, new: int) -> dict:
     (prompts are admitted over several steps, so the first and last steps run fewer rows)."""
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    ids = [llm.add_request(rng.integers(0, VOCAB, context).tolist(), params) for _ in range(batch)]
+    ids = [llm.add_request(rng.integers(0, vocab(llm), context).tolist(), params) for _ in range(batch)]
     full_steps, t_first, t_last, wait0 = 0, None, None, None
     while llm.has_unfinished_requests():
         llm.step()
@@ -55,7 +60,7 @@ def live_step(llm: LLM, batch: int, context: int, inspect):
     requests are aborted afterwards (a replay rewrites their newest cache slots). Returns inspect's
     result."""
     rng = np.random.default_rng(batch + 1)
-    prompts = [rng.integers(0, VOCAB, context).tolist() for _ in range(batch)]
+    prompts = [rng.integers(0, vocab(llm), context).tolist() for _ in range(batch)]
     counts = [0] * batch
     stream = llm.generate_stream(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     try:
@@ -75,7 +80,7 @@ def offline(llm: LLM, n: int = 256, low: int = 100, high: int = 1024, seed: int 
     rng = np.random.default_rng(seed)
     ins = rng.integers(low, high + 1, n)
     outs_len = rng.integers(low, high + 1, n)
-    prompts = [rng.integers(0, VOCAB, int(k)).tolist() for k in ins]
+    prompts = [rng.integers(0, vocab(llm), int(k)).tolist() for k in ins]
     params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in outs_len]
     s0 = dict(llm.stats.as_dict())
     t0 = time.perf_counter()
@@ -96,8 +101,8 @@ def offline(llm: LLM, n: int = 256, low: int = 100, high: int = 1024, seed: int 
 
 def shared_prefix(llm: LLM, n: int = 64, prefix: int = 2000, own: int = 16, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    shared = rng.integers(0, VOCAB, prefix).tolist()
-    prompts = [shared + rng.integers(0, VOCAB, own).tolist() for _ in range(n)]
+    shared = rng.integers(0, vocab(llm), prefix).tolist()
+    prompts = [shared + rng.integers(0, vocab(llm), own).tolist() for _ in range(n)]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     p0 = llm.stats.prefill_tokens
     t0 = time.perf_counter()

@@ -433,13 +433,23 @@ def test_generate_and_int8_logits_on_a_cpu_model(apertus_tiny_checkpoint, refere
                                rtol=1e-4, atol=1e-4)
 
 
-# ------------------------------------------------------------------------------------------- GPU guard
+# ------------------------------------------------------------------------------------------- GPU weights
 
-def test_the_gpu_refuses_apertus_before_touching_the_device(apertus_tiny_checkpoint):
-    with pytest.raises(ValueError, match="GPU forward for Apertus models is not built yet"):
-        tileinfer.load_model(apertus_tiny_checkpoint, device="cuda")
-    with pytest.raises(ValueError, match="GPU forward for Apertus models is not built yet"):
-        LLM(apertus_tiny_checkpoint, device="cuda", progress=False)
+def test_device_xielu_parameters_are_the_references_gains(apertus_tiny_checkpoint, reference):
+    """What the GPU's epilogue applies ([a_p, a_n, beta, eps], model/weights.py) is what the reference's
+    xielu computes from the stored scalars: the kernels' formula with these four equals the reference's."""
+    from tileinfer.model.checkpoint import Checkpoint
+    from tileinfer.model.reference import xielu
+    from tileinfer.model.weights import mlp_input_tensors, xielu_params
+    ckpt = Checkpoint.open(apertus_tiny_checkpoint)
+    for i, layer in enumerate(reference.layers):
+        a_p, a_n, beta, eps = xielu_params(ckpt, f"model.layers.{i}.")
+        m = layer.mlp
+        assert (beta, eps) == (m.beta, m.eps)
+        x = np.linspace(-30, 30, 2001, dtype=np.float32)
+        kernel = np.where(x > 0, a_p * x * x + beta * x, (np.expm1(np.minimum(x, eps)) - x) * a_n + beta * x)
+        np.testing.assert_allclose(kernel, xielu(x, m.alpha_p, m.alpha_n, m.beta, m.eps), rtol=1e-6, atol=1e-6)
+    assert mlp_input_tensors(ckpt.config, "model.layers.0.") == ("model.layers.0.mlp.up_proj.weight",)
 
 
 def test_bf16_checkpoint_values_are_what_the_reference_reads(apertus_tiny_checkpoint, reference):

@@ -23,7 +23,7 @@ from .engine.scheduler import FINISHED, Request
 from .engine.speculative import DraftRunner
 from .kv import Sequence
 from .model.checkpoint import Checkpoint
-from .model.qwen3 import check_supported
+from .model.forward import check_supported
 from .runner.startup import Started, start_cpu, start_gpu
 
 

@@ -7,6 +7,8 @@ by TMA: prefill, and batches of 65 rows or more).
   "residual"  out [M, N] float32, out += x W^T (the residual stream)
   "silu_mul"  W is [gate; up] ([2I, K]); out [M, I] bf16 = silu(x gate^T) * (x up^T)
   "f32"       out [M, N] float32 (logits)
+  "xielu"     out [M, N] bf16 = xielu(x W^T) with the layer's parameters `act` (Apertus' up projection,
+              cuda_src/common.cuh)
 `norm_linear` is the same product after an RMSNorm of the float32 residual stream.
 
 Which kernel (`default_path`; chosen from scripts/bench_gemm_small.py and engine runs on the H200,
@@ -35,13 +37,21 @@ def out_spec(epilogue: str, M: int, N: int):
         if N % 2:
             raise ValueError(f"linear silu_mul: W must stack [gate; up], got an odd N={N}")
         return (M, N // 2), BF16
-    return (M, N), (BF16 if epilogue == "bf16" else FLOAT32)
+    return (M, N), (BF16 if epilogue in ("bf16", "xielu") else FLOAT32)
 
 
-def check_product(fn: str, M: int, K: int, w: DeviceArray, out: DeviceArray, epilogue: str) -> int:
-    """Checks W [N, K] bf16, `out` for the epilogue and the 16-byte rows; returns N."""
+def check_product(fn: str, M: int, K: int, w: DeviceArray, out: DeviceArray, epilogue: str,
+                  act: DeviceArray | None = None) -> int:
+    """Checks W [N, K] bf16, `out` for the epilogue, `act` (xIELU's four float32 parameters for "xielu",
+    None for every other epilogue) and the 16-byte rows; returns N."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"{fn}: unknown epilogue {epilogue!r}; choose one of {', '.join(EPILOGUES)}")
+    if epilogue == "xielu":
+        if act is None:
+            raise ValueError(f"{fn}: the 'xielu' epilogue needs its parameters (act=, 4 float32)")
+        expect("act", act, (4,), FLOAT32)
+    elif act is not None:
+        raise ValueError(f"{fn}: act is for the 'xielu' epilogue, not {epilogue!r}")
     N = w.shape[0]
     expect("w", w, (N, K), BF16)
     shape, dtype = out_spec(epilogue, M, N)
@@ -114,12 +124,12 @@ def cluster_slots() -> dict[int, int]:
 
 
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
-         split: int | None = None, blocks: int | None = None) -> None:
+         split: int | None = None, blocks: int | None = None, act: DeviceArray | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
     of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256)
     forces its tile width, `blocks` caps its grid (tests: many tiles a block). `split` (2-4 blocks per
     tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one; by default
-    tma_plan decides."""
+    tma_plan decides. `act`: the parameters of the "xielu" epilogue."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0:
@@ -141,11 +151,11 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     kernel("gemm_tma.cu", tma_kernel_name(width, split, epilogue)).launch(
         (grid,), (TMA_THREADS,),
         [x, w, out, I32(M), I32(N), I32(K), bf16_tensor_map(x.ptr, M, K, TMA_BM),
-         bf16_tensor_map(w.ptr, N, K, width // 2)], stream, smem=TMA_SMEM)
+         bf16_tensor_map(w.ptr, N, K, width // 2), act], stream, smem=TMA_SMEM)
 
 
 def launch_gemv(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, ksplit: int | None,
-                pipe: bool | None, head_keys: DeviceArray | None) -> None:
+                pipe: bool | None, head_keys: DeviceArray | None, act: DeviceArray | None = None) -> None:
     """The "gemv" path of `linear` (shapes already checked): gemv.cu, and with head_keys its ARGMAX build."""
     M, K = x.shape
     N = w.shape[0]
@@ -160,11 +170,13 @@ def launch_gemv(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str,
     if argmax:
         expect("head_keys", head_keys, grid, UINT64)
         args.append(head_keys)
+    else:
+        args.append(act)
     kernel("gemv.cu", gemv_kernel_name(M, epilogue, pipe, argmax)).launch(grid, (GEMV_WARPS * 32,), args, stream)
 
 
 def launch_swap(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, ksplit: int | None,
-                norm_out, row_norm) -> None:
+                norm_out, row_norm, act: DeviceArray | None = None) -> None:
     """The "swap" path of `linear` (shapes already checked): gemm_swap.cu, its plain, producer or consumer build."""
     M, K = x.shape
     N = w.shape[0]
@@ -172,15 +184,16 @@ def launch_swap(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str,
     norm_args, suffix = swap_norm_args(M, N, K, epilogue, norm_out, row_norm)
     if M == 0:
         return
+    act_arg = [] if norm_out is not None else [act]  # the producer build (residual only) takes none
     kernel("gemm_swap.cu", cfg.kernel_name + suffix).launch(
-        cfg.grid, (SWAP_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(EPILOGUES[epilogue]), *norm_args],
+        cfg.grid, (SWAP_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(EPILOGUES[epilogue]), *norm_args, *act_arg],
         stream, smem=cfg.smem)
 
 
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
            ksplit: int | None = None, pipe: bool | None = None, head_keys: DeviceArray | None = None,
            norm_out: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None,
-           row_norm: tuple[DeviceArray, float] | None = None) -> None:
+           row_norm: tuple[DeviceArray, float] | None = None, act: DeviceArray | None = None) -> None:
     """out <- epilogue(x @ w.T). `force` ("gemm", "gemv" or "swap") and `ksplit` override the choices: for
     the GEMV the warps per row pair, for the swap-AB GEMM the blocks per cluster splitting K (1, 2, 4 or
     8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one row, the f32
@@ -190,40 +203,43 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
     Norm statistics, swap-AB path only (gemm_swap.cu's header): norm_out = (next_w [N] bf16, next_x [M, N]
     bf16, ss [M, norm_tiles(N)] float32) with the residual epilogue also writes next_x = bf16(out * next_w)
     and each row's sums of squares a tile; row_norm = (ss [M, norm_tiles(K)], eps), with x = such a
-    next_x, scales row m of the result by 1 / sqrt(sum(ss[m]) / K + eps) before the epilogue."""
+    next_x, scales row m of the result by 1 / sqrt(sum(ss[m]) / K + eps) before the epilogue.
+
+    act: the parameters of the "xielu" epilogue (xIELU's [a_p, a_n, beta, eps], float32 on the device)."""
     M, K = x.shape
     expect("x", x, (M, K), BF16)
-    N = check_product("linear", M, K, w, out, epilogue)
+    N = check_product("linear", M, K, w, out, epilogue, act)
     path = force or default_path(M, N)
     check_path_options(path, head_keys, norm_out, row_norm)
     if path == "gemv":
-        launch_gemv(x, w, out, epilogue, stream, ksplit=ksplit, pipe=pipe, head_keys=head_keys)
+        launch_gemv(x, w, out, epilogue, stream, ksplit=ksplit, pipe=pipe, head_keys=head_keys, act=act)
     elif path == "swap":
-        launch_swap(x, w, out, epilogue, stream, ksplit=ksplit, norm_out=norm_out, row_norm=row_norm)
+        launch_swap(x, w, out, epilogue, stream, ksplit=ksplit, norm_out=norm_out, row_norm=row_norm, act=act)
     elif force:
         # The batch-invariant mode forces every product here: one tile width and no split whatever M is,
         # so that a row's sums never depend on the rows beside it.
-        gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0], split=1)
+        gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0], split=1, act=act)
     else:
-        gemm(x, w, out, epilogue, stream)
+        gemm(x, w, out, epilogue, stream, act=act)
 
 
 def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,
-                out: DeviceArray, epilogue: str, stream, *, force: str | None = None) -> None:
+                out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
+                act: DeviceArray | None = None) -> None:
     """out <- epilogue(rmsnorm(resid) * norm_w @ w.T), resid [M, K] float32: a product that follows a
     norm. Where fuses_norm says (the GEMV path at 1-2 rows, QKV and gate/up) each block normalizes the
     rows itself (cuda_src/gemv.cu, gemv_norm_*: bitwise what the rmsnorm kernel would write) and `x` is
-    left as it was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs."""
+    left as it was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs. act: as linear's."""
     M, K = resid.shape
     if not fuses_norm(force or default_path(M, w.shape[0]), M, epilogue):
         rmsnorm(resid, norm_w, x, eps, stream)
-        linear(x, w, out, epilogue, stream, force=force)
+        linear(x, w, out, epilogue, stream, force=force, act=act)
         return
     expect("resid", resid, (M, K), FLOAT32)
     expect("norm_w", norm_w, (K,), BF16)
-    N = check_product("norm_linear", M, K, w, out, epilogue)
+    N = check_product("norm_linear", M, K, w, out, epilogue, act)
     pairs = gemv_pairs(N, epilogue)
     ksplit = gemv_ksplit(pairs, K)
     kernel("gemv.cu", norm_kernel_name(M, K, epilogue)).launch(
         gemv_grid(pairs, ksplit), (GEMV_WARPS * 32,),
-        [resid, norm_w, F32(eps), w, out, I32(N), I32(K), I32(ksplit)], stream, smem=M * K * 2)
+        [resid, norm_w, F32(eps), w, out, I32(N), I32(K), I32(ksplit), act], stream, smem=M * K * 2)

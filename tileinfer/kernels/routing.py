@@ -82,7 +82,8 @@ def kernel_file(name: str) -> str:
 
 # ============================================================================= matrix products (kernels/linear.py)
 # The kernels' own sizes: tests/test_linear_routing.py compiles each .cu with static_asserts against them.
-EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3}  # enum Epilogue of the three .cu files
+# enum Epilogue of the three .cu files; "xielu" (Apertus' up projection) also takes the parameters `act`
+EPILOGUES = {"bf16": 0, "residual": 1, "silu_mul": 2, "f32": 3, "xielu": 4}
 PATHS = ("gemv", "swap", "gemm")
 H200_SMS = 132
 
@@ -95,7 +96,7 @@ GEMV_SPLITS = (1, 2, 4, 8)
 GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
 PIPE_EPILOGUES = ("residual", "f32")  # gemv_pipe_m1_*: o_proj, down_proj and the LM head
 PIPE_MIN_SEGMENTS = 4
-NORM_EPILOGUES = ("bf16", "silu_mul")  # the gemv_norm_* builds: the products after a norm (QKV, gate/up)
+NORM_EPILOGUES = ("bf16", "silu_mul", "xielu")  # the gemv_norm_* builds: the products after a norm (QKV, gate/up, up)
 NORM_SHORT_K = 1024  # batch-1 QKV rows this short take the 64-register build (gemv.cu, GEMV_NORM_KERNEL)
 
 # gemm_swap.cu: blocks of SWAP_TILE W rows (one warpgroup) against the whole batch padded to B rows,

@@ -1,7 +1,7 @@
 """What one forward step reads: its shape and the device arrays of its per-step inputs.
 
 The runner owns the memory (persistent step buffers, tileinfer/runner/step.py) and fills it
-before each step; the forward (model/qwen3.py) only reads these addresses, so a CUDA graph
+before each step; the forward (model/forward.py) only reads these addresses, so a CUDA graph
 captured over them stays valid as sequences grow.
 """
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""Qwen3 weights on the device, in the layout the kernels read.
+"""Qwen3 and Apertus weights on the device, in the layout the kernels read.
 
 Hugging Face tensors are uploaded unchanged in content, but some are stacked so that one
 kernel reads them in one pass:
     w_qkv  [(H + 2 KV) * hd, D]  = [q_proj; k_proj; v_proj]
-    w_gu   [2 I, D]              = [gate_proj; up_proj]   (the SiLU-mul epilogue pairs row j with row I + j)
-Stacking is a row-offset copy into one allocation, so nothing is rearranged on the host.
+    w_up   [2 I, D]              = [gate_proj; up_proj]   Qwen3 (the SiLU-mul epilogue pairs row j with row I + j)
+           [I, D]                = up_proj                Apertus (xIELU, ungated: one matrix where Qwen3 reads two)
+Stacking is a row-offset copy into one allocation, so nothing is rearranged on the host. The
+families' norms differ in name only (config.norm_names); Apertus' four xIELU scalars a layer go up
+as `act`, float32, with the gains already through softplus (xielu_params).
 Bytes go from the safetensors mmap through two pinned staging buffers (copy one while the
 other uploads), which keeps the upload near PCIe speed.
 """
@@ -19,6 +22,7 @@ import numpy as np
 from cuda.bindings import driver
 
 from ..cuda import DeviceArray, Event, PinnedBuffer, call
+from .reference import softplus
 
 log = logging.getLogger(__name__)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -32,8 +36,29 @@ class LayerWeights:
     k_norm: DeviceArray          # [hd]
     w_o: DeviceArray             # [D, H * hd]
     post_norm: DeviceArray       # [D]
-    w_gu: DeviceArray            # [2 I, D]
+    w_up: DeviceArray            # [2 I, D] = [gate; up] (gated SiLU) or [I, D] = up (xIELU)
     w_down: DeviceArray          # [D, I]
+    act: DeviceArray | None      # [4] float32 xIELU parameters (xielu_params); None for the gated MLP
+
+
+# The epilogue of each MLP kind's input product (config.mlp): kernels/linear.py.
+MLP_EPILOGUES = {"gated_silu": "silu_mul", "xielu": "xielu"}
+
+
+def mlp_input_tensors(config, prefix: str) -> tuple[str, ...]:
+    """The tensors stacked into w_up for a layer (prefix "model.layers.N.")."""
+    if config.mlp == "gated_silu":
+        return prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"
+    return (prefix + "mlp.up_proj.weight",)
+
+
+def xielu_params(checkpoint, prefix: str) -> np.ndarray:
+    """A layer's xIELU parameters as the kernels apply them (cuda_src/common.cuh): [a_p, a_n, beta, eps] with
+    a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n), in float32 as model/reference.py's xielu."""
+    alpha_p, alpha_n, beta, eps = (np.float32(np.asarray(checkpoint.read(prefix + "mlp.act_fn." + name),
+                                                         np.float32).reshape(()))
+                                   for name in ("alpha_p", "alpha_n", "beta", "eps"))
+    return np.array([softplus(alpha_p), beta + softplus(alpha_n), beta, eps], np.float32)
 
 
 class _Uploader:
@@ -93,19 +118,28 @@ class DeviceWeights:
                     offset += p.nbytes
                 return out
 
+            def act(p: str) -> DeviceArray | None:
+                if cfg.mlp != "xielu":
+                    return None
+                out = DeviceArray.from_host(xielu_params(checkpoint, p), stream)
+                self.arrays.append(out)
+                return out
+
             self.embed = tensor("model.embed_tokens.weight")
             self.layers = []
+            attention_norm, mlp_norm = cfg.norm_names
             for i in range(cfg.num_hidden_layers):
                 p = f"model.layers.{i}."
                 self.layers.append(LayerWeights(
-                    input_norm=tensor(p + "input_layernorm.weight"),
+                    input_norm=tensor(p + attention_norm + ".weight"),
                     w_qkv=tensor(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
                     q_norm=tensor(p + "self_attn.q_norm.weight"),
                     k_norm=tensor(p + "self_attn.k_norm.weight"),
                     w_o=tensor(p + "self_attn.o_proj.weight"),
-                    post_norm=tensor(p + "post_attention_layernorm.weight"),
-                    w_gu=tensor(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    post_norm=tensor(p + mlp_norm + ".weight"),
+                    w_up=tensor(*mlp_input_tensors(cfg, p)),
                     w_down=tensor(p + "mlp.down_proj.weight"),
+                    act=act(p),
                 ))
             self.final_norm = tensor("model.norm.weight")
             self.lm_head = self.embed if cfg.tie_word_embeddings else tensor("lm_head.weight")

@@ -6,7 +6,7 @@ step (one new token per sequence, at most `max_num_seqs` of them) is padded to i
 replays that bucket's CUDA graph; a step with prompt chunks runs eagerly (its shapes vary). `verify`
 runs a speculative verify step (every new token's logits) from a graph per (bucket, tokens a row);
 `extend` runs teacher-forced prompt chunks and returns their logits. The forward pass
-(model/qwen3.py) has one caller, `_forward`. The engine (tileinfer/engine) drives a runner; the CPU
+(model/forward.py) has one caller, `_forward`. The engine (tileinfer/engine) drives a runner; the CPU
 runner (runner/cpu.py) offers the same methods over the float32 reference.
 
 Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for 1
@@ -36,7 +36,7 @@ from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import Checkpoint
-from ..model.qwen3 import Workspace, check_supported, forward, head_keys_written
+from ..model.forward import Workspace, check_supported, forward, head_keys_written
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
 from .base import CheckpointRunner

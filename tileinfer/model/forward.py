@@ -1,4 +1,4 @@
-"""The Qwen3 forward pass as a sequence of kernel launches over persistent workspace buffers.
+"""The forward pass of Qwen3 and Apertus as a sequence of kernel launches over persistent workspace buffers.
 
 One call enqueues a whole step on a stream: no allocation, no host synchronisation, only
 launches whose arguments are fixed addresses. That is what lets a decode step be captured
@@ -6,8 +6,13 @@ once into a CUDA graph and replayed as the sequence grows.
 
     resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V,
     quantized for an INT8 cache; a decode step over a long cache does this inside the attention launch) ->
-    paged attention -> O GEMM (+= residual) -> rmsnorm -> gate/up GEMM with SiLU*mul ->
+    paged attention -> O GEMM (+= residual) -> rmsnorm -> MLP input GEMM with its activation ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
+
+The two families run the same launches. What differs is data, fixed at load time: the MLP's input
+product is [gate; up] with the SiLU-mul epilogue (Qwen3) or up alone with the xIELU epilogue and the
+layer's four parameters (Apertus; model/weights.py MLP_EPILOGUES), and the RoPE frequency table is
+plain or llama3-scaled (model/reference.py rope_table).
 
 The residual stream is float32; activations between kernels are bf16. In steps of 3-32 rows the two
 residual products also write the next norm's input and each row's sums of squares, and the product
@@ -27,18 +32,15 @@ from ..cuda import DeviceArray
 from ..kernels.routing import SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
 from .inputs import StepInputs, StepShape
-from .reference import rope_inv_freq
-from .weights import DeviceWeights
+from .reference import rope_table
+from .weights import MLP_EPILOGUES, DeviceWeights
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def check_supported(config, source) -> None:
-    """Refuse, before the GPU is touched, a model this forward would compute wrongly: it runs Qwen3 (gated
-    SiLU MLP, plain RoPE, Qwen3's tensor names) with head_dim 128. `source` names the checkpoint."""
-    if config.family != "qwen3":
-        raise ValueError(f"{source}: the GPU forward for {config.display_name} models is not built yet (the GPU "
-                         f"runs Qwen3 only); run it with device='cpu'")
+    """Refuse, before the GPU is touched, a model this forward would compute wrongly: the attention kernels
+    take head_dim 128 only. `source` names the checkpoint."""
     if config.head_dim != 128:
         raise ValueError(f"{source}: head_dim {config.head_dim} is not supported (the kernels need 128)")
 
@@ -68,7 +70,7 @@ class Workspace:
         P = self.max_partial_rows
         self.part_o = DeviceArray((P, c.num_attention_heads, c.head_dim), np.float32)
         self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
-        self.inv_freq = DeviceArray.from_host(rope_inv_freq(c.head_dim, c.rope_theta).astype(np.float32))
+        self.inv_freq = DeviceArray.from_host(rope_table(c).astype(np.float32))  # [head_dim / 2], llama3-scaled or not
         # The residual products' per-tile sums of squares for the norm after them (before the MLP, before the
         # next layer's attention), in steps of at most EPI_NORM_MAX_ROWS rows.
         ss_shape = (EPI_NORM_MAX_ROWS, norm_tiles(c.hidden_size))
@@ -186,15 +188,17 @@ def _attention_block(c, lw, i: int, cache: PagedKVCache, inputs: StepInputs, sha
 
 
 def _mlp_block(c, lw, next_layer, v: _Views, stream) -> None:
-    """resid += down(silu(gate) * up (norm(resid))); with epi_norm the down product also writes the next
-    layer's normed input and row statistics (none after the last layer)."""
+    """resid += down(act(norm(resid) @ w_up^T)): silu(gate) * up for Qwen3, xielu(up) for Apertus; with
+    epi_norm the down product also writes the next layer's normed input and row statistics (none after the
+    last layer)."""
     eps = c.rms_norm_eps
+    epilogue = MLP_EPILOGUES[c.mlp]
     if v.epi_norm:
-        K.linear(v.x, lw.w_gu, v.act, "silu_mul", stream, row_norm=(v.ss_post, eps))
+        K.linear(v.x, lw.w_up, v.act, epilogue, stream, row_norm=(v.ss_post, eps), act=lw.act)
         K.linear(v.act, lw.w_down, v.resid, "residual", stream,
                  norm_out=None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input))
         return
-    K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_gu, v.act, "silu_mul", stream, force=v.force)
+    K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_up, v.act, epilogue, stream, force=v.force, act=lw.act)
     K.linear(v.act, lw.w_down, v.resid, "residual", stream, force=v.force)
 
 
