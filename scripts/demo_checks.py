@@ -2,10 +2,12 @@
 """The demo model (tileinfer/demo) on the GPU: fidelity and speculation, measured on weights that mean
 something.
 
-    python scripts/demo_checks.py [--data build/demo-data] [--out DIR]
+    python scripts/demo_checks.py [--data build/demo-data] [--out DIR] [--parts greedy,top1,...]
 
-  1. greedy: the engine's greedy continuation (128 tokens, EOS not stopping it) of five fixed chats
-     against the float32 reference's; and each chat's reply as the engine gives it (ending at EOS);
+  1. greedy: the engine's greedy continuation (128 tokens, EOS not stopping it) of the three chats whose
+     reference continuations tests/test_demo.py pins, and of the README's five, against the float32
+     reference's; where they part, the reference's top-two logit gap there (a near tie that bf16 rounding
+     may flip, or not); and each README chat's reply as the engine gives it (ending at EOS);
   2. transformers: Qwen3ForCausalLM loads the directory unchanged; its float32 logits on a held-out
      chat against the engine's (max |difference|, top-1 agreement);
   3. top-1: teacher-forced agreement of the engine's next-token argmax with the reference's over
@@ -33,8 +35,11 @@ from tileinfer.demo import DRAFT, TARGET
 from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.reference import ReferenceModel
 
+# The chats tests/test_demo.py pins the reference's continuations of, then the README's five.
+PINNED = ["Hello! How are you today?", "What do you like to do on weekends?", "How do I open a file in Python?"]
 PROMPTS = ["Hello!", "Hi, how are you doing today?", "What is your favourite food?",
            "How do I read a file line by line in Python?", "What does the len() function do in Python?"]
+PARTS = ("greedy", "top1", "transformers", "int8", "speculation")
 WINDOW = 500  # tokens per held-out window
 
 
@@ -63,15 +68,30 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def part_greedy(llm, reference, checkpoint, tokenizer) -> dict:
     rows = []
-    for q in PROMPTS:
+    for q in PINNED + PROMPTS:
         ids = chat_ids(checkpoint, tokenizer, q)
         engine = llm.generate([ids], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))[0].token_ids
         ref = reference.greedy(ids, 128)
         same = next((i for i, (a, b) in enumerate(zip(engine, ref)) if a != b), len(ref))
-        reply = llm.generate([ids], SamplingParams(max_tokens=96, temperature=0))[0].text
-        rows.append(dict(prompt=q, equal_tokens=same, of=128, reply=reply))
-        print(f"greedy {q!r}: engine = reference for {same} of 128 tokens; reply {reply!r}", flush=True)
-    return dict(rows=rows, all_equal=all(r["equal_tokens"] == 128 for r in rows))
+        row = dict(prompt=q, pinned=q in PINNED, equal_tokens=same, of=128)
+        note = ""
+        if same < len(ref):  # the reference's own logits where the two part: how close its top two were
+            logits = reference.forward(ids + ref[:same])[-1]
+            top2 = np.sort(logits)[-2:]
+            row.update(gap=float(top2[1] - top2[0]), gap_std=float((top2[1] - top2[0]) / logits.std()),
+                       reference_token=ref[same], engine_token=engine[same],
+                       engine_token_logit_below_top=float(top2[1] - logits[engine[same]]))
+            note = (f"; they part at token {same}: reference top-two gap {row['gap']:.4f} "
+                    f"({row['gap_std']:.4f} std), the engine's token {row['engine_token_logit_below_top']:.4f} "
+                    f"below the reference's top")
+        if q in PROMPTS:
+            row["reply"] = llm.generate([ids], SamplingParams(max_tokens=96, temperature=0))[0].text
+            note += f"; reply {row['reply']!r}"
+        rows.append(row)
+        print(f"greedy {q!r}: engine = reference for {same} of 128 tokens{note}", flush=True)
+    pinned = [r for r in rows if r["pinned"]]
+    return dict(rows=rows, pinned_all_equal=all(r["equal_tokens"] == 128 for r in pinned),
+                all_equal=all(r["equal_tokens"] == 128 for r in rows))
 
 
 def part_transformers(llm, ids: list[int]) -> dict:
@@ -164,24 +184,33 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000, help="held-out positions for top-1 and KL (2000)")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run of the script)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run (default all: {','.join(PARTS)})")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        ap.error(f"--parts takes {', '.join(PARTS)}; got {args.parts}")
     checkpoint = Checkpoint.open(TARGET)
     tokenizer = checkpoint.tokenizer()
     reference = ReferenceModel.from_checkpoint(checkpoint)
-    wins = windows(args.data, args.tokens)
+    wins = windows(args.data, args.tokens) if parts & {"top1", "transformers", "int8"} else []
     report = {}
     with LLM(TARGET, device=args.device, batch_invariant=args.device != "cpu", max_context=1024,
              progress=False) as llm:
-        report["greedy"] = part_greedy(llm, reference, checkpoint, tokenizer)
-        report["top1"] = part_top1(llm, reference, wins)
-        try:
-            report["transformers"] = part_transformers(llm, wins[0][:256])
-        except Exception as e:  # noqa: BLE001 (the other parts stand on their own)
-            report["transformers"] = dict(error=f"{type(e).__name__}: {e}")
-            print(f"transformers: failed: {e}", flush=True)
-    report["int8_kl"] = part_int8(wins, args.device)
-    report["speculation"] = part_speculation(checkpoint, tokenizer, held_out_questions(args.data, tokenizer, 8), 128,
-                                             args.device)
+        if "greedy" in parts:
+            report["greedy"] = part_greedy(llm, reference, checkpoint, tokenizer)
+        if "top1" in parts:
+            report["top1"] = part_top1(llm, reference, wins)
+        if "transformers" in parts:
+            try:
+                report["transformers"] = part_transformers(llm, wins[0][:256])
+            except Exception as e:  # noqa: BLE001 (the other parts stand on their own)
+                report["transformers"] = dict(error=f"{type(e).__name__}: {e}")
+                print(f"transformers: failed: {e}", flush=True)
+    if "int8" in parts:
+        report["int8_kl"] = part_int8(wins, args.device)
+    if "speculation" in parts:
+        report["speculation"] = part_speculation(checkpoint, tokenizer, held_out_questions(args.data, tokenizer, 8),
+                                                 128, args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo_checks.json").write_text(json.dumps(report, indent=1))
 
