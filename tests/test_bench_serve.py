@@ -126,3 +126,24 @@ def test_serve_load_at_a_tiny_scale(serve_target, tmp_path):
     assert s["finished"] + s["disconnected"] == 12 and s["disconnected"] >= 1 and s["finished"] >= 1
     assert s["server_exit_code"] == 0 and s["pages_free_after"] > 0 and s["output_tokens_per_second"] > 0
 
+
+def test_serve_goals_at_a_tiny_scale(serve_target, tmp_path):
+    """scripts/serve_goals.py: LLM.generate and the server on the same requests, every one back whole."""
+    out = tmp_path / "goals.json"
+    argv = [sys.executable, str(SCRIPTS / "serve_goals.py"), "--model", str(serve_target.checkpoint),
+            "--device", serve_target.device, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-context", str(MAX_CONTEXT),
+            "--num-requests", "6", "--input-len", "16", "--output-len", "5", "--ttft-requests", "2",
+            "--ttft-input-len", "24", "--ttft-output-len", "3", "--client-processes", "2",
+            "--startup-timeout", str(serve_target.startup_seconds), "--timeout", "60", "--out", str(out)]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120 + serve_target.startup_seconds)
+    assert done.returncode == 0, done.stdout
+    s = json.loads(out.read_text())
+    assert s["ok"] and all(s["checks"].values()), done.stdout
+    saturation, low_load = s["served"]["saturation"], s["served"]["low_load"]
+    assert s["offline"]["output_tokens"] == saturation["total_output_tokens"] == 6 * 5
+    assert low_load["successful_requests"] == 2 and low_load["total_output_tokens"] == 2 * 3
+    assert s["throughput_ratio"] == pytest.approx(saturation["output_throughput"] / s["offline"]["output_throughput"])
+    assert 0 < s["offline"]["prefill_ms"]["p50"] and 0 < low_load["ttft_ms"]["p50"] <= low_load["e2e_ms"]["p50"]
+    assert s["ttft_over_prefill_ms"] == pytest.approx(low_load["ttft_ms"]["p50"] - s["offline"]["prefill_ms"]["p50"])
+    assert "| output tok/s at saturation" in done.stdout and "| time to first token at low load" in done.stdout
