@@ -10,7 +10,7 @@ output length, so it produces exactly that many tokens. Prompts are lists of ran
 --token-range (ids the tokenizers of Qwen3 checkpoints hold as ordinary text), of lengths spread uniformly
 over [len * (1 - r), len * (1 + r)]; or, with --dataset FILE, a JSON list of {"prompt_len", "output_len"}
 or {"prompt": text, "output_len"}. Requests arrive as a Poisson process of --request-rate per second (inf:
-all at once), at most --max-concurrency in flight (both may be given).
+all at once), at most --max-concurrency in flight (both may be given), from --client-processes processes.
 
 Per request: the time to first token (TTFT: sending to the first chunk with text), the inter-token
 latencies (ITL: gaps between consecutive chunks with text; a chunk may carry several tokens), the time per
@@ -26,8 +26,10 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,13 +185,13 @@ def _error_message(raw: bytes) -> str:
 
 # ---------------------------------------------------------------------------- many requests
 async def run_requests(client: httpx.AsyncClient, bodies: list[dict], *, offsets: list[float],
-                       max_concurrency: int | None, timeout: float,
-                       close_after: list[int | None] | None = None) -> tuple[list[StreamResult], float]:
-    """Send every body at its offset (seconds from the start), at most max_concurrency in flight; the
-    results in order and the seconds from the first send to the last answer."""
+                       max_concurrency: int | None, timeout: float, close_after: list[int | None] | None = None,
+                       start: float | None = None) -> tuple[list[StreamResult], float]:
+    """Send every body at its offset (seconds from the start: `start`, a time.perf_counter() value, or now),
+    at most max_concurrency in flight; the results in order and the seconds from the start to the last answer."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     close_after = close_after or [None] * len(bodies)
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
 
     async def one(i: int) -> StreamResult:
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
@@ -198,6 +200,44 @@ async def run_requests(client: httpx.AsyncClient, bodies: list[dict], *, offsets
 
     results = await asyncio.gather(*(one(i) for i in range(len(bodies))))
     return list(results), time.perf_counter() - start
+
+
+def send_requests(base_url: str, api_key: str | None, bodies: list[dict], *, offsets: list[float],
+                  max_concurrency: int | None, timeout: float, processes: int = 1) -> tuple[list[StreamResult], float]:
+    """run_requests from `processes` client processes (forked; request i from process i % processes, the
+    concurrency split between them), all timed from one start (time.perf_counter is the same clock in every
+    process); the results in order and the seconds from the start to the last answer. One asyncio process
+    reads tens of thousands of streamed chunks a second at most: against a fast server, more processes keep
+    the client from being what is measured. Call it outside an event loop."""
+    processes = max(1, min(processes, len(bodies), max_concurrency or len(bodies)))
+    shares = [list(range(k, len(bodies), processes)) for k in range(processes)]
+    limits = [None if max_concurrency is None else max_concurrency // processes + (k < max_concurrency % processes)
+              for k in range(processes)]
+    jobs = [(base_url, api_key, [bodies[i] for i in share], [offsets[i] for i in share], limit, timeout)
+            for share, limit in zip(shares, limits)]
+    if processes == 1:
+        return _client_process(*jobs[0], time.perf_counter())
+    start = time.perf_counter() + FORK_SECONDS  # every process has started by then
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = list(pool.map(_client_process, *zip(*jobs), [start] * processes))
+    results: list[StreamResult] = [None] * len(bodies)  # type: ignore[list-item]
+    for share, (part, _) in zip(shares, parts):
+        for i, r in zip(share, part):
+            results[i] = r
+    return results, max(seconds for _, seconds in parts)
+
+
+FORK_SECONDS = 1.0  # how long after send_requests forks its client processes they start sending
+
+
+def _client_process(base_url: str, api_key: str | None, bodies: list[dict], offsets: list[float],
+                    max_concurrency: int | None, timeout: float, start: float) -> tuple[list[StreamResult], float]:
+    """One client's share of send_requests: its results and the seconds from `start` to its last answer."""
+    async def run() -> tuple[list[StreamResult], float]:
+        async with make_client(base_url, api_key, max_concurrency or len(bodies)) as client:
+            return await run_requests(client, bodies, offsets=offsets, max_concurrency=max_concurrency,
+                                      timeout=timeout, start=start)
+    return asyncio.run(run())
 
 
 def make_client(base_url: str, api_key: str | None, connections: int) -> httpx.AsyncClient:
@@ -292,6 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrivals per second (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (no limit)")
+    p.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="client processes sending the requests (1); one reads tens of thousands of chunks a second "
+                        "at most, so a fast server needs more")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take at most (600)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths, token ids and arrivals (0)")
@@ -302,7 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
-    for name in ("num_prompts", "max_concurrency"):
+    for name in ("num_prompts", "max_concurrency", "client_processes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.input_len < 1 or args.output_len < 1:
@@ -325,30 +368,36 @@ def build_requests(args, rng: np.random.Generator) -> list[RequestSpec]:
                            token_range)
 
 
-async def benchmark(args) -> dict:
+def benchmark(args) -> dict:
     rng = np.random.default_rng(args.seed)
     specs = build_requests(args, rng)
     offsets = arrival_offsets(rng, len(specs), args.request_rate)
-    async with make_client(args.base_url, args.api_key, args.max_concurrency or len(specs)) as client:
-        served = await served_model(client)
-        model = args.model or served["id"]
-        longest = max((len(s.prompt) if isinstance(s.prompt, list) else 0) + s.output_len for s in specs)
-        if "max_model_len" in served and longest > served["max_model_len"]:
-            raise ValueError(f"the longest request ({longest} tokens) exceeds the server's max_model_len "
-                             f"({served['max_model_len']}); lower --input-len, --output-len or --range-ratio")
-        bodies = [completion_body(model, s, args.temperature) for s in specs]
-        results, duration = await run_requests(client, bodies, offsets=offsets, max_concurrency=args.max_concurrency,
-                                               timeout=args.timeout)
+    served = asyncio.run(_first_model(args.base_url, args.api_key))
+    model = args.model or served["id"]
+    longest = max((len(s.prompt) if isinstance(s.prompt, list) else 0) + s.output_len for s in specs)
+    if "max_model_len" in served and longest > served["max_model_len"]:
+        raise ValueError(f"the longest request ({longest} tokens) exceeds the server's max_model_len "
+                         f"({served['max_model_len']}); lower --input-len, --output-len or --range-ratio")
+    bodies = [completion_body(model, s, args.temperature) for s in specs]
+    results, duration = send_requests(args.base_url, args.api_key, bodies, offsets=offsets,
+                                      max_concurrency=args.max_concurrency, timeout=args.timeout,
+                                      processes=args.client_processes)
     settings = {"base_url": args.base_url, "model": model, "num_prompts": len(specs),
                 "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-                "max_concurrency": args.max_concurrency, "temperature": args.temperature, "seed": args.seed}
+                "max_concurrency": args.max_concurrency, "client_processes": args.client_processes,
+                "temperature": args.temperature, "seed": args.seed}
     return {**settings, **summarize(specs, results, duration)}
+
+
+async def _first_model(base_url: str, api_key: str | None) -> dict:
+    async with make_client(base_url, api_key, 1) as client:
+        return await served_model(client)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        report = asyncio.run(benchmark(args))
+        report = benchmark(args)
     except httpx.HTTPError as e:
         print(f"bench_serve: error: cannot reach the server at {args.base_url}: {e}", file=sys.stderr)
         return 1

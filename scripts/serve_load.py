@@ -193,12 +193,16 @@ async def drive(url: str, load: list[LoadRequest], final: LoadRequest, args) -> 
 
 
 # ---------------------------------------------------------------------------- the offline twin
+def engine_options(args) -> dict:
+    """tileinfer.LLM's options: the server's (serve_args) as keyword arguments."""
+    return dict(device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
+                kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant, progress=False)
+
+
 def offline_texts(model: Path, args, requests: list[LoadRequest]) -> list[str]:
     from tileinfer import LLM, SamplingParams
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
-    with LLM(model, device=args.device, max_num_seqs=args.max_num_seqs, max_context=args.max_context,
-             kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant,
-             progress=False) as llm:
+    with LLM(model, **engine_options(args)) as llm:
         return [o.text for o in llm.generate([r.prompt for r in requests], params)]
 
 

@@ -1,6 +1,6 @@
 """scripts/bench_serve.py and scripts/serve_load.py against a real `tileinfer serve` process on the CPU runner
-(the tiny checkpoint, 127.0.0.1): the benchmark's report adds up, and the load test's three checks pass.
-The server stops on SIGTERM with exit status 0."""
+(the tiny checkpoint, 127.0.0.1; or a GPU: tests/conftest.py's --serve-device): the benchmark's report adds
+up, and the load test's three checks pass. The server stops on SIGTERM with exit status 0."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +15,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 KEY = "sk-bench-key"
-SERVER = ["--device", "cpu", "--max-num-seqs", "4", "--max-context", "512"]
+MAX_NUM_SEQS, MAX_CONTEXT = 4, 512
 
 
 def load(name: str):
@@ -28,10 +28,12 @@ def load(name: str):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+def server(serve_target, tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-serve") / "server.log"
-    with load("serve_load").ServerProcess(["--model", str(tiny_checkpoint), "--api-key", KEY, *SERVER], log) as s:
-        s.wait_healthy(60)
+    options = serve_target.serve_options(MAX_NUM_SEQS, MAX_CONTEXT)
+    with load("serve_load").ServerProcess(["--model", str(serve_target.checkpoint), "--api-key", KEY, *options],
+                                          log) as s:
+        s.wait_healthy(serve_target.startup_seconds)
         yield s
         code = s.stop(30)
         assert code == 0, f"the server's exit status after SIGTERM was {code}:\n{s.log_tail()}"
@@ -51,7 +53,7 @@ def assert_ordered(report: dict) -> None:
         assert s["mean"] > 0, (name, s)
 
 
-def test_bench_reports_every_request_and_ordered_percentiles(server, tmp_path, tiny_checkpoint):
+def test_bench_reports_every_request_and_ordered_percentiles(server, tmp_path, serve_target):
     rc, r = bench(server, tmp_path, "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
                   "--range-ratio", "0.5")
     assert rc == 0 and r["successful_requests"] == 6 and r["failed_requests"] == 0, r["first_error"]
@@ -64,7 +66,7 @@ def test_bench_reports_every_request_and_ordered_percentiles(server, tmp_path, t
     assert_ordered(r)
     assert r["request_throughput"] > 0 and r["output_throughput"] > 0
     assert r["total_token_throughput"] > r["output_throughput"]
-    assert r["model"] == tiny_checkpoint.name  # the first of /v1/models: the checkpoint folder's name
+    assert r["model"] == serve_target.checkpoint.name  # the first of /v1/models: the checkpoint folder's name
 
 
 def test_bench_of_a_dataset_at_a_rate_and_a_concurrency(server, tmp_path):
@@ -79,6 +81,17 @@ def test_bench_of_a_dataset_at_a_rate_and_a_concurrency(server, tmp_path):
     assert_ordered(r)
 
 
+def test_bench_from_client_processes_keeps_each_request_its_row(server, tmp_path):
+    rc, r = bench(server, tmp_path, "--num-prompts", "5", "--input-len", "12", "--output-len", "6", "--range-ratio",
+                  "0.5", "--client-processes", "2", "--max-concurrency", "3")
+    assert rc == 0 and r["successful_requests"] == 5 and r["client_processes"] == 2, r["first_error"]
+    rows = r["requests"]
+    assert len({q["output_len"] for q in rows}) > 1  # lengths that differ: a row in the wrong place would show
+    assert [q["output_tokens"] for q in rows] == [q["output_len"] for q in rows]
+    assert r["total_output_tokens"] == sum(q["output_len"] for q in rows) and r["duration_s"] > 0
+    assert_ordered(r)
+
+
 def test_failed_requests_are_counted_not_fatal(server, tmp_path):
     rc, r = bench(server, tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
                   "--model", "no-such-model")
@@ -87,17 +100,21 @@ def test_failed_requests_are_counted_not_fatal(server, tmp_path):
     assert r["ttft_ms"]["p50"] is None and r["request_throughput"] == 0
 
 
-def test_serve_load_at_a_tiny_scale(tiny_checkpoint, tmp_path):
+def test_serve_load_at_a_tiny_scale(serve_target, tmp_path):
+    """On the GPU the server and the offline twins run batch-invariant (what makes them comparable token for
+    token), and the twins are made once the server has stopped (serve_load.py), so each sizes its pool alone."""
     out = tmp_path / "load.json"
-    argv = [sys.executable, str(SCRIPTS / "serve_load.py"), "--model", str(tiny_checkpoint), *SERVER,
+    engine = ["--device", serve_target.device, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-context", str(MAX_CONTEXT),
+              *(["--batch-invariant"] if serve_target.on_gpu else [])]
+    argv = [sys.executable, str(SCRIPTS / "serve_load.py"), "--model", str(serve_target.checkpoint), *engine,
             "--num-requests", "12", "--concurrency", "4", "--disconnect-fraction", "0.25", "--prompt-len", "8", "160",
             "--max-tokens", "4", "24", "--prefix-len", "70", "--seed", "0", "--timeout", "60",
-            "--startup-timeout", "60", "--idle-timeout", "20", "--stop-timeout", "30",
+            "--startup-timeout", str(serve_target.startup_seconds), "--idle-timeout", "20", "--stop-timeout", "30",
             "--server-log", str(tmp_path / "server.log"), "--out", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group: the server child goes with it
     try:
-        stdout, _ = proc.communicate(timeout=120)
+        stdout, _ = proc.communicate(timeout=120 + serve_target.startup_seconds)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -108,3 +125,25 @@ def test_serve_load_at_a_tiny_scale(tiny_checkpoint, tmp_path):
     assert s["mismatches"] == 0 and s["pages_held_after"] == 0 and s["failed"] == 0
     assert s["finished"] + s["disconnected"] == 12 and s["disconnected"] >= 1 and s["finished"] >= 1
     assert s["server_exit_code"] == 0 and s["pages_free_after"] > 0 and s["output_tokens_per_second"] > 0
+
+
+def test_serve_goals_at_a_tiny_scale(serve_target, tmp_path):
+    """scripts/serve_goals.py: LLM.generate and the server on the same requests, every one back whole."""
+    out = tmp_path / "goals.json"
+    argv = [sys.executable, str(SCRIPTS / "serve_goals.py"), "--model", str(serve_target.checkpoint),
+            "--device", serve_target.device, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-context", str(MAX_CONTEXT),
+            "--num-requests", "6", "--input-len", "16", "--output-len", "5", "--ttft-requests", "2",
+            "--ttft-input-len", "24", "--ttft-output-len", "3", "--client-processes", "2",
+            "--startup-timeout", str(serve_target.startup_seconds), "--timeout", "60", "--out", str(out)]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120 + serve_target.startup_seconds)
+    assert done.returncode == 0, done.stdout
+    s = json.loads(out.read_text())
+    assert s["ok"] and all(s["checks"].values()), done.stdout
+    saturation, low_load = s["served"]["saturation"], s["served"]["low_load"]
+    assert s["offline"]["output_tokens"] == saturation["total_output_tokens"] == 6 * 5
+    assert low_load["successful_requests"] == 2 and low_load["total_output_tokens"] == 2 * 3
+    assert s["throughput_ratio"] == pytest.approx(saturation["output_throughput"] / s["offline"]["output_throughput"])
+    assert 0 < s["offline"]["prefill_ms"]["p50"] and 0 < low_load["ttft_ms"]["p50"] <= low_load["e2e_ms"]["p50"]
+    assert s["ttft_over_prefill_ms"] == pytest.approx(low_load["ttft_ms"]["p50"] - s["offline"]["prefill_ms"]["p50"])
+    assert "| output tok/s at saturation" in done.stdout and "| time to first token at low load" in done.stdout

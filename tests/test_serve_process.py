@@ -1,9 +1,9 @@
 """`tileinfer serve` as users run it: `python -m tileinfer serve --device cpu` in a process of its own on
-127.0.0.1, talked to by the official OpenAI client. Many concurrent clients get what each request gets
-alone; a client gone mid-stream gives its KV pages back; SIGTERM stops taking requests at once (/health
-503, new requests 503), lets the requests in flight finish within --shutdown-timeout, aborts the rest
-(an error chunk and [DONE], or a 503), and the process exits 0. The server's output is printed at
-teardown, so a failing test shows it."""
+127.0.0.1 (or on a GPU: tests/conftest.py's --serve-device), talked to by the official OpenAI client.
+Many concurrent clients get what each request gets alone; a client gone mid-stream gives its KV pages
+back; SIGTERM stops taking requests at once (/health 503, new requests 503), lets the requests in flight
+finish within --shutdown-timeout, aborts the rest (an error chunk and [DONE], or a 503), and the process
+exits 0. The server's output is printed at teardown, so a failing test shows it."""
 from __future__ import annotations
 
 import json
@@ -28,9 +28,13 @@ from test_server import wait_for
 
 KEY = "K"
 NAME = "tiny"
-MAX_CONTEXT = 512
-SERVE = ["--device", "cpu", "--host", "127.0.0.1", "--max-num-seqs", "8", "--max-context", str(MAX_CONTEXT),
-         "--api-key", KEY, "--served-model-name", NAME]
+MAX_NUM_SEQS = 8
+MAX_CONTEXT = {"cpu": 512, "cuda": 8192}
+# Tokens of a request that must still run after what a test does meanwhile (a grace of 1 s, the checks
+# during a drain), and of requests that run past a SIGTERM's checks yet end well within a grace of 30 s:
+# the CPU runner decodes the tiny model at tens of tokens a second, a GPU qwen3-0.6b at up to ~2,000.
+LONG_TOKENS = {"cpu": 380, "cuda": 6000}  # PROMPTS[6] (121 tokens) + 380 fit 512
+FINISHING_TOKENS = {"cpu": 96, "cuda": 1500}
 ERROR_FIELDS = {"message", "type", "param", "code"}  # OpenAI's error object
 EXIT_MARGIN = 15.0  # seconds past the grace a stopped server may take to exit (a loaded 2-core CI machine)
 
@@ -44,16 +48,18 @@ def free_port() -> int:
 class ServeProcess:
     """One `tileinfer serve` subprocess, its output (stdout and stderr) in a file."""
 
-    def __init__(self, checkpoint, log_path, *options: str):
+    def __init__(self, target, log_path, *options: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        serve = [*target.serve_options(MAX_NUM_SEQS, MAX_CONTEXT[target.device]), "--host", "127.0.0.1",
+                 "--api-key", KEY, "--served-model-name", NAME]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tileinfer", "serve", "--model", str(checkpoint),
-                                          *SERVE, "--port", str(self.port), *options],
+            self.proc = subprocess.Popen([sys.executable, "-m", "tileinfer", "serve", "--model",
+                                          str(target.checkpoint), *serve, "--port", str(self.port), *options],
                                          stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_for(self.started, 60, "the server answering /health 200")
+            wait_for(self.started, target.startup_seconds, "the server answering /health 200")
         except BaseException:
             self.close()
             raise
@@ -86,12 +92,12 @@ class ServeProcess:
 
 
 @pytest.fixture
-def launch(tiny_checkpoint, tmp_path):
+def launch(serve_target, tmp_path):
     """launch(*options) starts a server; every one started is killed (if still running) at teardown."""
     started = []
 
     def start(*options: str) -> ServeProcess:
-        started.append(ServeProcess(tiny_checkpoint, tmp_path / f"serve-{len(started)}.log", *options))
+        started.append(ServeProcess(serve_target, tmp_path / f"serve-{len(started)}.log", *options))
         return started[-1]
     yield start
     for server in started:
@@ -99,9 +105,15 @@ def launch(tiny_checkpoint, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    with LLM(tiny_checkpoint, device="cpu", max_num_seqs=8, max_context=MAX_CONTEXT, progress=False) as llm:
+def reference(serve_target):
+    options = serve_target.engine_options(MAX_NUM_SEQS, MAX_CONTEXT[serve_target.device])
+    with LLM(serve_target.checkpoint, **options) as llm:
         yield llm
+
+
+@pytest.fixture(scope="module")
+def long_tokens(serve_target) -> int:
+    return LONG_TOKENS[serve_target.device]
 
 
 def alone(reference: LLM, prompt: str, max_tokens: int, ignore_eos: bool = False) -> str:
@@ -142,9 +154,9 @@ def expected(reference: LLM, i: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_checkpoint, tmp_path_factory):
+def shared(serve_target, tmp_path_factory):
     """One server for the tests that leave it serving."""
-    server = ServeProcess(tiny_checkpoint, tmp_path_factory.mktemp("serve") / "serve.log")
+    server = ServeProcess(serve_target, tmp_path_factory.mktemp("serve") / "serve.log")
     yield server
     server.close()
 
@@ -157,13 +169,13 @@ def test_32_concurrent_clients_each_get_what_their_request_gets_alone(shared, re
     wait_for(lambda: shared.health().json() == {"status": "serving", "requests": 0}, 10, "every request ending")
 
 
-def test_a_client_gone_mid_stream_gives_its_pages_back(shared):
+def test_a_client_gone_mid_stream_gives_its_pages_back(shared, long_tokens):
     wait_for(lambda: shared.metrics()["tileinfer_requests_running"] == 0, 10, "the server being idle")
     before = shared.metrics()
     pages = before["tileinfer_kv_pages_used"] + before["tileinfer_kv_pages_free"]
     assert before["tileinfer_kv_pages_used"] == 0, before  # nothing running holds a page
-    stream = shared.client().completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=300, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})
+    stream = shared.client().completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=long_tokens,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
     for _ in zip(range(3), stream):
         pass
     during = shared.metrics()
@@ -176,21 +188,22 @@ def test_a_client_gone_mid_stream_gives_its_pages_back(shared):
     assert after["tileinfer_requests_running"] == 0 and after["tileinfer_requests_waiting"] == 0, after
     assert after["tileinfer_kv_pages_free"] == pages, after
     generated = after["tileinfer_generation_tokens_total"] - before["tileinfer_generation_tokens_total"]
-    assert 3 <= generated < 300, f"{generated} tokens: the request was not aborted when its client went away"
+    assert 3 <= generated < long_tokens, f"{generated} tokens: the request was not aborted when its client went away"
     assert shared.health().json() == {"status": "serving", "requests": 0}
 
 
-def test_engine_options_reach_the_engine(launch, reference, tiny_checkpoint):
+def test_engine_options_reach_the_engine(launch, reference, serve_target):
     """A draft model (speculation: not pipelined, so an abort frees pages without a later step), an explicit
     pool of small pages, no prefix caching, small prefill chunks: greedy text is still the reference's."""
-    server = launch("--draft-model", str(tiny_checkpoint), "--num-draft-tokens", "2", "--page-size", "16",
-                    "--num-pages", "40", "--no-prefix-caching", "--max-num-batched-tokens", "64")
+    server = launch("--draft-model", str(serve_target.checkpoint), "--num-draft-tokens", "2", "--page-size", "16",
+                    "--max-context", "512", "--num-pages", "40", "--no-prefix-caching",
+                    "--max-num-batched-tokens", "64")
     idle = server.metrics()
     assert idle["tileinfer_kv_pages_free"] == 40 and idle["tileinfer_kv_pages_used"] == 0, idle
     r = server.client().completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=12, temperature=0)
     assert r.choices[0].text == alone(reference, PROMPTS[6], 12)
-    stream = server.client().completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=300, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})
+    stream = server.client().completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=380, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})  # 501 of 512
     for _ in zip(range(3), stream):
         pass
     assert server.metrics()["tileinfer_kv_pages_used"] >= 8  # 121 prompt tokens in pages of 16
@@ -223,7 +236,9 @@ class Streamer(threading.Thread):
             self.first.set()
 
 
-def check_refused_while_stopping(server: ServeProcess) -> None:
+def check_refused_while_stopping(server: ServeProcess, client: openai.OpenAI) -> None:
+    """/health and a new request are answered 503 while the requests in flight drain. The client is made
+    before the signal: making one reads the system's certificates, a good part of a 1 s grace on a busy CPU."""
     def stopping() -> bool:
         try:
             return server.health().status_code == 503
@@ -233,34 +248,36 @@ def check_refused_while_stopping(server: ServeProcess) -> None:
     health = server.health().json()
     assert health["status"] == "stopping" and health["requests"] >= 1, health  # requests still in flight
     with pytest.raises(openai.APIStatusError) as e:
-        server.client().completions.create(model=NAME, prompt="Hi", max_tokens=2)
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
     error = e.value.response.json()["error"]
     assert e.value.status_code == 503 and set(error) == ERROR_FIELDS and "shutting down" in error["message"], error
 
 
-def test_sigterm_lets_the_requests_in_flight_finish_and_exits_0(launch, reference):
-    grace = 30
+def test_sigterm_lets_the_requests_in_flight_finish_and_exits_0(launch, reference, serve_target):
+    grace, tokens = 30, FINISHING_TOKENS[serve_target.device]
     server = launch("--shutdown-timeout", str(grace))
-    streams = [Streamer(server, prompt, 96) for prompt in PROMPTS[:3]]  # about 2 s on a 2-core CPU
+    streams = [Streamer(server, prompt, tokens) for prompt in PROMPTS[:3]]
     for s in streams:
         s.start()
     for s in streams:
         assert s.first.wait(30), "no stream got its first token"
+    client = server.client()
     stopped = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    check_refused_while_stopping(server)
+    check_refused_while_stopping(server, client)
     for s in streams:
         s.join(grace + EXIT_MARGIN)
     for s, prompt in zip(streams, PROMPTS[:3]):
         assert s.error is None and s.finish_reason == "length", (s.error, s.finish_reason)
-        assert s.text == alone(reference, prompt, 96, ignore_eos=True)
+        assert s.text == alone(reference, prompt, tokens, ignore_eos=True)
     assert server.proc.wait(grace + EXIT_MARGIN) == 0
     assert time.monotonic() - stopped < grace + EXIT_MARGIN
 
 
-def raw_stream(server: ServeProcess, prompt: str, lines: list[str], first: threading.Event) -> None:
+def raw_stream(server: ServeProcess, prompt: str, max_tokens: int, lines: list[str], first: threading.Event) -> None:
     """A streaming completion read line by line with httpx, to see the exact end of the stream."""
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         for line in r.iter_lines():
@@ -269,18 +286,18 @@ def raw_stream(server: ServeProcess, prompt: str, lines: list[str], first: threa
                 first.set()
 
 
-def test_requests_past_a_short_grace_are_aborted_and_the_server_exits_0(launch):
+def test_requests_past_a_short_grace_are_aborted_and_the_server_exits_0(launch, long_tokens):
     grace = 1
     server = launch("--shutdown-timeout", str(grace))
-    streams = [Streamer(server, prompt, 400) for prompt in PROMPTS[:2]]
+    streams = [Streamer(server, prompt, long_tokens) for prompt in PROMPTS[:2]]
     lines, raw_first = [], threading.Event()
-    raw = threading.Thread(target=raw_stream, args=(server, PROMPTS[2], lines, raw_first), daemon=True)
+    raw = threading.Thread(target=raw_stream, args=(server, PROMPTS[2], long_tokens, lines, raw_first), daemon=True)
     waiting = {}
 
     def wait_whole() -> None:
         try:
-            waiting["reply"] = server.client().completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=400,
-                                                                  temperature=0, extra_body={"ignore_eos": True})
+            waiting["reply"] = server.client().completions.create(
+                model=NAME, prompt=PROMPTS[3], max_tokens=long_tokens, temperature=0, extra_body={"ignore_eos": True})
         except openai.APIStatusError as e:
             waiting["error"] = e
     whole = threading.Thread(target=wait_whole, daemon=True)
@@ -289,9 +306,10 @@ def test_requests_past_a_short_grace_are_aborted_and_the_server_exits_0(launch):
     for first in [s.first for s in streams] + [raw_first]:
         assert first.wait(30), "no stream got its first token"
     wait_for(lambda: server.health().json()["requests"] == 4, 10, "all four requests running")
+    client = server.client()
     stopped = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    check_refused_while_stopping(server)
+    check_refused_while_stopping(server, client)
     for t in [*streams, raw, whole]:
         t.join(grace + EXIT_MARGIN)
         assert not t.is_alive(), "a request was still open after the grace"

@@ -115,8 +115,8 @@ def test_a_schema_the_grammar_engine_rejects_is_a_value_error(llm):
 
 # ---------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
-def served(tiny_checkpoint):
-    yield from serving(tiny_checkpoint, SETTINGS)
+def served(serve_target):
+    yield from serving(serve_target.checkpoint, serve_target.engine_options(max_num_seqs=16, max_context=512))
 
 
 def test_hundreds_of_random_schemas_through_the_server_all_validate(served):

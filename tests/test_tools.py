@@ -71,8 +71,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Bern?"}]
 
 
 @pytest.fixture(scope="module")
-def served(tiny_checkpoint):
-    yield from serving(tiny_checkpoint, dict(device="cpu", max_num_seqs=8, max_context=1024, progress=False))
+def served(serve_target):
+    yield from serving(serve_target.checkpoint, serve_target.engine_options(max_num_seqs=8, max_context=1024))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -123,12 +123,17 @@ class Module:
         return self._kernels[name]
 
 
+def device_arch() -> str:
+    """The target the current device's kernels are compiled for: its arch, and Hopper's own instructions
+    (wgmma, setmaxnreg) on an sm_90, which need the 'a' target."""
+    arch = get_device().info.arch
+    return "sm_90a" if arch == "sm_90" else arch
+
+
 @cache
 def load_module(filename: str) -> Module:
     """Compile (or fetch from cache) and load `cuda_src/<filename>` for the current device."""
-    arch = get_device().info.arch
-    if arch == "sm_90":
-        arch = "sm_90a"  # Hopper's own instructions (wgmma, setmaxnreg) need the 'a' target
+    arch = device_arch()
     cubin = compile_file(filename, arch)
     return Module(cubin, f"{filename} ({arch})")
 
