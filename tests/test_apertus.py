@@ -456,3 +456,27 @@ def test_bf16_checkpoint_values_are_what_the_reference_reads(apertus_tiny_checkp
     stored = SafetensorsFile(apertus_tiny_checkpoint / "model.safetensors").read("model.layers.0.mlp.act_fn.alpha_n")
     assert stored.dtype == ml_dtypes.bfloat16
     assert reference.layers[0].mlp.alpha_n == np.float32(stored.astype(np.float32)[0])
+
+
+# ------------------------------------------------------------------------------------------- server
+
+def test_the_server_answers_an_apertus_chat_as_generate_does(apertus_tiny_checkpoint):
+    """tileinfer serve on an Apertus checkpoint: the chat is rendered with Apertus' template and the reply
+    (greedy) is what LLM.generate gives for that rendering, ending at <|assistant_end|> or max_tokens."""
+    from test_server import NAME, serving
+    from tileinfer.chat import render_chat
+    settings = dict(device="cpu", max_num_seqs=2, max_context=512, progress=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    server = serving(apertus_tiny_checkpoint, settings)
+    s = next(server)
+    try:
+        r = s.client().chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    finally:
+        next(server, None)
+    with LLM(apertus_tiny_checkpoint, **settings) as llm:
+        prompt = render_chat(llm.runner.checkpoint.chat_template, messages)
+        assert prompt.startswith("<s><|system_start|>Be brief.<|system_end|>")
+        want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids)
