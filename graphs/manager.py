@@ -6,10 +6,12 @@ the persistent step buffers (tileinfer/runner/step.py) and every shape is the bu
 sequences replays the smallest bucket >= b, and the padding rows are no-ops for every kernel (no query
 tokens, slot -1).
 
-Kinds: "decode" (one token a sequence, a bucket per batch size) and ("verify", tokens a row, logits) (a
-speculative verify step: each row a sequence's last committed token and its proposals, padded to the
-bucket x tokens a row). A kind is registered with the function that enqueues one step of a bucket; the
-first run of (kind, bucket) runs that step eagerly (loading every kernel it uses) and captures it.
+Kinds: "decode" (one token a sequence, a bucket per batch size), ("decode", "masked") (the same step whose
+sampling first waits for the host's allowed-token bitmasks: structured output, runner/gpu.py) and
+("verify", tokens a row, logits) (a speculative verify step: each row a sequence's last committed token
+and its proposals, padded to the bucket x tokens a row). A kind is registered with the function that
+enqueues one step of a bucket; the first run of (kind, bucket) runs that step eagerly (loading every
+kernel it uses) and captures it.
 
 All host planning (reserving pages, filling the step buffers) happens outside the graph.
 """
@@ -24,6 +26,7 @@ from tileinfer.cuda import Graph, Stream
 log = logging.getLogger(__name__)
 
 DECODE = "decode"
+DECODE_MASKED = ("decode", "masked")
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:

@@ -28,28 +28,31 @@ def _run_until_done(llm: LLM) -> None:
         llm.step()
 
 
-def batch_decode(llm: LLM, batch: int, context: int, new: int) -> dict:
+def batch_decode(llm: LLM, batch: int, context: int, new: int, params: list[SamplingParams] | None = None) -> dict:
     """Steady-state decode: tokens/s over the steps in which all `batch` requests decode together
-    (prompts are admitted over several steps, so the first and last steps run fewer rows)."""
+    (prompts are admitted over several steps, so the first and last steps run fewer rows). params: each
+    request's (default greedy, ignore_eos); every request must run to max_tokens = `new`."""
     rng = np.random.default_rng(batch)
-    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    ids = [llm.add_request(rng.integers(0, vocab(llm), context).tolist(), params) for _ in range(batch)]
-    full_steps, t_first, t_last, wait0 = 0, None, None, None
+    params = params or [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)] * batch
+    ids = [llm.add_request(rng.integers(0, vocab(llm), context).tolist(), p) for p in params]
+    full_steps, t_first, t_last = 0, None, None
     while llm.has_unfinished_requests():
         llm.step()
         launched = llm.engine._inflight.rows if llm.engine._inflight is not None else []
         now = time.perf_counter()
         if len(launched) == batch and all(r.count == 1 for r in launched):
             if t_first is None:
-                t_first, wait0 = now, llm.runner.wait_seconds
+                t_first, wait0, grammar0 = now, llm.runner.wait_seconds, llm.stats.grammar_seconds
             else:
                 full_steps += 1
-                t_last, wait1 = now, llm.runner.wait_seconds
+                t_last, wait1, grammar1 = now, llm.runner.wait_seconds, llm.stats.grammar_seconds
     outs = llm.finished_outputs()
-    assert sorted(o.request_id for o in outs) == sorted(ids) and all(len(o.token_ids) == new for o in outs)
+    short = [(o.request_id, len(o.token_ids), o.finish_reason) for o in outs if len(o.token_ids) != new]
+    assert sorted(o.request_id for o in outs) == sorted(ids) and not short, f"ended before {new} tokens: {short}"
     dt = t_last - t_first
     return dict(batch=batch, context=context, new=new, decode_tok_s=batch * full_steps / dt, steps=full_steps,
-                ms_per_step=dt / full_steps * 1e3, gpu_wait_ms_per_step=(wait1 - wait0) / full_steps * 1e3)
+                ms_per_step=dt / full_steps * 1e3, gpu_wait_ms_per_step=(wait1 - wait0) / full_steps * 1e3,
+                grammar_ms_per_step=(grammar1 - grammar0) / full_steps * 1e3)
 
 
 def live_step(llm: LLM, batch: int, context: int, inspect):

@@ -44,7 +44,7 @@ class FakeModel:
         self.pending: dict[int, list[int]] = {}
         self.slot = 0
 
-    def launch(self, batch, sampling=None, *, sample=True, penalties=None, masks=None, token_src=None):
+    def launch(self, batch, sampling=None, *, sample=True, penalties=None, masked=None, token_src=None):
         out = self.step(batch, sampling, sample=sample)
         if out is None:
             return None
@@ -261,7 +261,7 @@ class TableLM(FakeModel):
         self.max_verify_tokens = 64
         self.prev: list[int] = []
 
-    def launch(self, batch, sampling=None, *, sample=True, penalties=None, masks=None, token_src=None):
+    def launch(self, batch, sampling=None, *, sample=True, penalties=None, masked=None, token_src=None):
         if token_src is not None:
             batch = [(seq, [self.prev[src]] if src >= 0 else ids, start)
                      for (seq, ids, start), src in zip(batch, token_src)]

@@ -37,7 +37,7 @@ class FakeModel:
         self.pending: dict[int, np.ndarray] = {}
         self.slot = 0
 
-    def launch(self, batch, sampling=None, *, sample=True, penalties=None, masks=None, token_src=None):
+    def launch(self, batch, sampling=None, *, sample=True, penalties=None, masked=None, token_src=None):
         out = np.zeros(len(batch), np.int32)
         for i, (seq, ids, start) in enumerate(batch):
             ids = list(ids)

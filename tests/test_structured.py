@@ -1,17 +1,27 @@
 """Structured output (engine/structured.py) on the CPU runner and through the server with the OpenAI
 client: on a random-weight checkpoint only the grammar can make the text valid, so every answer that
-parses and validates is the grammar's doing."""
+parses and validates is the grammar's doing. Also the machinery that makes it cheap: a step's masks
+computed together, after the step is launched (pipelined steps), equal to one request's masks
+computed alone."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
 import openai
 import pytest
 
+import tokenizers
+
 from tileinfer import LLM, SamplingParams
-from tileinfer.engine.structured import StructuredOutputs
+from tileinfer.engine.structured import Grammars, StructuredOutputs
+from tileinfer.kv import Sequence
+from tileinfer.model.checkpoint import Checkpoint
+from tileinfer.model.config import preset
+from tileinfer.model.synthetic import write_checkpoint
+from tileinfer.runner.cpu import CPURunner
 from tileinfer.runner.sampler import apply_mask
 
 from test_server import NAME, error_of, serving
@@ -111,6 +121,170 @@ def test_a_schema_the_grammar_engine_rejects_is_a_value_error(llm):
     with pytest.raises(ValueError, match="structured_outputs: the grammar engine rejects it"):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(json={"type": "objectx"})))
     assert not llm.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------------------- a step's masks together
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["red", "green", "blue"]},
+                                           "xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+          "required": ["id", "tag", "xs"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_checkpoint) -> Grammars:
+    ckpt = Checkpoint.open(tiny_checkpoint)
+    tokenizer = tokenizers.Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    return Grammars(tokenizer, ckpt.config.vocab_size, ckpt.eos_token_ids)
+
+
+def allowed(mask: np.ndarray, vocab: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
+
+
+def test_a_steps_masks_computed_together_equal_each_computed_alone(grammars):
+    # Matchers of every kind, each advanced by a different number of random allowed tokens (some to the
+    # end of their grammar, one refused into its error state); rows without a matcher allow everything.
+    rng = np.random.default_rng(7)
+    specs = [StructuredOutputs(json=SCHEMA), StructuredOutputs(json_object=True), StructuredOutputs(regex=r"[a-f]{2,9}x"),
+             StructuredOutputs(choice=["alpha", "beta", "gamma"]),
+             StructuredOutputs(grammar='start: "n=" NUM ";"\nNUM: /[0-9]{1,4}/')]
+    matchers = []
+    for k in range(12):
+        m = grammars.matcher(specs[k % len(specs)])
+        for _ in range(int(rng.integers(0, 12))):
+            if m.done:
+                break
+            ok = allowed(m.mask(), grammars.vocab_size)
+            assert grammars.consume([(m, int(rng.choice(ok)))]) == [None]
+        matchers.append(m)
+    refused = grammars.matcher(specs[0])
+    bad = next(t for t in range(1000, 151000) if t not in set(allowed(refused.mask(), grammars.vocab_size)))
+    error, = grammars.consume([(refused, bad)])
+    assert error and "doesn't satisfy the grammar" in error
+    rows = matchers[:5] + [None, refused] + matchers[5:] + [None]
+    out = np.full((len(rows), grammars.words), 0x55, np.int32)
+    grammars.fill_masks(rows, out)
+    for i, m in enumerate(rows):
+        np.testing.assert_array_equal(out[i], m.mask() if m is not None else np.full(grammars.words, -1, np.int32),
+                                      err_msg=f"row {i}")
+    assert len({allowed(out[i], grammars.vocab_size).size for i in range(len(rows))}) > 3  # different states
+    with pytest.raises(ValueError, match="C-contiguous int32"):
+        grammars.fill_masks(rows, out[:, :-1])
+
+
+def test_a_masked_cpu_step_samples_only_once_its_masks_are_published(tiny_checkpoint):
+    runner = CPURunner(tiny_checkpoint, max_num_seqs=4)
+    cache = runner.ensure_cache(256, page_size=16)
+    seqs = [Sequence() for _ in range(3)]
+    prompts = [[5, 6, 7], [100, 200], [9] * 20]
+    for s, p in zip(seqs, prompts):
+        cache.manager.reserve(s, len(p))
+    words = (runner.config.vocab_size + 31) // 32
+    only = np.zeros(words, np.int32)
+    only[4242 // 32] = 1 << (4242 % 32)  # one token allowed: 4242
+    plain = runner.step(list(zip(seqs, prompts)))
+    slot = runner.launch(list(zip(seqs, prompts)), masked=[False, True, False])
+    with pytest.raises(RuntimeError, match="waits for its bitmasks"):
+        runner.collect(slot, 3)
+    with pytest.raises(RuntimeError, match="waits for its bitmasks"):
+        runner.launch(list(zip(seqs, prompts)))
+    runner.publish_masks(lambda out: out.__setitem__(0, only))
+    got = runner.collect(slot, 3)
+    assert got.tolist() == [plain[0], 4242, plain[2]]
+    with pytest.raises(RuntimeError, match="waits for no bitmasks"):
+        runner.publish_masks(lambda out: None)
+    with pytest.raises(ValueError, match=r"bitmask 0 is int32 \(3,\)"):  # checked before anything is launched
+        runner.step(list(zip(seqs, prompts)), masks=[None, np.zeros(3, np.int32), None])
+    assert runner.step(list(zip(seqs, prompts)), masks=[only, None, only]).tolist() == [4242, plain[1], 4242]
+
+
+def constrained(n: int, seed: int = 0) -> list[SamplingParams]:
+    kinds = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=r"[0-9]{2}-[a-z]{3,6}"),
+             StructuredOutputs(choice=["yes", "no", "perhaps"])]
+    return [SamplingParams(max_tokens=40, temperature=1.0 if i % 2 else 0.0, seed=seed + i,
+                           structured_outputs=kinds[i % len(kinds)]) for i in range(n)]
+
+
+def test_constrained_requests_pipeline_and_give_the_unpipelined_tokens(tiny_checkpoint):
+    # Pipelined (the masks of step k computed after it is launched, once step k - 1 is read back) and
+    # not (every step read back before the next is planned): the same tokens, each valid.
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], "JSON please", [100, 200, 300], "Code:", [7] * 30, "Hi"]
+    params = constrained(4) + [free, free]
+    outs = {}
+    for async_scheduling in (True, False):
+        with LLM(tiny_checkpoint, **SETTINGS, async_scheduling=async_scheduling) as llm:
+            ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+            pipelined = 0
+            while llm.has_unfinished_requests():
+                llm.step()
+                pipelined += llm.engine._inflight is not None
+            done = {o.request_id: o for o in llm.finished_outputs()}
+            outs[async_scheduling] = [done[i] for i in ids]
+            assert (pipelined > 10) == async_scheduling, pipelined
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    json0, code, choice, json3 = outs[True][:4]
+    assert all(o.finish_reason == "stop" for o in outs[True][:4])
+    for o in (json0, json3):
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert re.fullmatch(r"[0-9]{2}-[a-z]{3,6}", code.text) and choice.text in ("yes", "no", "perhaps")
+
+
+def test_a_token_the_grammar_refuses_ends_only_its_request(llm, caplog):
+    # A bitmask that (wrongly) allows only a token the grammar refuses: that request ends ("abort",
+    # stop reason "grammar"), logged; the other constrained request and the free one are untouched.
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], free)[0].token_ids
+    params = constrained(2, seed=3)
+    victim = llm.add_request("x", params[0])
+    other = llm.add_request("y", params[1])
+    free_id = llm.add_request([5, 6, 7], free)
+    engine = llm.engine
+    victim_req = next(r for r in engine.scheduler.waiting if r.request_id == victim)
+    grammars = engine._grammars
+    fill, calls = grammars.fill_masks, []
+
+    def sabotaged(matchers, out):
+        fill(matchers, out)
+        for i, m in enumerate(matchers):
+            if m is victim_req.matcher:
+                calls.append(i)
+                if len(calls) == 3:  # its third token: only a refused one is allowed
+                    bad = next(t for t in range(1000, 151000) if not (out[i, t // 32] >> (t % 32)) & 1)
+                    out[i] = 0
+                    out[i, bad // 32] = 1 << (bad % 32)
+
+    grammars.fill_masks = sabotaged
+    try:
+        while llm.has_unfinished_requests():
+            llm.step()
+    finally:
+        del grammars.fill_masks
+    done = {o.request_id: o for o in llm.finished_outputs()}
+    assert len(done[victim].token_ids) == 3  # the refused token is its last (a step launched ahead is dropped)
+    assert (done[victim].finish_reason, done[victim].stop_reason) == ("abort", "grammar")
+    assert "the grammar refused token" in caplog.text
+    assert done[other].finish_reason == "stop" and done[other].text and done[free_id].token_ids == alone
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-draft")
+    write_checkpoint(preset("tiny"), out, seed=1, progress=False)
+    return out
+
+
+def test_a_speculating_engine_runs_constrained_requests_without_a_draft(tiny_checkpoint, draft_checkpoint):
+    free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    params = constrained(3, seed=5) + [free]
+    prompts = ["JSON please", "a", "b", [5, 6, 7]]
+    with LLM(tiny_checkpoint, **SETTINGS) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(tiny_checkpoint, **SETTINGS, draft_model=draft_checkpoint, num_draft_tokens=3) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain  # greedy speculation equals plain greedy; the others alike
+    assert all(o.speculation is None for o in outs[:3]) and outs[3].speculation.target_steps > 0
+    jsonschema.validate(json.loads(outs[0].text), SCHEMA)
 
 
 # ---------------------------------------------------------------------------- the server

@@ -162,6 +162,30 @@ def test_structured_output_on_the_gpu_holds_and_leaves_free_requests_alone(tiny_
     assert choice.text in ("alpha", "beta")
 
 
+def test_structured_output_pipelined_gives_the_unpipelined_tokens(tiny_checkpoint, tiny_llm):
+    # The engine computes a step's masks after launching it (pipelined) or before reading it back with
+    # nothing in flight (async_scheduling=False): the same tokens (batch-invariant engines), all valid.
+    import json
+
+    import jsonschema
+
+    from tileinfer.engine.structured import StructuredOutputs
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "n", "ok"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=80, temperature=0.8 if i % 2 else 0, seed=i,
+                             structured_outputs=StructuredOutputs(json=schema)) for i in range(12)] + [greedy(30)] * 4
+    prompts = prompts_of([5, 40, 63, 64, 65, 9, 17, 3, 100, 31, 8, 12, 33, 70, 1, 20], seed=16)
+    pipelined = tiny_llm.generate(prompts, params)
+    with engine(tiny_checkpoint, batch_invariant=True, async_scheduling=False) as llm:
+        unpipelined = llm.generate(prompts, params)
+    assert tokens(pipelined) == tokens(unpipelined)
+    for o in pipelined[:12]:
+        assert o.finish_reason == "stop", o
+        jsonschema.validate(json.loads(o.text), schema)
+
+
 def test_an_engine_made_on_one_thread_steps_on_another(tiny_llm):
     # A server's engine thread is not the thread that loaded the model: bind_thread makes the GPU's
     # context current there (without it the first driver call fails with an invalid context).

@@ -16,6 +16,11 @@ until the value arrives. A request that step k ends (EOS, a stop) may still be i
 row's result is dropped. Requests with penalties or logprobs need every token before the next step is
 planned, and so do speculative rounds; while one is running, steps are not pipelined.
 
+Structured output stays pipelined: a step's bitmasks are computed after it is launched, as soon as the
+matchers have consumed the tokens of the step before it (`_finish(..., then_masks_of=)`), so each
+matcher has seen every token before the one it constrains; the GPU runs the step's forward meanwhile
+and its sampling waits for them.
+
 A request may hold a sequence from before (a chat's earlier turns, `Request.seq` with positions already
 computed, `keep_seq=True`): it is admitted onto its held pages, and when it finishes it keeps them.
 """
@@ -45,11 +50,13 @@ Event = tuple[Request, int, str]  # (request, new token, the text it completes)
 
 @dataclass
 class _InFlight:
-    """A launched step: its rows, the slot of its samples, and (row, request, token index) of every
-    placeholder it will fill."""
+    """A launched step: its rows, the slot of its samples, (row, request, token index) of every
+    placeholder it will fill, and the requests of its masked rows (in row order) until their bitmasks
+    are published."""
     rows: list[ScheduledRow]
     slot: int | None
     samplers: list[tuple[int, Request, int]]
+    masked: list[Request] = field(default_factory=list)
 
     @property
     def decode(self) -> bool:
@@ -169,9 +176,10 @@ class Engine:
                                                      stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
         if p.logprobs is not None:
             req.logprobs = []
-        # a ban needs only the count of tokens (known ahead); penalties, logprobs and a grammar need the tokens
-        req.sync = p.has_penalties or p.logprobs is not None or req.matcher is not None
-        if self.drafter is not None and not req.sync and not p.min_tokens:  # one token a step for these
+        # a ban needs only the count of tokens (known ahead); penalties and logprobs need the tokens
+        req.sync = p.has_penalties or p.logprobs is not None
+        if self.drafter is not None and not req.sync and not p.min_tokens and req.matcher is None:
+            # speculating: one token a step for the others (a grammar would have to check every proposal)
             req.spec = SpecStats()
             req.spec_rng = np.random.default_rng(req.seed)
         self.scheduler.add(req)
@@ -237,9 +245,11 @@ class Engine:
             finished, self._inflight = self._inflight, None
         rows = self.scheduler.schedule() if self.scheduler.has_unfinished else []
         launched = self._launch(rows) if rows else None
-        if self._inflight is not None:
-            events += self._finish(self._inflight)
+        if self._inflight is not None:  # (an error in it leaves `launched` waiting: closing releases it)
+            events += self._finish(self._inflight, then_masks_of=launched)
             finished = self._inflight
+        else:
+            self._publish_masks(launched)
         self._inflight = launched
         if launched is not None and sync:
             events += self._finish(launched)
@@ -258,7 +268,9 @@ class Engine:
         speculates = [r.count == 1 and r.samples and r.request.spec is not None for r in rows]
         plain = [r for r, s in zip(rows, speculates) if not s]
         if plain:
-            events += self._finish(self._launch(plain))
+            step = self._launch(plain)
+            self._publish_masks(step)
+            events += self._finish(step)
         spec = [r for r, s in zip(rows, speculates) if s]
         if spec:
             events += self._verify(spec)
@@ -300,11 +312,9 @@ class Engine:
         if any(r.request.penalties is not None for r in rows):
             penalties = [r.request.penalties.arrays(r.request.num_output) if r.request.penalties is not None
                          and r.samples else None for r in rows]
-        masks = None
-        if any(r.request.matcher is not None for r in rows):
-            masks = [r.request.matcher.mask() if r.request.matcher is not None and r.samples else None for r in rows]
+        masked = [r.request.matcher is not None and r.samples for r in rows]
         slot = self.runner.launch(batch, [r.request.sampling_row for r in rows], sample=any(r.samples for r in rows),
-                                  penalties=penalties, masks=masks,
+                                  penalties=penalties, masked=masked if any(masked) else None,
                                   token_src=token_src if max(token_src) >= 0 else None)
         self.scheduler.update(rows)
         self._count_step(rows)  # before the placeholders below change what r.samples says
@@ -320,7 +330,19 @@ class Engine:
             self._last_rows[req.request_id] = i
             if req.num_output >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")  # known now; its last token arrives with this step
-        return _InFlight(rows, slot, samplers)
+        return _InFlight(rows, slot, samplers, [r.request for r, m in zip(rows, masked) if m])
+
+    def _publish_masks(self, step: _InFlight | None) -> None:
+        """A launched step's bitmasks, each from its matcher's state after every token of the steps before
+        it, written in one parallel call into the runner's staging rows. A request ended since the launch
+        gets an all-allowing mask: its row's sample is dropped."""
+        if step is None or not step.masked:
+            return
+        start = time.perf_counter()
+        matchers = [None if req.closed else req.matcher for req in step.masked]
+        step.masked = []
+        self.runner.publish_masks(lambda out: self._grammars.fill_masks(matchers, out))
+        self.stats.grammar_seconds += time.perf_counter() - start
 
     def _count_step(self, rows: list[ScheduledRow]) -> None:
         s = self.stats
@@ -335,23 +357,40 @@ class Engine:
                                 if not (r.count == 1 and r.samples and r.start >= r.request.num_prompt))
 
     # ------------------------------------------------------------------ accept
-    def _finish(self, step: _InFlight) -> list[Event]:
+    def _finish(self, step: _InFlight, then_masks_of: _InFlight | None = None) -> list[Event]:
+        """Read a step's tokens back and accept them. then_masks_of: the step launched after it, whose masks
+        are published as soon as the matchers have consumed these tokens (before the detokenizer and the
+        stop checks run: a request they end drops that step's row anyway)."""
         sampled = self.runner.collect(step.slot, len(step.rows))
         self.scheduler.register(step.rows)
-        logprob_rows = [i for i, req, _ in step.samplers if req.logprobs is not None and not req.closed]
+        # requests ended by a stop or an abort in an earlier step are skipped (their placeholders are gone)
+        live = [(i, req, index) for i, req, index in step.samplers if not req.closed]
+        refused = self._consume(live, sampled)
+        self._publish_masks(then_masks_of)
+        logprob_rows = [i for i, req, _ in live if req.logprobs is not None]
         logprobs = self._logprobs(logprob_rows, step.rows, sampled) if logprob_rows else {}
         events = []
-        for i, req, index in step.samplers:
-            if req.closed:
-                continue  # ended by a stop or an abort in an earlier step (its placeholders are gone)
+        for i, req, index in live:
             req.unresolved -= 1
             token = int(sampled[i])
             req.token_ids[index] = token
-            events.append(self._accept(req, index, token, logprobs.get(i)))
+            events.append(self._accept(req, index, token, logprobs.get(i), refused.get(i)))
         return events
 
-    def _accept(self, req: Request, index: int, token: int, logprobs) -> Event:
-        """A token read back: the detokenizer, penalties, logprobs and the stop checks see it."""
+    def _consume(self, live: list[tuple[int, Request, int]], sampled) -> dict[int, str]:
+        """The step's constrained requests' matchers advanced by their tokens (together); row -> the grammar
+        engine's error for each token a matcher refused."""
+        rows = [(i, req.matcher) for i, req, _ in live if req.matcher is not None]
+        if not rows:
+            return {}
+        start = time.perf_counter()
+        errors = self._grammars.consume([(m, int(sampled[i])) for i, m in rows])
+        self.stats.grammar_seconds += time.perf_counter() - start
+        return {i: e for (i, _), e in zip(rows, errors) if e is not None}
+
+    def _accept(self, req: Request, index: int, token: int, logprobs, refused: str | None = None) -> Event:
+        """A token read back: the detokenizer, penalties, logprobs and the stop checks see it (its matcher
+        has consumed it already: refused is the grammar's error if it did not allow it)."""
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -362,13 +401,11 @@ class Engine:
         # before min_tokens no stop string is looked for (EOS and stop ids cannot be sampled then)
         text = req.detokenizer.add(token, find_stop=index - req.num_prompt + 1 >= req.params.min_tokens) \
             if req.detokenizer is not None else ""
-        if req.matcher is not None:
-            error = req.matcher.consume(token)
-            if error is not None:  # this request cannot go on; the others can
-                log.error("request %d: the grammar refused token %d sampled under its mask: %s", req.request_id,
-                          token, error)
-                self._end(req, index, "abort", "grammar")
-                return req, token, text
+        if refused is not None:  # this request cannot go on; the others can
+            log.error("request %d: the grammar refused token %d sampled under its mask: %s", req.request_id,
+                      token, refused)
+            self._end(req, index, "abort", "grammar")
+            return req, token, text
         stop = None
         if token in req.stop_ids:
             stop = token

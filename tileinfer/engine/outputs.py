@@ -63,6 +63,8 @@ class EngineStats:
     decode_rows: int = 0
     decode_positions: int = 0     # cached positions those rows' attention read (each row's start + 1)
     decode_seconds: float = 0.0
+    # Host time advancing structured-output matchers and computing their masks (while steps run).
+    grammar_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

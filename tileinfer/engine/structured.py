@@ -9,6 +9,13 @@ tokens, a bitmask of one bit per vocabulary entry, and the sampling step sets ev
 distribution). EOS is allowed only where the grammar may end, and a request whose grammar is complete
 finishes ("stop"). Requests without a constraint pay nothing.
 
+What it costs. A step's matchers advance and compute their masks together (`Grammars.consume`,
+`Grammars.fill_masks`: llguidance's executor, Rust threads without the GIL), the masks written
+straight into the runner's pinned staging rows. The engine does it after launching the step, while
+the GPU runs its forward (the step's sampling waits for them: runner/gpu.py), so a batch of
+constrained requests pays the GPU for copying the masks in and the host for whatever of the mask
+work the forward does not hide.
+
 JSON is generated compact (", " and ": " separators, no other whitespace): a model cannot then spend
 its budget on whitespace the grammar would allow.
 """
@@ -66,19 +73,28 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class Grammars:
     """The engine's grammar side: the tokenizer as llguidance sees it (built on first use, about a
-    second for Qwen3's vocabulary), and a matcher per constrained request."""
+    second for Qwen3's vocabulary), a matcher per constrained request, and the thread pool that advances
+    a step's matchers and computes their masks in parallel."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self._tokenizer_json = tokenizer.to_str()
         self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll = None
+        self._executor = None
 
     def _ll_tokenizer(self):
         if self._ll is None:
             from llguidance import LLTokenizer
             self._ll = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return self._ll
+
+    def _pool(self):
+        if self._executor is None:
+            from llguidance import LLExecutor
+            self._executor = LLExecutor()  # llguidance's default: 80% of the CPUs, at most 32 threads
+        return self._executor
 
     def matcher(self, spec: StructuredOutputs) -> "Matcher":
         """A matcher for one request; ValueError naming the problem if the grammar engine rejects it."""
@@ -89,24 +105,44 @@ class Grammars:
             raise ValueError(f"structured_outputs: the grammar engine rejects it: {error}")
         return Matcher(LLMatcher(self._ll_tokenizer(), grammar, log_level=0), self.vocab_size)
 
+    def fill_masks(self, matchers: list["Matcher | None"], out: np.ndarray) -> None:
+        """out[i] = matchers[i]'s allowed next tokens (as Matcher.mask), all computed in one call on the
+        pool's threads; a row whose matcher is None allows every token. out: C-contiguous int32 [n, words],
+        e.g. pinned staging memory the GPU copies from."""
+        if out.dtype != np.int32 or out.shape != (len(matchers), self.words) or not out.flags.c_contiguous:
+            raise ValueError(f"fill_masks: out must be C-contiguous int32 {(len(matchers), self.words)}, "
+                             f"got {out.dtype} {out.shape}")
+        work = []
+        for i, m in enumerate(matchers):
+            if m is None:
+                out[i] = -1
+            else:
+                work.append((m._m, i))
+        if work:
+            self._pool().unsafe_compute_mask_ptr(work, out.ctypes.data, self.words * 4, len(matchers))
+
+    def consume(self, pairs: list[tuple["Matcher", int]]) -> list[str | None]:
+        """Advance each matcher by its sampled token, in parallel; per pair None, or the grammar engine's
+        error if it refuses the token (a bug: the token was sampled under that matcher's mask)."""
+        if not pairs:
+            return []
+        ok = self._pool().consume_token_par([(m._m, int(t)) for m, t in pairs])
+        return [None if good else m._m.get_error() for (m, _), good in zip(pairs, ok)]
+
 
 class Matcher:
-    """One request's grammar state, advanced token by token."""
+    """One request's grammar state (Grammars.consume advances it token by token)."""
 
     def __init__(self, ll_matcher, vocab_size: int):
         self._m = ll_matcher
         self.words = (vocab_size + 31) // 32
 
     def mask(self) -> np.ndarray:
-        """The allowed next tokens: int32 words, bit t % 32 of word t // 32 set for token t."""
+        """The allowed next tokens: int32 words, bit t % 32 of word t // 32 set for token t (one request's;
+        the engine computes a step's masks together with Grammars.fill_masks)."""
         out = np.empty(self.words, np.int32)
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         return out
-
-    def consume(self, token: int) -> str | None:
-        """Advance by a sampled token; the grammar engine's error if it refuses it (a bug: the token was
-        sampled under this matcher's mask)."""
-        return None if self._m.consume_token(token) else self._m.get_error()
 
     @property
     def done(self) -> bool:

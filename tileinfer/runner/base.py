@@ -1,4 +1,5 @@
-"""What the GPU and CPU runners share: the checkpoint's tokenizer, token-id checks, teacher-forced logits."""
+"""What the GPU and CPU runners share: the checkpoint's tokenizer, token-id checks, a waited-for step,
+teacher-forced logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +13,8 @@ class CheckpointRunner:
     checkpoint = None
     config = None
     _tokenizer = None
+    _awaiting_masks = 0  # bitmasks the step launched last waits for (publish_masks)
+    _awaiting_slot = None  # that step's slot
 
     @property
     def tokenizer(self):
@@ -34,6 +37,26 @@ class CheckpointRunner:
             raise ValueError(f"token_ids: {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
+    def _check_not_awaiting(self, what: str, slot: int | None = None) -> None:
+        """Refuse what would wait for the step that waits for its bitmasks (or any work, slot None)."""
+        if self._awaiting_masks and (slot is None or slot == self._awaiting_slot):
+            raise RuntimeError(f"cannot {what}: the step launched last waits for its bitmasks (call publish_masks "
+                               f"first; its sampling cannot run without them)")
+
+    def step(self, batch, sampling=None, *, sample: bool = True, penalties: list | None = None,
+             masks: list | None = None) -> np.ndarray | None:
+        """One step over (sequence, new ids[, start]) rows (see prepare_step), waited for; the positions must
+        already be reserved. masks: per row None or its allowed-token bitmask (int32 words, as
+        sampler.apply_mask reads it).
+
+        Returns each sequence's next token (or None with sample=False, e.g. a non-final prefill chunk)."""
+        given = checked_masks(masks, self.config.vocab_size)
+        masked = None if masks is None else [m is not None for m in masks]
+        slot = self.launch(batch, sampling, sample=sample, penalties=penalties, masked=masked)
+        if sample and given is not None:
+            self.publish_masks(lambda out: np.copyto(out, given))
+        return self.collect(slot, len(batch))
+
     def logits(self, token_ids: list[int], *, chunk: int | None = None, kv_quantize: str | None = None,
                smoothing: bool = True) -> np.ndarray:
         """Teacher-forced next-token logits for every position: float32 [len(token_ids), vocab].
@@ -48,3 +71,15 @@ class CheckpointRunner:
             return self.extend(seq, ids, chunk=chunk)
         finally:
             cache.manager.release(seq)
+
+
+def checked_masks(masks: list | None, vocab_size: int) -> np.ndarray | None:
+    """The given rows' bitmasks stacked, int32 [rows with a mask, words] (None: none given); ValueError
+    naming a mask of the wrong shape or type."""
+    words = (vocab_size + 31) // 32
+    given = [np.asarray(m) for m in masks or () if m is not None]
+    for i, m in enumerate(given):
+        if m.shape != (words,) or m.dtype != np.int32:
+            raise ValueError(f"bitmask {i} is {m.dtype} {m.shape}; a vocabulary of {vocab_size} needs int32 "
+                             f"({words},): one bit per token")
+    return np.stack(given) if given else None

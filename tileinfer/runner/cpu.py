@@ -1,9 +1,11 @@
 """The CPU runner: the float32 numpy reference (model/reference.py) over a paged numpy KV cache.
 
-It offers the GPU runner's methods (launch / collect / step, verify, extend, logits) and honours the
-same block tables, slots, token sources and sampling rule (runner/sampler.py is the sampling kernel's
-specification, bit for bit), so the whole engine (batching, chunked prefill, prefix caching with
-copy-on-write, preemption, speculation, chat) runs on a machine without a GPU: slowly and exactly.
+It offers the GPU runner's methods (launch / publish_masks / collect / step, verify, extend, logits) and
+honours the same block tables, slots, token sources, bitmasks and sampling rule (runner/sampler.py is
+the sampling kernel's specification, bit for bit), so the whole engine (batching, chunked prefill,
+prefix caching with copy-on-write, preemption, speculation, chat, structured output) runs on a
+machine without a GPU: slowly and exactly. As on the GPU, a step with bitmasks samples only once
+publish_masks has given them.
 Each sequence of a step is computed on its own, so a request's logits never depend on the batch
 around it.
 
@@ -112,6 +114,7 @@ class CPURunner(CheckpointRunner):
         self._pending: dict[int, np.ndarray] = {}  # slot -> sampled ids of a launched step
         self._slot = 0
         self._prev = np.zeros(0, np.int32)         # the last sampled step's ids (token_src reads them)
+        self._unsampled = None                     # the launched step's rows and logits, until sampled
         self._last_logits = np.zeros((0, self.config.vocab_size), np.float32)
 
     # ------------------------------------------------------------------ cache
@@ -172,11 +175,16 @@ class CPURunner(CheckpointRunner):
         return rows
 
     def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-               penalties: list | None = None, masks: list | None = None,
+               penalties: list | None = None, masked: list[bool] | None = None,
                token_src: list[int] | None = None) -> int | None:
-        """Run one step now; returns the slot to `collect` its sampled tokens from (None with sample=False).
-        penalties / masks: per row None, or its penalty entries / its allowed-token bitmask."""
+        """Run one step's forward now; returns the slot to `collect` its sampled tokens from (None with
+        sample=False). penalties: per row None or its penalty entries. masked: per row whether it samples
+        under a bitmask; the step then samples when publish_masks gives them (the GPU step waits for them)."""
+        self._check_not_awaiting("launch another step")
         rows = self._check_step(batch)
+        num_masks = sum(map(bool, masked)) if masked is not None else 0
+        if num_masks and not sample:
+            raise ValueError("launch: rows with bitmasks in a step that does not sample")
         self._copy_pending_pages()
         if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
             rows = [(seq, [int(self._prev[src])] if src >= 0 else ids, start)
@@ -184,29 +192,52 @@ class CPURunner(CheckpointRunner):
         last = np.concatenate([self._rows_logits(seq, ids, start, False) for seq, ids, start in rows])
         if not sample:
             return None
+        slot, self._slot = self._slot, self._slot ^ 1
+        self._unsampled = (slot, rows, last, sampling, penalties, masked)
+        if num_masks:
+            self._awaiting_masks, self._awaiting_slot = num_masks, slot
+        else:
+            self._sample(None)
+        return slot
+
+    def publish_masks(self, fill) -> None:
+        """Hand the launched step its bitmasks: fill(out) writes them, int32 [masked rows, words] in row
+        order; then the step samples (even if fill raises)."""
+        n = self._awaiting_masks
+        if not n:
+            raise RuntimeError("publish_masks: the last launched step waits for no bitmasks")
+        self._awaiting_masks = 0
+        masks = np.zeros((n, (self.config.vocab_size + 31) // 32), np.int32)
+        try:
+            fill(masks)
+        finally:
+            self._sample(masks)
+
+    def _sample(self, masks: np.ndarray | None) -> None:
+        """Sample the launched step's rows: penalties, then each masked row's bitmask (masks[k] for the
+        k-th masked row), then the sampling rule."""
+        slot, rows, last, sampling, penalties, masked = self._unsampled
         out = np.zeros(len(rows), np.int32)
+        k = 0
         for i, (seq, ids, start) in enumerate(rows):
             row = sampling[i] if sampling else SamplingRow()
             if penalties is not None and penalties[i] is not None:
                 last[i] = apply_penalties(last[i], *penalties[i], row.repetition, row.presence, row.frequency)
-            if masks is not None and masks[i] is not None:
-                last[i] = apply_mask(last[i], masks[i])
+            if masked is not None and masked[i]:
+                last[i] = apply_mask(last[i], masks[k])
+                k += 1
             out[i] = sample_token(last[i], temperature=row.temperature, top_k=row.top_k, top_p=row.top_p,
-                            min_p=row.min_p, seed=row.seed, counter=start + len(ids))
+                                  min_p=row.min_p, seed=row.seed, counter=start + len(ids))
         self._last_logits, self._prev = last, out
-        slot, self._slot = self._slot, self._slot ^ 1
         self._pending[slot] = out
-        return slot
 
     def collect(self, slot: int | None, n: int) -> np.ndarray | None:
+        self._check_not_awaiting("wait for that step", slot)
         return None if slot is None else self._pending.pop(slot)[:n]
-
-    def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-             penalties: list | None = None, masks: list | None = None) -> np.ndarray | None:
-        return self.collect(self.launch(batch, sampling, sample=sample, penalties=penalties, masks=masks), len(batch))
 
     def logits_rows(self, n: int) -> np.ndarray:
         """The last sampled step's first n logits rows, after penalties, before temperature (for logprobs)."""
+        self._check_not_awaiting("read logits")
         return self._last_logits[:n]
 
     @property
@@ -215,6 +246,7 @@ class CPURunner(CheckpointRunner):
 
     def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None) -> np.ndarray:
         """Every new token's next-token logits ("all", [tokens, vocab]) or their argmaxes ("argmax", [tokens])."""
+        self._check_not_awaiting("run verify")
         if logits not in ("argmax", "all"):
             raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
         rows = self._check_step(batch)
@@ -229,6 +261,7 @@ class CPURunner(CheckpointRunner):
                logits: str = "all") -> np.ndarray | None:
         """Append tokens to `seq` in chunks (pages reserved here) and return their logits as the GPU runner's
         extend does: "all" [n, vocab], "last" [1, vocab], "argmax" [n], "none" None."""
+        self._check_not_awaiting("run extend")
         if self.cache is None:
             raise RuntimeError("no KV cache is attached to this runner: call ensure_cache() first")
         if logits not in LOGITS_MODES:

@@ -9,6 +9,18 @@ runs a speculative verify step (every new token's logits) from a graph per (buck
 (model/forward.py) has one caller, `_forward`. The engine (tileinfer/engine) drives a runner; the CPU
 runner (runner/cpu.py) offers the same methods over the float32 reference.
 
+Structured output. A step whose rows sample under allowed-token bitmasks (`launch(masked=...)`) is
+launched whole, forward and sampling, before its masks exist: the host computes them while the forward
+runs (a mask needs the token the step before sampled, which the engine reads only after this launch)
+and hands them over with `publish_masks`. Between the forward and the sampling kernel the step waits
+on a mapped host word, copies the masks in and clears the word (step.py, `enqueue_masks`): a stream
+wait, a copy and a stream write, which a CUDA graph captures as nodes, so a decode step with masks
+replays a graph of its own kind (DECODE_MASKED) and a step without masks is exactly what it was.
+Launching the sampling kernel separately once the masks are written would instead cost every such
+step one more launch from the host after the masks, and split each decode graph in two. A launched
+step with masks must be published before anything else is launched or waited for (the runner
+refuses: the GPU would wait forever).
+
 Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for 1
 or 2 rows, the small-M GEMM up to 64, the tensor-core GEMM beyond), decode attention runs in its
 decode shape and splits each sequence's keys by batch size. Different kernels sum in different
@@ -31,7 +43,7 @@ from .. import kernels as K
 from ..cuda import Stream, get_device
 from ..cuda import compiler
 from ..cuda.module import load_all
-from ..graphs import DECODE, GraphManager, bucket_for
+from ..graphs import DECODE, DECODE_MASKED, GraphManager, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
@@ -147,6 +159,7 @@ class GPURunner(CheckpointRunner):
                                  penalty_capacity=penalty_capacity, mask_words=(self.config.vocab_size + 31) // 32)
         self.graphs = GraphManager()
         self.graphs.add_kind(DECODE, self._enqueue_decode)
+        self.graphs.add_kind(DECODE_MASKED, lambda bucket, stream: self._enqueue_decode(bucket, stream, masked=True))
 
     def _splits_for(self, batch: int, max_tiles: int, per_sm: int | None = None) -> int:
         """The most splits whose blocks fit one wave of `per_sm` decode blocks an SM (default: the attached
@@ -178,69 +191,74 @@ class GPURunner(CheckpointRunner):
         return forward(self.weights, self.workspace, self.cache, self.steps.inputs, shape, all_logits=all_logits,
                        num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant, embedded=embedded)
 
-    def _enqueue_step(self, shape: StepShape, *, sample: bool, num_splits: int, stream, embedded: bool = False):
-        """A step's forward, then (sample=True) the sampling launch over each sequence's last logits row."""
+    def _enqueue_step(self, shape: StepShape, *, sample: bool, num_splits: int, stream, embedded: bool = False,
+                      masked: bool = False):
+        """A step's forward, then (sample=True) the sampling launch over each sequence's last logits row;
+        masked=True: the bitmasks are taken in between (StepBuffers.enqueue_masks)."""
         logits = self._forward(shape, all_logits=False, num_splits=num_splits, stream=stream, embedded=embedded)
         if not sample:
             return
         d, b = self.steps.dev, shape.num_seqs
+        if masked:
+            self.steps.enqueue_masks(b, stream)
         penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
                      d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
         keyed = head_keys_written(logits, self.batch_invariant)  # batch 1: row 0's maximum is known
         K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                  d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
                  self.steps.sampled.rows(0, b), stream, penalties=penalties,
-                 masks=(d["mask_rows"].rows(0, b), self.steps.masks),
+                 masks=(d["mask_rows"].rows(0, b), self.steps.masks) if masked else None,
                  head_keys=self.workspace.head_keys if keyed else None, host_out=self.steps.sampled_out,
                  host_slot=d["sample_slot"])
 
-    def _enqueue_decode(self, bucket: int, stream) -> None:
+    def _enqueue_decode(self, bucket: int, stream, masked: bool = False) -> None:
         """A decode step of `bucket` rows (what its graph captures): its first kernel fetches the step's inputs
-        from the mapped host mirror, resolves tokens sampled by the step before and embeds them."""
+        from the mapped host mirror, resolves tokens sampled by the step before and embeds them; masked=True:
+        its sampling waits for the step's bitmasks."""
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
         d = self.steps.dev
         K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
                      stream, embed=(self.weights.embed, self.workspace.resid.rows(0, bucket)))
         self.steps.record_fetched(stream)
-        self._enqueue_step(shape, sample=True, num_splits=self.decode_splits(bucket), stream=stream, embedded=True)
+        self._enqueue_step(shape, sample=True, num_splits=self.decode_splits(bucket), stream=stream, embedded=True,
+                           masked=masked)
 
     # ------------------------------------------------------------------ steps
-    def step(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-             penalties: list | None = None, masks: list | None = None) -> np.ndarray | None:
-        """One forward step over (sequence, new ids[, start]) rows (see prepare_step), waited for; the
-        positions must already be reserved.
-
-        Returns each sequence's next token (or None with sample=False, e.g. a non-final prefill chunk).
-        """
-        slot = self.launch(batch, sampling, sample=sample, penalties=penalties, masks=masks)
-        return self.collect(slot, len(batch))
-
     def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
-               penalties: list | None = None, masks: list | None = None,
+               penalties: list | None = None, masked: list[bool] | None = None,
                token_src: list[int] | None = None) -> int | None:
         """Enqueue one step without waiting for it; returns the slot to `collect` its samples from
-        (None with sample=False). At most two sampled steps may be in flight."""
+        (None with sample=False). At most two sampled steps may be in flight. masked: per row whether
+        it samples under a bitmask; the step then waits for `publish_masks` before it samples."""
         self._check_open()
+        self._check_not_awaiting("launch another step")
         self._copy_pending_pages()
         decode = all(len(item[1]) == 1 for item in batch) and len(batch) <= self.max_num_seqs
+        if masked is not None and any(masked) and not sample:
+            raise ValueError("launch: rows with bitmasks in a step that does not sample")
         if decode:
             # Padded to its bucket, eager or not, so a graph replay and an eager step run the same launches.
             bucket = bucket_for(len(batch), self.buckets)
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
-                         masks=masks, token_src=token_src)
+                         masked=masked, token_src=token_src)
+            # from here on the stream may wait for the masks (close releases a step left waiting)
+            self._awaiting_masks, self._awaiting_slot = self.steps.num_masks, self._slot
+            with_masks = self.steps.num_masks > 0
             self.steps.set_sample_slot(self._slot)
             self.steps.upload_entries(self.stream)
             if self.use_graphs:
-                self.graphs.run(DECODE, bucket, self.stream)
+                self.graphs.run(DECODE_MASKED if with_masks else DECODE, bucket, self.stream)
             else:
-                self._enqueue_decode(bucket, self.stream)
+                self._enqueue_decode(bucket, self.stream, masked=with_masks)
             self.steps.fetched()
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
-                                 masks=masks, token_src=token_src)
+                                 masked=masked, token_src=token_src)
+            self._awaiting_masks, self._awaiting_slot = self.steps.num_masks, self._slot
+            with_masks = self.steps.num_masks > 0
             self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
-            self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream)
+            self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream, masked=with_masks)
         if not sample:
             return None
         slot = self._slot  # the sampling kernel writes the ids into this row of the mapped sampled_host
@@ -248,8 +266,21 @@ class GPURunner(CheckpointRunner):
         self.steps.mark_sampled(slot, len(batch), self.stream)
         return slot
 
+    def publish_masks(self, fill) -> None:
+        """Hand the launched step its bitmasks: fill(out) writes them, int32 [masked rows, words] in row order,
+        straight into pinned memory; then the step samples. The step is released even if fill raises."""
+        n = self._awaiting_masks
+        if not n:
+            raise RuntimeError("publish_masks: the last launched step waits for no bitmasks")
+        self._awaiting_masks = 0
+        try:
+            fill(self.steps.mask_staging(n))
+        finally:
+            self.steps.release_masks()
+
     def collect(self, slot: int | None, n: int) -> np.ndarray | None:
         """Wait for a launched step; its n sampled tokens (None for a step that did not sample)."""
+        self._check_not_awaiting("wait for that step", slot)
         t = time.perf_counter()
         if slot is None:
             self.stream.synchronize()
@@ -261,6 +292,7 @@ class GPURunner(CheckpointRunner):
 
     def logits_rows(self, n: int) -> np.ndarray:
         """The last step's first n logits rows (after penalties, before temperature): for logprobs."""
+        self._check_not_awaiting("read logits")
         return self.workspace.logits.rows(0, n).to_host(self.stream)
 
     def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None,
@@ -273,6 +305,7 @@ class GPURunner(CheckpointRunner):
         The pages are reserved here; the caller owns `seq` (release or truncate it through the
         cache's manager)."""
         self._check_open()
+        self._check_not_awaiting("run extend")
         if self.cache is None:
             raise RuntimeError("no KV cache is attached to this model: call ensure_cache() first")
         if logits not in LOGITS_MODES:
@@ -316,6 +349,7 @@ class GPURunner(CheckpointRunner):
         tokens (each row at most graph_width) and replays the graph of that shape, captured on its
         first use; otherwise (or when the padded step would not fit) it runs eagerly."""
         self._check_open()
+        self._check_not_awaiting("run verify")
         if logits not in ("argmax", "all"):
             raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
         n = sum(len(item[1]) for item in batch)
@@ -393,6 +427,10 @@ class GPURunner(CheckpointRunner):
         """Free every device allocation this model made."""
         if self._closed:
             return
+        if self._awaiting_masks:  # abandoned (an error between launch and publish): let the stream drain
+            self._awaiting_masks = 0
+            self.steps.masks_taken(timeout=5.0)  # the step before it first (a dead device: synchronize says so)
+            self.steps.release_masks()
         self.stream.synchronize()
         self.detach_cache()
         self.workspace.free()

@@ -6,9 +6,16 @@ fields never move. prepare_step fills the pinned host mirror; `upload` sends it 
 asynchronous copy, or a decode step fetches it itself (K.fetch_step, its first kernel: the mirror is
 mapped into the device's address space). Kernels (and the graphs that captured them) only ever read these
 addresses, so a graph captured at one length stays valid as sequences grow.
+
+Allowed-token bitmasks (structured output) are the one input that arrives after the launch: the host
+computes a step's masks while its forward runs (they depend on the token the step before sampled).
+A step with masks waits, after its forward, for a mapped host word (`mask_flag`) to read 1, copies
+the masks from pinned memory, sets the word back to 0 and samples (`enqueue_masks`); the host fills
+`mask_staging`, then sets the word (`release_masks`). Steps without masks have none of this.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,10 +108,14 @@ class StepBuffers:
         self.penalties = DeviceArray((2, self.penalty_capacity), np.int32)
         self.penalties_host = PinnedBuffer(self.penalties.nbytes)
         self.num_penalty_entries = 0
-        # Allowed-token bitmasks (structured output) of the rows that have one, uploaded only as far as used.
+        # Allowed-token bitmasks (structured output) of the rows that have one, in row order; the host
+        # writes them after the launch, the step copies them in after its forward (enqueue_masks).
         self.masks = DeviceArray((max_seqs, max(int(mask_words), 1)), np.int32)
         self.masks_host = PinnedBuffer(self.masks.nbytes)
-        self.num_masks = 0
+        self.num_masks = 0  # masked rows of the step prepared last
+        self.mask_flag = PinnedBuffer(4, mapped=True)  # 1: masks_host holds the waiting step's masks
+        self._flag = self.mask_flag.array((1,), np.uint32)
+        self._flag[0] = 0
         # What each row of the block tables and sampling fields holds now: (sequence, table version)
         # and the SamplingRow object, so unchanged rows are not rewritten every step.
         self.row_tables: list[tuple[object, int] | None] = [None] * max_seqs
@@ -140,16 +151,48 @@ class StepBuffers:
         self._upload_pending = True
 
     def upload_entries(self, stream) -> None:
-        """Copy the penalty entries and bitmasks in use (they live outside the mirror)."""
+        """Copy the penalty entries in use (they live outside the mirror)."""
         n = self.num_penalty_entries
         if n:
             cap = self.penalty_capacity
             call(driver.cuMemcpyHtoDAsync, self.penalties.ptr, self.penalties_host.ptr, n * 4, stream.handle)
             call(driver.cuMemcpyHtoDAsync, self.penalties.ptr + cap * 4, self.penalties_host.ptr + cap * 4, n * 4,
                  stream.handle)
-        if self.num_masks:
-            nbytes = self.num_masks * self.masks.shape[1] * 4
-            call(driver.cuMemcpyHtoDAsync, self.masks.ptr, self.masks_host.ptr, nbytes, stream.handle)
+
+    # ------------------------------------------------------------------ bitmasks after the launch
+    def enqueue_masks(self, rows: int, stream) -> None:
+        """In a step with masks, between its forward and its sampling (graph-capturable: two memory-operation
+        nodes and a copy): wait until mask_flag is 1, copy `rows` bitmasks in, set mask_flag to 0. The flag
+        goes back to 0 only after the copy has read masks_host, so a host that sees 0 may write the next
+        step's masks."""
+        flag = self.mask_flag.device_ptr
+        eq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
+        call(driver.cuStreamWaitValue32, stream.handle, flag, 1, eq, detail="the wait for a step's bitmasks")
+        nbytes = rows * self.masks.shape[1] * 4
+        call(driver.cuMemcpyHtoDAsync, self.masks.ptr, self.masks_host.ptr, nbytes, stream.handle)
+        call(driver.cuStreamWriteValue32, stream.handle, flag, 0, 0, detail="the bitmasks' flag reset")
+
+    def masks_taken(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until the step that last waited for masks has copied them in
+        (mask_flag back to 0); whether it has. At once in the engine's order: that step was read back
+        before the next step's masks are written."""
+        start = time.perf_counter()
+        while self._flag[0] != 0:
+            if time.perf_counter() - start > timeout:
+                return False
+            time.sleep(0)
+        return True
+
+    def mask_staging(self, n: int, timeout: float = 60.0) -> np.ndarray:
+        """The pinned rows the next n bitmasks go to, once the masks before them are taken. # [n, words] int32"""
+        if not self.masks_taken(timeout):
+            raise RuntimeError(f"the GPU has not taken the previous step's bitmasks after {timeout:.0f} s; "
+                               "the device is stuck or a step's masks were never released")
+        return self.masks_host.array((n, self.masks.shape[1]), np.int32)
+
+    def release_masks(self) -> None:
+        """The masks are in place: the step waiting for them goes on to sample."""
+        self._flag[0] = 1
 
     def set_sample_slot(self, slot: int) -> None:
         """The row of sampled_host (0 or 1) the next uploaded step's sampling kernel writes."""
@@ -173,12 +216,13 @@ class StepBuffers:
         self.penalties_host.free()
         self.masks.free()
         self.masks_host.free()
+        self.mask_flag.free()
         for e in (*self.sampled_ready, self.uploaded):
             e.destroy()
 
 
 def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: list[SamplingRow] | None = None,
-                 pad_to: int | None = None, penalties: list | None = None, masks: list | None = None,
+                 pad_to: int | None = None, penalties: list | None = None, masked: list[bool] | None = None,
                  token_src: list[int] | None = None, pad_tokens: int | None = None) -> StepShape:
     """Fill the pinned mirror for one step; the positions it computes must be reserved already.
 
@@ -188,7 +232,8 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     pad_to: the number of sequences (and, for one-token steps, tokens) of the graph bucket;
     padding rows have no query tokens (attention skips them) and slot -1 (nothing is stored).
     penalties: per row None or (token ids, output counts) int32 arrays for apply_penalties.
-    masks: per row None or its allowed-token bitmask (int32 words, as sampler.apply_mask reads it).
+    masked: per row whether it samples under an allowed-token bitmask: the masked rows take bitmasks
+    0, 1, ... in row order (mask_rows), written after the launch (StepBuffers.mask_staging).
     token_src: per row -1, or (for a one-token row) the row of the previous step whose sample is
     this row's token: it is read on the device, so the host need not have it yet.
     pad_tokens: the step's token rows, padding included (a graphed verify step: bucket x tokens a row).
@@ -211,7 +256,7 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
         num_tokens = num_seqs  # a decode bucket: one row per (padding) sequence
     _write_padding(buffers, len(batch), num_seqs, offset, num_tokens)
     _fill_penalties(buffers, penalties, num_seqs)
-    _fill_masks(buffers, masks, num_seqs)
+    _set_mask_rows(buffers, masked, num_seqs)
     return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, max_q_len=rows.max_q)
 
 
@@ -343,23 +388,16 @@ def _fill_penalties(buffers: StepBuffers, penalties: list | None, num_seqs: int)
     buffers.num_penalty_entries = n
 
 
-def _fill_masks(buffers: StepBuffers, masks: list | None, num_seqs: int) -> None:
+def _set_mask_rows(buffers: StepBuffers, masked: list[bool] | None, num_seqs: int) -> None:
     rows = buffers.host["mask_rows"]
-    if not masks or all(m is None for m in masks):
+    if not masked or not any(masked):
         if buffers.num_masks:
             rows[:] = -1
         buffers.num_masks = 0
         return
-    words = buffers.masks.shape[1]
-    host = buffers.masks_host.array(buffers.masks.shape, np.int32)
-    n = 0
+    if len(masked) > num_seqs:
+        raise ValueError(f"prepare_step: {len(masked)} mask flags for {num_seqs} rows")
     rows[:] = -1
-    for i, m in enumerate(masks[:num_seqs]):
-        if m is None:
-            continue
-        if m.shape != (words,):
-            raise ValueError(f"prepare_step: row {i}'s bitmask has {m.shape} words, the buffers hold ({words},)")
-        host[n] = m
-        rows[i] = n
-        n += 1
-    buffers.num_masks = n
+    at = np.flatnonzero(np.asarray(masked, bool))
+    rows[at] = np.arange(at.size, dtype=np.int32)
+    buffers.num_masks = int(at.size)

@@ -1,0 +1,22 @@
+"""scripts/bench_structured.py's dry run on the CPU runner (the tiny checkpoint): the three runs happen,
+the constrained ones spend host time in the grammar and the unconstrained one none, the figures agree."""
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_structured.py"
+
+
+def test_the_dry_run_measures_all_three_cases(tiny_checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_structured", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--device", "cpu", "--model", str(tiny_checkpoint), "--batch", "4", "--context", "16",
+                         "--new", "6", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "bench_structured.json").read_text()) == json.loads(json.dumps(result))
+    plain, every, half = result["plain"], result["every"], result["half"]
+    assert plain["grammar_ms_per_step"] == 0 and every["grammar_ms_per_step"] > 0 and half["grammar_ms_per_step"] > 0
+    for r in (plain, every, half):
+        assert r["batch"] == 4 and r["steps"] >= 3
+        assert abs(r["decode_tok_s"] * r["ms_per_step"] / 1e3 - 4) < 1e-6  # 4 tokens a step
+    assert result["masking_cost_fraction"] == (every["ms_per_step"] - plain["ms_per_step"]) / plain["ms_per_step"]
