@@ -432,7 +432,18 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
+// Compiled in four parts, one a batch width (12 kernels each), at once: the whole file at once takes longer
+// than its four parts one after another.
+#define KERNEL_PARTS 4
+#if IN_PART(0)
 SWAP_SPLITS(b16, 16, 1, false)
+#endif
+#if IN_PART(1)
 SWAP_SPLITS(b32, 32, 1, false)
+#endif
+#if IN_PART(2)
 SWAP_SPLITS(b64, 64, 1, false)
+#endif
+#if IN_PART(3)
 SWAP_SPLITS(b16d, 16, 1, true)
+#endif
