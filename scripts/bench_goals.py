@@ -86,7 +86,8 @@ def goals_table(values: dict) -> str:
             shown += f", {compiled} compiled"
         if key == "cold_start":
             met = met and v.get("warm_compiled") == 0
-            shown += f" ({v.get('compiled')} compiles); warm cache {v.get('warm', 0):.2f} s, {v.get('warm_compiled')} compiled"
+            shown += (f" ({v.get('compiled')} compiles); warm cache {v.get('warm', 0):.2f} s, "
+                      f"{v.get('warm_compiled')} compiled")
         if v.get("extra"):
             shown += f" ({v['extra']})"
         lines.append(f"| {case} | {_fmt(v.get('peer'), key)} | {_fmt(v.get('roofline'), key)} | {reads} | {shown} | "

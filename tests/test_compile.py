@@ -2,7 +2,8 @@
 
 Every cuda_src/*.cu must compile for Hopper (sm_90, and sm_90a, which load_module picks on an
 H100/H200) into an ELF cubin that exports the entry points the launchers call, and whose PTX waits
-for the kernel before it; a file compiled in parts must hold each entry point in exactly one part. Each (file, arch) is compiled once, several at a time (NVRTC releases the
+for the kernel before it; a file compiled in parts must hold each entry point in exactly one part.
+Each (file, arch) is compiled once, several at a time (NVRTC releases the
 GIL), and both checks read that one compile. The cache must
 compile each key once (STATS.compiled), serve it from disk in a fresh process (disk_hits) and
 from memory in this one (memory_hits), and change its key with every input that changes the

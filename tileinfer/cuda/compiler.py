@@ -197,7 +197,9 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
             if unit.key not in _memory_cache and not unit.path.is_file()]
     if not todo:
         return
-    todo.sort(key=lambda unit: len(unit.source) + sum(map(len, unit.headers.values())), reverse=True)
+    # the longest first: the parts of the files split for being long, then whole files by size
+    todo.sort(key=lambda unit: (_part(unit) is not None, len(unit.source) + sum(map(len, unit.headers.values()))),
+              reverse=True)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -230,10 +232,14 @@ def _left(units) -> str:
     return "left: " + ", ".join(name if n == 1 else f"{name} ({n} parts)" for name, n in counts.items())
 
 
+def _part(unit: _Unit) -> str | None:
+    """The part of its file a unit compiles, None for a whole file."""
+    return next((o.split("=", 1)[1] for o in unit.options if o.startswith("-DKERNEL_PART=")), None)
+
+
 def _label(unit: _Unit) -> str:
     """A unit as an error names it: the file, and its part when it has one."""
-    part = next((o.split("=", 1)[1] for o in unit.options if o.startswith("-DKERNEL_PART=")), None)
-    return unit.name if part is None else f"{unit.name} (part {part})"
+    return unit.name if _part(unit) is None else f"{unit.name} (part {_part(unit)})"
 
 
 def _compile_in_child(unit: _Unit) -> tuple[bytes, float]:
