@@ -547,7 +547,13 @@ __device__ __forceinline__ void decode_int8_h8(const AttnArgs &a, const FusedInp
 // The INT8 _h8 build must fit 4 blocks an SM (<= 128 registers), as the engine's decode splits count on
 // (tileinfer/kernels/routing.py int8_decode_blocks). (A minimum of 1 block on the others is not neutral:
 // it changes their register allocation, for the worse.)
+// Compiled in two parts, at once: the BF16 cache's kernels, and the INT8 cache's.
+#define KERNEL_PARTS 2
+#if IN_PART(0)
 ATTENTION_KERNEL(attention_decode, __launch_bounds__(THREADS), decode_bf16)
-ATTENTION_KERNEL(attention_int8_decode, __launch_bounds__(THREADS), decode_int8)
 ATTENTION_KERNEL(attention_decode_h8, __launch_bounds__(THREADS), decode_bf16_h8)
+#endif
+#if IN_PART(1)
+ATTENTION_KERNEL(attention_int8_decode, __launch_bounds__(THREADS), decode_int8)
 ATTENTION_KERNEL(attention_int8_decode_h8, __launch_bounds__(THREADS, 4), decode_int8_h8)
+#endif

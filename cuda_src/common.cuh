@@ -11,6 +11,15 @@ typedef unsigned long long u64;
 
 #define TI_INF __int_as_float(0x7f800000)
 
+// A file whose kernels take long to compile says `#define KERNEL_PARTS n` and puts its entry points under
+// `#if IN_PART(p)`, p = 0 .. n - 1: the compiler (tileinfer/cuda/compiler.py) builds part p alone with
+// -DKERNEL_PART=p, the n parts at once. Without KERNEL_PART (the tests, the tools) the file holds them all.
+#ifdef KERNEL_PART
+#define IN_PART(p) (KERNEL_PART == (p))
+#else
+#define IN_PART(p) 1
+#endif
+
 struct __align__(16) vec16 { u32 w[4]; };   // 16 bytes: 8 bf16, or 4 f32/i32
 
 // ----------------------------------------------------------------------------- conversions

@@ -434,14 +434,39 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
         swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps, \
                                                    act);                                                    \
     }
-#define SWAP_SPLITS(TAG, B, WG, DEEP)                                                                       \
+// Each width's splits in two halves, KS = 1, 2 and KS = 4, 8 (6 kernels each).
+#define SWAP_SPLITS_1_2(TAG, B, WG, DEEP)                                                                   \
     SWAP_KERNEL(TAG, B, WG, DEEP, 1, )                                                                      \
-    SWAP_KERNEL(TAG, B, WG, DEEP, 2, __cluster_dims__(2, 1, 1))                                             \
+    SWAP_KERNEL(TAG, B, WG, DEEP, 2, __cluster_dims__(2, 1, 1))
+#define SWAP_SPLITS_4_8(TAG, B, WG, DEEP)                                                                   \
     SWAP_KERNEL(TAG, B, WG, DEEP, 4, __cluster_dims__(4, 1, 1))                                             \
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-SWAP_SPLITS(b16, 16, 1, false)
-SWAP_SPLITS(b32, 32, 1, false)
-SWAP_SPLITS(b64, 64, 1, false)
-SWAP_SPLITS(b16d, 16, 1, true)
+// Compiled in eight parts (a width's half each), at once: the whole file in one compile takes longer
+// than its parts one after another.
+#define KERNEL_PARTS 8
+#if IN_PART(0)
+SWAP_SPLITS_1_2(b16, 16, 1, false)
+#endif
+#if IN_PART(1)
+SWAP_SPLITS_4_8(b16, 16, 1, false)
+#endif
+#if IN_PART(2)
+SWAP_SPLITS_1_2(b32, 32, 1, false)
+#endif
+#if IN_PART(3)
+SWAP_SPLITS_4_8(b32, 32, 1, false)
+#endif
+#if IN_PART(4)
+SWAP_SPLITS_1_2(b64, 64, 1, false)
+#endif
+#if IN_PART(5)
+SWAP_SPLITS_4_8(b64, 64, 1, false)
+#endif
+#if IN_PART(6)
+SWAP_SPLITS_1_2(b16d, 16, 1, true)
+#endif
+#if IN_PART(7)
+SWAP_SPLITS_4_8(b16d, 16, 1, true)
+#endif

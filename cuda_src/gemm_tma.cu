@@ -429,6 +429,9 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
         pdl_start();                                                                                        \
         gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, act);                                                  \
     }
+// Compiled in four parts (10 kernels each), at once: these unsplit builds, then each split below.
+#define KERNEL_PARTS 4
+#if IN_PART(0)
 GEMM_KERNEL(gemm_tma_e0, 0, 256)
 GEMM_KERNEL(gemm_tma_e1, 1, 256)
 GEMM_KERNEL(gemm_tma_e2, 2, 256)
@@ -439,6 +442,7 @@ GEMM_KERNEL(gemm_tma_n128_e1, 1, 128)
 GEMM_KERNEL(gemm_tma_n128_e2, 2, 128)
 GEMM_KERNEL(gemm_tma_n128_e3, 3, 128)
 GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
+#endif
 
 // Split K (batched decode, prefill chunks of 65-512 rows): gemm_tma_s{KS}_e{EPI} (BN = 256) and
 // gemm_tma_n128_s{KS}_e{EPI} (BN = 128), KS = 2, 3, 4 blocks per cluster. Same arguments; grid
@@ -463,6 +467,12 @@ GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
     GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e2, 2, 128, KS)                                                 \
     GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e3, 3, 128, KS)                                                 \
     GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e4, 4, 128, KS)
+#if IN_PART(1)
 GEMM_SPLITS(2)
+#endif
+#if IN_PART(2)
 GEMM_SPLITS(3)
+#endif
+#if IN_PART(3)
 GEMM_SPLITS(4)
+#endif

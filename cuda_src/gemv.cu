@@ -268,12 +268,16 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
     GEMV_KERNEL(gemv_m##M##_e0, M, 0, false) GEMV_KERNEL(gemv_m##M##_e1, M, 1, false)                   \
     GEMV_KERNEL(gemv_m##M##_e2, M, 2, false) GEMV_KERNEL(gemv_m##M##_e3, M, 3, false)                   \
     GEMV_KERNEL(gemv_m##M##_e4, M, 4, false)
+// Compiled in two parts, at once: these plain products, and the argmax and norm builds below.
+#define KERNEL_PARTS 2
+#if IN_PART(0)
 GEMV_ALL_EPI(1)
 GEMV_ALL_EPI(2)
 GEMV_ALL_EPI(4)
 GEMV_ALL_EPI(8)
 GEMV_KERNEL(gemv_pipe_m1_e1, 1, 1, true)
 GEMV_KERNEL(gemv_pipe_m1_e3, 1, 3, true)
+#endif
 
 // The LM head at batch 1 with each block's largest logit (ARGMAX above): best[ceil(pairs * ksplit / 8)].
 #define GEMV_ARGMAX_KERNEL(NAME, PIPE)                                                                   \
@@ -287,8 +291,10 @@ GEMV_KERNEL(gemv_pipe_m1_e3, 1, 3, true)
                                                  (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, \
                                                  partial, nullptr, best, keys);                         \
     }
+#if IN_PART(1)
 GEMV_ARGMAX_KERNEL(gemv_argmax_m1_e3, false)
 GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
+#endif
 
 // The same with the RMSNorm of the input fused in: y = rmsnorm(resid) * norm_w @ W^T, for the two
 // products that follow a norm (QKV: EPI_BF16; gate/up: EPI_SILU_MUL; Apertus' up: EPI_XIELU). resid [M, K] float32;
@@ -310,7 +316,9 @@ GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
         gemv_rows<M, EPI, true, false>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
                                 N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial, act); \
     }
+#if IN_PART(1)
 GEMV_NORM_KERNEL(gemv_norm_m1_e0, 1, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m1_e0_b4, 1, 0, 4)
 GEMV_NORM_KERNEL(gemv_norm_m1_e2, 1, 2, 4)
 GEMV_NORM_KERNEL(gemv_norm_m2_e0, 2, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m2_e2, 2, 2, 1)
 GEMV_NORM_KERNEL(gemv_norm_m1_e4, 1, 4, 4) GEMV_NORM_KERNEL(gemv_norm_m2_e4, 2, 4, 1)
+#endif

@@ -2,9 +2,13 @@
 """The performance goals' table from one run: every case measured in one process, the peer beside it.
 
     python3 scripts/bench_goals.py --peer bench/peer_gptfast.py [--profile] [--peer-prewarm] [--out DIR]
+        [--cold-model DIR] [--only KEY,...]
 
 Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scripts/bench.py, whose
 functions this calls):
+  - a fresh machine's first `tileinfer generate` (the demo model, or --cold-model), in a process of its own
+    over an empty kernel cache (a temporary TILEINFER_CACHE): seconds until its first token reaches
+    stdout, with the kernels it compiled; then the same command over the cache it filled (0 compiled);
   - batch-1 decode after a 512-token prompt: qwen3-0.6b, qwen3-4b, qwen3-8b (the peer at batch 1);
   - qwen3-4b batch-1 decode after 32,768 positions, BF16 and INT8 cache (the peer: BF16);
   - qwen3-4b prefill of one 4,096-token prompt, as a fraction of the measured 790 TFLOP/s;
@@ -13,6 +17,7 @@ functions this calls):
     so it is the warm-cache figure the goal names, with the number of kernels it compiled.
 Prints the table (case, peer, roofline, goal, measured, met) and writes bench_goals.json and .md to
 --out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
+--only runs the cases of the given keys alone (GOALS' first column, e.g. --only cold_start).
 With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) and the batch-64 step
 also carry their step's per-kernel GPU time (bench.py --profile), and the decode cases what each
 kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the table,
@@ -27,6 +32,9 @@ import argparse
 import json
 import os
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -42,6 +50,8 @@ GOALS = [
     ("0.6b_offline", "qwen3-0.6b offline, 256 requests, in/out 100-1024", 30000, ">= 30,000 output tok/s", True),
     ("4b_prefill", "qwen3-4b prefill, one 4,096-token prompt", 0.5, ">= 50% of 790 TFLOP/s", True),
     ("startup", "start-up, warm kernel cache: compile + capture", 3.0, "<= 3 s, 0 kernels compiled", False),
+    ("cold_start", "`tileinfer generate`, empty kernel cache: to the first token", 10.0,
+     "<= 10 s, then 0 compiled", False),
 ]
 
 
@@ -50,7 +60,7 @@ def _fmt(x, key: str) -> str:
         return "-"
     if key == "4b_prefill":
         return f"{100 * x:.1f}%"
-    if key == "startup":
+    if key in ("startup", "cold_start"):
         return f"{x:.2f} s"
     return f"{x:,.0f}" if x >= 1000 else f"{x:.1f}"
 
@@ -58,7 +68,9 @@ def _fmt(x, key: str) -> str:
 def goals_table(values: dict) -> str:
     """Markdown table of the goals from `values`: key -> dict(measured=..., peer=..., roofline=...,
     extra=str) or a missing key (not measured). The start-up row also needs extra `compiled` (kernels
-    compiled during start-up): its goal holds only with 0."""
+    compiled during start-up): its goal holds only with 0. The cold-start row needs `compiled` (the
+    compiles of the first run), `warm` (the second run's seconds) and `warm_compiled` (its compiles):
+    its goal holds only if the second run compiled nothing."""
     lines = ["| case | peer | roofline | goal | measured | met |", "|---|---|---|---|---|---|"]
     for key, case, goal, reads, larger in GOALS:
         v = values.get(key)
@@ -72,6 +84,10 @@ def goals_table(values: dict) -> str:
             compiled = v.get("compiled")
             met = met and compiled == 0
             shown += f", {compiled} compiled"
+        if key == "cold_start":
+            met = met and v.get("warm_compiled") == 0
+            shown += (f" ({v.get('compiled')} compiles); warm cache {v.get('warm', 0):.2f} s, "
+                      f"{v.get('warm_compiled')} compiled")
         if v.get("extra"):
             shown += f" ({v['extra']})"
         lines.append(f"| {case} | {_fmt(v.get('peer'), key)} | {_fmt(v.get('roofline'), key)} | {reads} | {shown} | "
@@ -195,8 +211,54 @@ def prewarm_peer(peer: Path, timeout: int) -> float:
     return time.perf_counter() - start
 
 
+def first_output(cmd: list[str], env: dict, timeout: float) -> tuple[float, float]:
+    """Run `cmd`: (seconds until its first byte on stdout, seconds until it exits). RuntimeError with the
+    end of its stderr when it fails; killed after `timeout` seconds."""
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: progress bars cannot fill it and block the run
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            proc.stdout.read(1)
+            first = time.perf_counter() - start
+            proc.stdout.read()
+            proc.wait()
+        finally:
+            timer.cancel()
+        total = time.perf_counter() - start
+        if proc.returncode != 0:
+            err.seek(0)
+            tail = err.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"{' '.join(cmd)} exited with status {proc.returncode} after {total:.1f} s:\n{tail}")
+    return first, total
+
+
+COLD_PROMPT = "The capital of France is"
+COLD_TIMEOUT = 600  # seconds a cold-start run may take before it is killed (and the case not measured)
+
+
+def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:
+    """`tileinfer generate` (one new token) as a new user's first run: its own process, over an empty kernel
+    cache (a temporary TILEINFER_CACHE); then again over the cache the first run filled. Each run's
+    seconds to its first output (the token's text; the newline after it when the token prints nothing)
+    and to its exit, and the cubins each one added to the cache (its compiles)."""
+    cmd = [sys.executable, "-m", "tileinfer", "generate", "--prompt", COLD_PROMPT, "--max-new-tokens", "1",
+           *(["--model", str(model)] if model else [])]
+    with tempfile.TemporaryDirectory(prefix="tileinfer-cold-") as root:
+        env = {**os.environ, "TILEINFER_CACHE": root, "PYTHONUNBUFFERED": "1"}
+        kernels = Path(root, "kernels")
+        first, total = run(cmd, env, timeout)
+        compiled = len(list(kernels.glob("*.cubin")))
+        warm_first, warm_total = run(cmd, env, timeout)
+        warm_compiled = len(list(kernels.glob("*.cubin"))) - compiled
+    return dict(measured=first, compiled=compiled, warm=warm_first, warm_compiled=warm_compiled,
+                extra=f"whole command {total:.2f} s, warm {warm_total:.2f} s")
+
+
 def measure(args) -> dict:
-    """Run every case; each failure is printed and leaves its keys unmeasured."""
+    """Run every case (or those of the keys in args.only); each failure is printed and leaves its keys
+    unmeasured."""
     import bench  # scripts/bench.py: the benchmark functions (needs a GPU)
     from tileinfer.model.config import preset
     from tileinfer.model.synthetic import cached_checkpoint
@@ -212,7 +274,9 @@ def measure(args) -> dict:
 
     values: dict = {}
 
-    def case(label, fn):
+    def case(label, fn, keys):
+        if args.only and not set(keys) & set(args.only):
+            return
         try:
             fn()
         except Exception:  # noqa: BLE001 (one failing case must not lose the others)
@@ -235,9 +299,12 @@ def measure(args) -> dict:
             values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=f"{p['TFLOP_s']:.0f} TFLOP/s",
                                         profile=p.get("profile"))
 
-    case("qwen3-0.6b batch 1", lambda: decode("qwen3-0.6b", "0.6b_b1"))
-    case("qwen3-4b batch 1 and prefill", lambda: decode("qwen3-4b", "4b_b1", prefill="4096"))
-    case("qwen3-8b batch 1", lambda: decode("qwen3-8b", "8b_b1"))
+    def cold():  # first, while this process holds no GPU memory
+        values["cold_start"] = cold_start(args.cold_model, COLD_TIMEOUT)
+    case("cold start", cold, ["cold_start"])
+    case("qwen3-0.6b batch 1", lambda: decode("qwen3-0.6b", "0.6b_b1"), ["0.6b_b1"])
+    case("qwen3-4b batch 1 and prefill", lambda: decode("qwen3-4b", "4b_b1", prefill="4096"), ["4b_b1", "4b_prefill"])
+    case("qwen3-8b batch 1", lambda: decode("qwen3-8b", "8b_b1"), ["8b_b1"])
 
     def long_context():
         name = "qwen3-4b"
@@ -247,7 +314,7 @@ def measure(args) -> dict:
                                profile=row.get("profile"), ablation=row.get("ablation"),
                                cache_bytes=cache_bytes(name, 32768, kv))
         values["4b_32k_int8"]["peer"] = values["4b_32k_bf16"]["peer"]  # the peer has no INT8 cache: its BF16 run
-    case("qwen3-4b at 32k", long_context)
+    case("qwen3-4b at 32k", long_context, ["4b_32k_bf16", "4b_32k_int8"])
 
     def engine():
         name = "qwen3-0.6b"
@@ -270,7 +337,7 @@ def measure(args) -> dict:
         s = out["startup"]
         values["startup"] = dict(measured=s["total"], compiled=s["kernels_compiled"],
                                  extra=f"capture {s['capture']:.2f} s")
-    case("qwen3-0.6b engine", engine)
+    case("qwen3-0.6b engine", engine, ["0.6b_b64", "0.6b_offline", "startup"])
     return values
 
 
@@ -283,7 +350,14 @@ def main() -> None:
     ap.add_argument("--peer-prewarm", action="store_true",
                     help="first run all of the peer's cases at once, untimed, to fill its compile caches")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--cold-model", type=Path,
+                    help="the checkpoint of the cold-start case (default: the demo model shipped with the package)")
+    ap.add_argument("--only", type=lambda text: text.split(","), default=None,
+                    help="run only the cases of these GOALS keys, comma-separated (e.g. cold_start)")
     args = ap.parse_args()
+    unknown = set(args.only or ()) - {key for key, *_ in GOALS}
+    if unknown:
+        ap.error(f"--only: unknown keys {sorted(unknown)}; the keys are {', '.join(key for key, *_ in GOALS)}")
     if args.peer and args.peer_prewarm:
         print(f"peer compile caches warmed in {prewarm_peer(args.peer, args.peer_timeout):.0f} s (all cases at once, "
               "untimed)", flush=True)

@@ -7,8 +7,7 @@
 #    does not accept, into /tmp/site (on PYTHONPATH; the machine's own copies are not shadowed otherwise),
 #    and the checkout itself (pip install -e: nothing is downloaded); a second run installs no wheel;
 # 2. writes the qwen3-0.6b synthetic checkpoint once (tileinfer.model.synthetic.cached_checkpoint), and
-#    compiles the kernels into the disk cache, in parallel (a fresh machine's start-up would compile them
-#    one after another);
+#    compiles the kernels into the disk cache (in parallel), so that every engine below starts warm;
 # 3. scripts/serve_goals.py: 1,024 requests of 256 prompt and 256 output tokens through LLM.generate and then
 #    through `tileinfer serve` from 8 client processes (output tokens/s, goal >= 90% of offline; ~262k tokens,
 #    ~10 s each way at the ~26,000 tok/s the offline engine reaches), and 32 prompts of 512 tokens one at a
@@ -101,13 +100,13 @@ python3 -c "import fastapi, uvicorn, openai, jsonschema, llguidance, qwen_tokeni
 model=$(python3 -c "from tileinfer.model.synthetic import cached_checkpoint; print(cached_checkpoint('qwen3-0.6b', progress=True))") \
     || { echo "serve_gpu_checks: writing the qwen3-0.6b checkpoint failed"; exit 1; }
 echo "== model: $model"
-# Start-up compiles cuda_src/ one file after another on a fresh machine (minutes); compiled here in parallel
-# into the disk cache first, every engine below starts warm.
+# Every engine below would compile what the kernel cache lacks at its start; compiled once here first (in
+# parallel, tileinfer.cuda.compiler.compile_all), they all start warm.
 arch=$(python3 -c "from tileinfer.cuda.module import device_arch; print(device_arch())") \
     || { echo "serve_gpu_checks: no usable GPU (above)"; exit 1; }
 started=$SECONDS
-(cd cuda_src && printf '%s\n' *.cu) | xargs -P "$(nproc)" -I {} \
-    python3 -c "from tileinfer.cuda.compiler import compile_file; compile_file('{}', '$arch')" \
+python3 -c "from tileinfer.cuda.compiler import compile_all, kernel_files, part_defines as p
+compile_all([(f, d) for f in kernel_files() for d in p(f)], '$arch')" \
     || { echo "serve_gpu_checks: compiling the kernels failed (above)"; exit 1; }
 echo "== kernels for $arch in the cache ($((SECONDS - started)) s)"
 

@@ -1,6 +1,10 @@
 """scripts/bench_goals.py's table (the measuring needs a GPU; the table does not)."""
 import importlib.util
+import sys
+import types
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_goals.py"
 
@@ -50,9 +54,6 @@ def test_startup_needs_zero_recompiles_as_well_as_time():
 def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     # bench.single / bench.engine replaced by fakes with the keys the real ones return (scripts/bench.py),
     # so the glue is checked without a GPU: every goal ends up measured, INT8 borrows the BF16 peer.
-    import sys
-    import types
-
     import tileinfer.model.synthetic as synthetic
 
     calls = []
@@ -93,7 +94,9 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
     g = load()
-    args = types.SimpleNamespace(peer="peer.py", peer_timeout=10, profile=True)
+    monkeypatch.setattr(g, "cold_start", lambda model, timeout: dict(measured=6.0, compiled=17, warm=2.0,
+                                                                      warm_compiled=0))
+    args = types.SimpleNamespace(peer="peer.py", peer_timeout=10, profile=True, only=None, cold_model=None)
     values = g.measure(args)
     assert sorted(values) == sorted(key for key, *_ in g.GOALS)
     assert values["4b_32k_int8"]["peer"] == values["4b_32k_bf16"]["peer"] == 90.0
@@ -169,3 +172,60 @@ def test_the_peer_prewarm_runs_the_cases_measure_runs(monkeypatch):
     assert [c[2:] for c in cmds] == [["qwen3-0.6b", "1", "512", "128"], ["qwen3-4b", "1", "512", "128"],
                                      ["qwen3-8b", "1", "512", "128"], ["qwen3-4b", "1", "32768", "128"],
                                      ["qwen3-0.6b", "64", "512", "128"]]
+
+
+def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
+    g = load()
+    runs = []
+
+    def run(cmd, env, timeout):  # stands in for a `tileinfer generate` that compiles into its kernel cache
+        kernels = Path(env["TILEINFER_CACHE"]) / "kernels"
+        runs.append((cmd, env["TILEINFER_CACHE"], sorted(p.name for p in kernels.glob("*"))))
+        if not runs[1:]:
+            kernels.mkdir(parents=True)
+            for name in ("rmsnorm", "gemm_tma-0", "gemm_tma-1"):
+                (kernels / f"{name}.cubin").write_bytes(b"\x7fELF")
+            return 5.5, 6.0
+        return 1.25, 1.5
+
+    out = g.cold_start(Path("/ckpt/demo"), 600, run=run)
+    (cmd, root, found), (cmd2, root2, found2) = runs
+    assert cmd == cmd2 and cmd[:3] == [sys.executable, "-m", "tileinfer"] and cmd[3] == "generate"
+    assert cmd[cmd.index("--max-new-tokens") + 1] == "1" and cmd[cmd.index("--model") + 1] == "/ckpt/demo"
+    assert root == root2 and found == [] and len(found2) == 3, runs
+    assert not Path(root).exists(), "the temporary kernel cache was left behind"
+    assert out == dict(measured=5.5, compiled=3, warm=1.25, warm_compiled=0,
+                       extra="whole command 6.00 s, warm 1.50 s")
+    g.cold_start(None, 600, run=lambda cmd, env, timeout: runs.append(cmd) or (1.0, 1.0))
+    assert "--model" not in runs[-1], "without a checkpoint the demo model is used"
+
+    row_cells = row(g.goals_table({"cold_start": out}), "`tileinfer generate`")
+    assert row_cells[4:] == ["5.50 s (3 compiles); warm cache 1.25 s, 0 compiled (whole command 6.00 s, warm 1.50 s)",
+                             "yes"]
+    recompiled = row(g.goals_table({"cold_start": {**out, "warm_compiled": 2}}), "`tileinfer generate`")
+    assert recompiled[-1] == "no", recompiled
+    slow = row(g.goals_table({"cold_start": {**out, "measured": 12.0}}), "`tileinfer generate`")
+    assert slow[-1] == "no", slow
+
+
+def test_first_output_times_the_first_byte_and_the_exit():
+    g = load()
+    code = "import sys, time; time.sleep(0.3); print('x', flush=True); sys.stderr.write('.' * 100000); time.sleep(1)"
+    first, total = g.first_output([sys.executable, "-c", code], {}, 60)
+    assert 0.3 <= first and total - first >= 0.9, (first, total)
+    with pytest.raises(RuntimeError, match="exited with status 3 after .* s:\nno GPU here"):
+        g.first_output([sys.executable, "-c", "import sys; sys.stderr.write('no GPU here'); sys.exit(3)"], {}, 60)
+
+
+def test_only_runs_the_cases_of_the_keys_given(monkeypatch):
+    import tileinfer.model.synthetic as synthetic
+
+    fake = types.SimpleNamespace(single=None, engine=None)  # a case that ran would fail on these
+    monkeypatch.setitem(sys.modules, "bench", fake)
+    monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
+    g = load()
+    models = []
+    monkeypatch.setattr(g, "cold_start", lambda model, timeout: models.append(model) or dict(measured=4.0))
+    args = types.SimpleNamespace(peer=None, peer_timeout=10, profile=False, only=["cold_start"],
+                                 cold_model=Path("/ckpt/x"))
+    assert g.measure(args) == {"cold_start": dict(measured=4.0)} and models == [Path("/ckpt/x")]

@@ -2,7 +2,8 @@
 
 Every cuda_src/*.cu must compile for Hopper (sm_90, and sm_90a, which load_module picks on an
 H100/H200) into an ELF cubin that exports the entry points the launchers call, and whose PTX waits
-for the kernel before it. Each (file, arch) is compiled once, several at a time (NVRTC releases the
+for the kernel before it; a file compiled in parts must hold each entry point in exactly one part.
+Each (file, arch) is compiled once, several at a time (NVRTC releases the
 GIL), and both checks read that one compile. The cache must
 compile each key once (STATS.compiled), serve it from disk in a fresh process (disk_hits) and
 from memory in this one (memory_hits), and change its key with every input that changes the
@@ -17,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tileinfer.cuda import CompileError, compiler, gpu_available
-from tileinfer.cuda.compiler import cache_key, compile_file, compile_source, cubin_and_ptx, cuda_src_dir, read_headers
+from tileinfer.cuda.compiler import (cache_key, compile_all, compile_file, compile_source, cubin_and_ptx, cuda_src_dir,
+                                     part_defines, read_headers)
+from tileinfer.cuda.module import entry_points
 
 CU_FILES = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
 ARCHS = ("sm_90", "sm_90a")
@@ -85,9 +88,32 @@ def test_kernel_file_compiles(filename, arch, builds):
     cubin, _ = builds[filename, arch].result()  # a CompileError is raised here
     assert isinstance(cubin, bytes) and len(cubin) > 1024, f"{filename} {arch}: {len(cubin)}-byte cubin"
     assert cubin[:4] == ELF_MAGIC, f"{filename} {arch}: not an ELF image, starts {cubin[:8]!r}"
-    # The symbol names the launchers pass to cuModuleGetFunction are in the cubin's string table.
-    missing = [name for name in ENTRY_POINTS.get(filename, []) if name.encode() + b"\0" not in cubin]
+    # The names the launchers pass to kernel() are kernels of the cubin (as Module looks them up).
+    missing = sorted(set(ENTRY_POINTS.get(filename, [])) - set(entry_points(cubin)))
     assert not missing, f"{filename} {arch}: cubin lacks entry points {missing}"
+
+
+SPLIT_FILES = [filename for filename in CU_FILES if part_defines(filename) != [None]]
+
+
+def test_the_longest_files_are_compiled_in_parts():
+    assert {"gemm_swap.cu", "gemm_tma.cu"} <= set(SPLIT_FILES), f"files compiled in parts: {SPLIT_FILES}"
+
+
+@pytest.mark.parametrize("filename", SPLIT_FILES)
+def test_each_entry_point_is_in_exactly_one_part(filename, builds, fresh_cache):
+    # load_module compiles such a file once a part (-DKERNEL_PART=p) and looks each kernel up in the part
+    # that holds it. sm_90: the same entry points as sm_90a (its wgmma kernels trap), quicker to compile.
+    whole = entry_points(builds[filename, "sm_90"].result()[0])
+    parts = part_defines(filename)
+    compile_all([(filename, defines) for defines in parts], "sm_90")
+    held = [entry_points(compile_file(filename, "sm_90", defines)) for defines in parts]
+    assert all(held), f"{filename}: a part holds no kernel: {held}"
+    names = [name for part in held for name in part]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not twice, f"{filename}: entry points in more than one part: {twice}"
+    assert sorted(names) == sorted(whole), \
+        f"{filename}: the parts miss {sorted(set(whole) - set(names))} and add {sorted(set(names) - set(whole))}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

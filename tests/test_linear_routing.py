@@ -108,9 +108,10 @@ def test_swap_config_matches_the_kernels():
     m = re.search(r"STAGES = WG == 1 \? \(B == 16 \? (\d+) : B == 32 \? (\d+) : (\d+)\)", src)
     assert m, "Cfg::STAGES not found in gemm_swap.cu"
     assert dict(zip(SWAP_BATCHES, map(int, m.groups()))) == SWAP_STAGES
-    for B in SWAP_BATCHES:
-        assert f"SWAP_SPLITS(b{B}, {B}, 1, false)" in src
-    assert "SWAP_SPLITS(b16d, 16, 1, true)" in src and f"#define DEEP_STAGES {SWAP_DEEP_STAGES}\n" in src
+    for tag, B, deep in [*((f"b{B}", B, "false") for B in SWAP_BATCHES), ("b16d", 16, "true")]:
+        for half in ("1_2", "4_8"):  # each width's splits KS = 1, 2 and KS = 4, 8 (SWAP_SPLITS)
+            assert f"SWAP_SPLITS_{half}({tag}, {B}, 1, {deep})" in src, f"{tag}'s KS = {half} builds"
+    assert f"#define DEEP_STAGES {SWAP_DEEP_STAGES}\n" in src
     c4, c06 = preset("qwen3-4b"), preset("qwen3-0.6b")
     for N, K, epilogue in [(c4.qkv_size, 2560, "bf16"), (2560, 9728, "residual"), (19456, 2560, "silu_mul"),
                            (151936, 1024, "f32"), (8, 8, "silu_mul"), (136, 1000, "bf16"), (c06.hidden_size, 2048, "residual")]:

@@ -4,15 +4,28 @@ The cache key hashes everything that can change the binary: the source, every he
 includes (recursively, our own `#include "x.cuh"` files), the options, the target arch and
 the NVRTC version. Files are written atomically (temp file + rename), so concurrent
 processes never read half a cubin. Within a process each key is compiled at most once.
+
+`compile_all` compiles what the caches lack, every unit in a child process of its own (nvrtc_child.py),
+as many at once as there are cores; with everything cached it starts none. A unit is a file, or one
+part of a file that says `#define KERNEL_PARTS n` (compiled n times with -DKERNEL_PART=p, each part
+holding some of its entry points: cuda_src/common.cuh's IN_PART), so that no single compile is long.
+Processes, not threads: they compile in parallel whatever NVRTC serialises inside one process (the
+GIL, locks of its own). Plain child processes, not multiprocessing: its spawned children import the
+parent's __main__ again (a user's script without a main guard would run again in each), and each would
+import the whole package (seconds) to compile.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +39,9 @@ CUDA_SRC = Path(__file__).resolve().parent.parent.parent / "cuda_src"
 BASE_OPTIONS = ("-std=c++17", "-default-device", "-lineinfo", "-DNDEBUG")
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_PARTS = re.compile(r"^\s*#\s*define\s+KERNEL_PARTS\s+(\d+)\b", re.MULTILINE)
+CHILD = Path(__file__).resolve().with_name("nvrtc_child.py")  # compile_all's child process
+COMPILE_FAILED = 3  # its exit status when NVRTC rejects the source (its output is then NVRTC's log)
 
 
 class CompileError(RuntimeError):
@@ -43,7 +59,7 @@ class CompileStats:
     compiled: int = 0       # NVRTC invocations
     disk_hits: int = 0      # loaded from the on-disk cache
     memory_hits: int = 0    # already compiled in this process
-    seconds: float = 0.0    # time spent in NVRTC
+    seconds: float = 0.0    # time the compiles took, summed (a child's: from its start to its end)
 
 
 STATS = CompileStats()
@@ -106,26 +122,140 @@ def compile_file(filename: str, arch: str, defines: dict[str, object] | None = N
 
 def compile_source(name: str, source: str, arch: str, defines: dict[str, object] | None = None,
                    src_dir: Path | None = None) -> bytes:
-    src_dir = src_dir or cuda_src_dir()
+    unit = _unit(name, source, arch, defines, src_dir or cuda_src_dir())
+    cubin = _cached(unit)
+    if cubin is None:
+        start = time.perf_counter()
+        cubin, _ = _nvrtc_compile(unit.name, unit.source, unit.headers, unit.options)
+        _store(unit, cubin, time.perf_counter() - start)
+    return cubin
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """One NVRTC compile: its inputs and where its cubin is cached."""
+    name: str
+    source: str
+    headers: dict[str, str]
+    options: list[str]
+    key: str
+    path: Path                    # the cubin in the disk cache
+
+
+def _unit(name: str, source: str, arch: str, defines: dict[str, object] | None, src_dir: Path) -> _Unit:
     headers = read_headers(source, src_dir)
     options = compile_options(arch, defines)
     key = cache_key(source, headers, options, arch)
-    if key in _memory_cache:
+    return _Unit(name, source, headers, options, key, cache_dir() / f"{Path(name).stem}-{arch}-{key[:24]}.cubin")
+
+
+def _cached(unit: _Unit) -> bytes | None:
+    """The unit's cubin from the memory cache, else the disk cache, else None."""
+    if unit.key in _memory_cache:
         STATS.memory_hits += 1
-        return _memory_cache[key]
-    path = cache_dir() / f"{Path(name).stem}-{arch}-{key[:24]}.cubin"
-    if path.is_file():
-        cubin = path.read_bytes()
-        STATS.disk_hits += 1
-    else:
-        start = time.perf_counter()
-        cubin, _ = _nvrtc_compile(name, source, headers, options)
-        STATS.seconds += time.perf_counter() - start
-        STATS.compiled += 1
-        _write_atomic(path, cubin)
-        log.debug("compiled %s for %s in %.2f s", name, arch, time.perf_counter() - start)
-    _memory_cache[key] = cubin
+        return _memory_cache[unit.key]
+    if not unit.path.is_file():
+        return None
+    cubin = unit.path.read_bytes()
+    STATS.disk_hits += 1
+    _memory_cache[unit.key] = cubin
     return cubin
+
+
+def _store(unit: _Unit, cubin: bytes, seconds: float) -> None:
+    """A freshly compiled cubin into both caches."""
+    STATS.seconds += seconds
+    STATS.compiled += 1
+    _write_atomic(unit.path, cubin)
+    _memory_cache[unit.key] = cubin
+    log.debug("compiled %s (%s) in %.2f s", unit.name, " ".join(unit.options), seconds)
+
+
+# ----------------------------------------------------------------------------- many at once
+def kernel_files() -> list[str]:
+    """Every kernel file of cuda_src/, by name."""
+    return sorted(p.name for p in cuda_src_dir().glob("*.cu"))
+
+
+def part_defines(filename: str) -> list[dict[str, object] | None]:
+    """The defines of each compile of `cuda_src/<filename>`: [None] (the whole file), or one
+    {"KERNEL_PART": p} a part when the file says `#define KERNEL_PARTS n`."""
+    found = _PARTS.findall((cuda_src_dir() / filename).read_text())
+    if not found:
+        return [None]
+    if len(found) > 1 or int(found[0]) < 2:
+        raise ValueError(f"{filename}: define KERNEL_PARTS once, as a number of parts >= 2 (found {found})")
+    return [{"KERNEL_PART": p} for p in range(int(found[0]))]
+
+
+def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, progress: bool = False) -> None:
+    """Compile each (cuda_src file, defines) unit the caches lack into them, each in a child process of
+    its own, as many at once as there are cores, with a progress bar naming what is left when asked.
+    With everything cached no process starts. A failed compile raises its CompileError."""
+    src_dir = cuda_src_dir()
+    todo = [unit for unit in (_unit(f, (src_dir / f).read_text(), arch, d, src_dir) for f, d in units)
+            if unit.key not in _memory_cache and not unit.path.is_file()]
+    if not todo:
+        return
+    # the longest first: the parts of the files split for being long, then whole files by size
+    todo.sort(key=lambda unit: (_part(unit) is not None, len(unit.source) + sum(map(len, unit.headers.values()))),
+              reverse=True)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(todo), unit="compile", desc="compiling kernels (once; then cached)", leave=False)
+    cores = len(os.sched_getaffinity(0))  # the cores this process may run on
+    with ThreadPoolExecutor(max_workers=min(len(todo), cores)) as pool:
+        pending = {pool.submit(_compile_in_child, unit): unit for unit in todo}
+        try:
+            while pending:
+                if bar is not None:
+                    bar.set_postfix_str(_left(pending.values()), refresh=True)
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    unit = pending.pop(future)
+                    _store(unit, *future.result())  # a child's CompileError is raised here
+                    if bar is not None:
+                        bar.update()
+        finally:
+            for future in pending:
+                future.cancel()
+            if bar is not None:
+                bar.close()
+
+
+def _left(units) -> str:
+    """What the progress bar says is left: each file, with its number of parts left when more than one."""
+    counts: dict[str, int] = {}
+    for unit in units:
+        counts[unit.name] = counts.get(unit.name, 0) + 1
+    return "left: " + ", ".join(name if n == 1 else f"{name} ({n} parts)" for name, n in counts.items())
+
+
+def _part(unit: _Unit) -> str | None:
+    """The part of its file a unit compiles, None for a whole file."""
+    return next((o.split("=", 1)[1] for o in unit.options if o.startswith("-DKERNEL_PART=")), None)
+
+
+def _label(unit: _Unit) -> str:
+    """A unit as an error names it: the file, and its part when it has one."""
+    return unit.name if _part(unit) is None else f"{unit.name} (part {_part(unit)})"
+
+
+def _compile_in_child(unit: _Unit) -> tuple[bytes, float]:
+    """(cubin, seconds) of one compile in a child process (nvrtc_child.py); CompileError with NVRTC's
+    log when NVRTC rejects the source, RuntimeError with the child's own output when it fails otherwise."""
+    job = json.dumps(dict(name=unit.name, source=unit.source, headers=unit.headers, options=unit.options))
+    start = time.perf_counter()
+    # -P: nothing on sys.path from the child's directory (tileinfer/cuda/ holds names like `module`)
+    child = subprocess.run([sys.executable, "-P", str(CHILD)], input=job.encode(), capture_output=True)
+    seconds = time.perf_counter() - start
+    if child.returncode == 0:
+        return child.stdout, seconds
+    if child.returncode == COMPILE_FAILED:
+        raise CompileError(unit.name, child.stdout.decode(errors="replace"), unit.options, unit.source)
+    raise RuntimeError(f"the process compiling {_label(unit)} ({sys.executable} {CHILD}) failed with exit status "
+                       f"{child.returncode}:\n{child.stderr.decode(errors='replace').strip()}")
 
 
 def compile_options(arch: str, defines: dict[str, object] | None = None) -> list[str]:

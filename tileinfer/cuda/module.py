@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 from functools import cache
 
 from cuda.bindings import driver
 
-from .compiler import compile_file
+from .compiler import compile_all, compile_file, kernel_files, part_defines
 from .driver import call, get_device, last_work
 from .memory import DeviceArray
 
@@ -53,7 +54,7 @@ def _as_ctype(arg):
 class Kernel:
     def __init__(self, module: "Module", name: str):
         self.module, self.name = module, name
-        self.function = call(driver.cuModuleGetFunction, module.handle, name.encode(), detail=name)
+        self.function = module.function(name)
         self.max_dynamic_smem = 0
         self._config = driver.CUlaunchConfig()
         attrs = _pdl_attributes()
@@ -111,11 +112,26 @@ class Kernel:
 
 
 class Module:
-    def __init__(self, cubin: bytes, label: str):
+    """One cuda_src file loaded: the cubin of each of its parts (one, unless the file is compiled in
+    parts: compiler.part_defines), and which part holds each entry point."""
+
+    def __init__(self, cubins: list[bytes], label: str):
         self.label = label
-        self._image = cubin  # keep the bytes alive while the module is loaded
-        self.handle = call(driver.cuModuleLoadData, cubin, detail=label)
+        self._images = cubins  # keep the bytes alive while the modules are loaded
+        self.handles = [call(driver.cuModuleLoadData, cubin, detail=label) for cubin in cubins]
+        self._holder = {name: handle for cubin, handle in zip(cubins, self.handles) for name in entry_points(cubin)}
         self._kernels: dict[str, Kernel] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """Every entry point of the file, sorted."""
+        return sorted(self._holder)
+
+    def function(self, name: str):
+        """The CUfunction of entry point `name`, from the part that holds it."""
+        if name not in self._holder:
+            raise LookupError(f"{self.label} has no kernel {name!r}; it has {', '.join(self.names)}")
+        return call(driver.cuModuleGetFunction, self._holder[name], name.encode(), detail=name)
 
     def kernel(self, name: str) -> Kernel:
         if name not in self._kernels:
@@ -123,19 +139,40 @@ class Module:
         return self._kernels[name]
 
 
+def entry_points(cubin: bytes) -> list[str]:
+    """The kernels of a cubin: the global function symbols of its ELF symbol table (a kernel's
+    device helpers are local)."""
+    if cubin[:6] != b"\x7fELF\x02\x01":
+        raise ValueError(f"not a 64-bit little-endian ELF image (a cubin): it starts {cubin[:8]!r}")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
+    # section headers: (name, type, flags, addr, offset, size, link, info, addralign, entsize)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strings = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            name, info = struct.unpack_from("<IB", cubin, at)
+            if info == 0x12:  # STB_GLOBAL << 4 | STT_FUNC
+                names.append(cubin[strings + name:cubin.index(b"\0", strings + name)].decode())
+    return names
+
+
 def device_arch() -> str:
-    """The target the current device's kernels are compiled for: its arch, and Hopper's own instructions
-    (wgmma, setmaxnreg) on an sm_90, which need the 'a' target."""
+    """The arch the kernels are compiled for on the current device."""
     arch = get_device().info.arch
-    return "sm_90a" if arch == "sm_90" else arch
+    return "sm_90a" if arch == "sm_90" else arch  # Hopper's own instructions (wgmma, setmaxnreg) need 'a'
 
 
 @cache
 def load_module(filename: str) -> Module:
     """Compile (or fetch from cache) and load `cuda_src/<filename>` for the current device."""
     arch = device_arch()
-    cubin = compile_file(filename, arch)
-    return Module(cubin, f"{filename} ({arch})")
+    parts = part_defines(filename)
+    compile_all([(filename, defines) for defines in parts], arch)
+    return Module([compile_file(filename, arch, defines) for defines in parts], f"{filename} ({arch})")
 
 
 def kernel(filename: str, name: str) -> Kernel:
@@ -143,21 +180,9 @@ def kernel(filename: str, name: str) -> Kernel:
 
 
 def load_all(progress: bool = False) -> None:
-    """Compile (or fetch from the disk cache) and load every file of cuda_src/ now, with a progress
-    bar when asked, instead of at each kernel's first launch."""
-    from .compiler import STATS, cuda_src_dir
-    files = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(files), unit="file", desc="compiling kernels", leave=False)
-    compiled = STATS.compiled
-    try:
-        for name in files:
-            load_module(name)
-            if bar is not None:
-                bar.set_postfix_str(f"{STATS.compiled - compiled} compiled, the rest cached")
-                bar.update()
-    finally:
-        if bar is not None:
-            bar.close()
+    """Compile what the kernel caches lack of cuda_src/ (in parallel, with a progress bar when asked) and
+    load every file now, instead of at each kernel's first launch."""
+    files = kernel_files()
+    compile_all([(name, defines) for name in files for defines in part_defines(name)], device_arch(), progress)
+    for name in files:
+        load_module(name)

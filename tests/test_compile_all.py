@@ -1,0 +1,116 @@
+"""compiler.compile_all: what the kernel caches lack, compiled in child processes at once (NVRTC, no GPU).
+
+The GPU runner's start-up (module.load_all) compiles through it; these check that a child's cubin is
+the one an in-process compile makes, that a warm cache starts no process, and that a child's failure
+reaches the caller as the error an in-process compile raises."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tileinfer.cuda import CompileError, compiler
+from tileinfer.cuda.compiler import compile_all, compile_file, cuda_src_dir, part_defines
+from tileinfer.cuda.module import entry_points
+
+# Two whole files and one part of a file compiled in parts (sm_90: gemm_tma's wgmma kernels are traps there,
+# quick to compile).
+UNITS = [("rmsnorm.cu", None), ("embedding.cu", None), ("gemm_tma.cu", {"KERNEL_PART": 1})]
+
+
+def use_cache(monkeypatch, path):
+    """An empty on-disk cache at `path`, an empty in-memory cache and zeroed STATS, as a new process has."""
+    monkeypatch.setenv("TILEINFER_CACHE", str(path))
+    monkeypatch.setattr(compiler, "_memory_cache", {})
+    monkeypatch.setattr(compiler, "STATS", compiler.CompileStats())
+    return path / "kernels"
+
+
+def test_children_make_the_cubins_an_in_process_compile_makes(tmp_path, monkeypatch, capsys):
+    parallel_dir = use_cache(monkeypatch, tmp_path / "parallel")
+    compile_all(UNITS, "sm_90", progress=True)
+    assert compiler.STATS.compiled == len(UNITS), compiler.STATS
+    assert len(list(parallel_dir.glob("*.cubin"))) == len(UNITS) and not list(parallel_dir.glob("*.tmp"))
+    parallel = [compile_file(f, "sm_90", d) for f, d in UNITS]
+    assert compiler.STATS.compiled == len(UNITS), f"the cubins were compiled again: {compiler.STATS}"
+    bar = capsys.readouterr().err
+    assert "compiling kernels" in bar and "left: " in bar and "gemm_tma.cu" in bar, bar
+
+    use_cache(monkeypatch, tmp_path / "serial")
+    serial = [compile_file(f, "sm_90", d) for f, d in UNITS]
+    assert compiler.STATS.compiled == len(UNITS), compiler.STATS
+    for (f, d), a, b in zip(UNITS, parallel, serial):
+        assert a[:4] == b"\x7fELF" and a == b, f"{f} {d}: the child's cubin ({len(a)} bytes) differs ({len(b)} bytes)"
+    assert entry_points(parallel[2]) and all("_s2_" in name for name in entry_points(parallel[2])), \
+        f"part 1 of gemm_tma.cu holds the KS = 2 builds, found {entry_points(parallel[2])}"
+
+
+def test_a_warm_cache_starts_no_process(tmp_path, monkeypatch):
+    use_cache(monkeypatch, tmp_path)
+    compile_all(UNITS[:1], "sm_90")
+    assert compiler.STATS.compiled == 1, compiler.STATS
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started with a warm cache: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    compile_all(UNITS[:1], "sm_90")  # in memory
+    monkeypatch.setattr(compiler, "_memory_cache", {})  # as a new process: on disk only
+    compile_all(UNITS[:1], "sm_90")
+    filename, defines = UNITS[0]
+    compile_file(filename, "sm_90", defines)
+    assert (compiler.STATS.compiled, compiler.STATS.disk_hits) == (1, 1), compiler.STATS
+
+
+def broken_sources(tmp_path, monkeypatch):
+    """A private cuda_src with a good file and one whose line 3 lacks its semicolon (NVRTC says so at line 4)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "common.cuh").write_text((cuda_src_dir() / "common.cuh").read_text())
+    (src / "good.cu").write_text('#include "common.cuh"\nextern "C" __global__ void good(float *x) { x[0] = 1.f; }\n')
+    (src / "broken.cu").write_text('#include "common.cuh"\nextern "C" __global__ void broken(float *x) {\n'
+                                   '    x[0] = 1.0f\n}\n')
+    monkeypatch.setenv("TILEINFER_CUDA_SRC", str(src))
+
+
+def test_a_compile_error_in_a_child_is_raised_as_compile_error(tmp_path, monkeypatch):
+    cache = use_cache(monkeypatch, tmp_path / "cache")
+    broken_sources(tmp_path, monkeypatch)
+    with pytest.raises(CompileError) as info:
+        compile_all([("good.cu", None), ("broken.cu", {"KERNEL_PART": 0})], "sm_90")
+    err = info.value
+    message = str(err)
+    assert err.name == "broken.cu" and "error" in err.log and "broken.cu(4): error" in err.log, err.log
+    assert message.startswith("NVRTC failed to compile broken.cu with options ") and err.log.strip() in message
+    assert "   3 |     x[0] = 1.0f" in message, message  # the numbered source, as an in-process compile gives
+    assert "-arch=sm_90" in err.options and "-DKERNEL_PART=0" in err.options, err.options
+    assert "Traceback" not in message, message
+    assert not list(cache.glob("broken-*")), "a failed compile left a cubin in the cache"
+
+
+def test_a_child_that_fails_otherwise_reports_its_output(tmp_path, monkeypatch):
+    use_cache(monkeypatch, tmp_path / "cache")
+    broken_sources(tmp_path, monkeypatch)
+    child = tmp_path / "child.py"
+    child.write_text("import sys\nsys.stdin.read()\nsys.exit('no NVRTC library here')\n")
+    monkeypatch.setattr(compiler, "CHILD", child)
+    with pytest.raises(RuntimeError, match=r"compiling good\.cu .* exit status 1:\nno NVRTC library here"):
+        compile_all([("good.cu", None)], "sm_90")
+    assert compiler.STATS.compiled == 0, compiler.STATS
+
+
+def test_part_defines_read_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEINFER_CUDA_SRC", str(tmp_path))
+    (tmp_path / "whole.cu").write_text("// KERNEL_PARTS in a comment is no define\n")
+    (tmp_path / "split.cu").write_text("#define KERNEL_PARTS 3\n#if IN_PART(0)\n#endif\n")
+    (tmp_path / "one.cu").write_text("#define KERNEL_PARTS 1\n")
+    assert part_defines("whole.cu") == [None]
+    assert part_defines("split.cu") == [{"KERNEL_PART": 0}, {"KERNEL_PART": 1}, {"KERNEL_PART": 2}]
+    with pytest.raises(ValueError, match="one.cu: define KERNEL_PARTS once, as a number of parts >= 2"):
+        part_defines("one.cu")
+
+
+def test_entry_points_refuses_what_is_not_a_cubin():
+    with pytest.raises(ValueError, match="not a 64-bit little-endian ELF image"):
+        entry_points(b"// PTX, not a cubin\n")
