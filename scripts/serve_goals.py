@@ -25,7 +25,6 @@ result, not a failure.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -38,17 +37,8 @@ import httpx
 import numpy as np
 
 
-def _load_serve_load():
-    """scripts/serve_load.py (its server process and engine options; it loads bench_serve.py), beside this file."""
-    if "serve_load" not in sys.modules:
-        path = Path(__file__).resolve().with_name("serve_load.py")
-        spec = importlib.util.spec_from_file_location("serve_load", path)
-        sys.modules["serve_load"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["serve_load"])
-    return sys.modules["serve_load"]
-
-
-serve_load = _load_serve_load()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts beside this one
+import serve_load  # noqa: E402
 bench_serve = serve_load.bench_serve
 
 THROUGHPUT_GOAL = 0.90  # served output tokens/s over offline's

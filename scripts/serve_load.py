@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import signal
 import socket
@@ -38,17 +37,8 @@ import httpx
 import numpy as np
 
 
-def _load_bench_serve():
-    """scripts/bench_serve.py (its streaming client and SSE reader), beside this file; loaded once."""
-    if "bench_serve" not in sys.modules:
-        path = Path(__file__).resolve().with_name("bench_serve.py")
-        spec = importlib.util.spec_from_file_location("bench_serve", path)
-        sys.modules["bench_serve"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["bench_serve"])
-    return sys.modules["bench_serve"]
-
-
-bench_serve = _load_bench_serve()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts beside this one
+import bench_serve  # noqa: E402
 
 NAME = "serve-load"
 TOKEN_RANGE = (1000, 20000)  # ordinary text tokens of Qwen3's vocabulary

@@ -207,10 +207,10 @@ def test_fused_norm_gives_the_same_tokens(tiny_model, monkeypatch):
     K = tileinfer.kernels
     calls = []
 
-    def rmsnorm_then_linear(resid, norm_w, eps, x, w, out, epilogue, stream, *, force=None):
+    def rmsnorm_then_linear(resid, norm_w, eps, x, w, out, epilogue, stream, *, force=None, act=None):
         calls.append(resid.shape[0])
         K.rmsnorm(resid, norm_w, x, eps, stream)
-        K.linear(x, w, out, epilogue, stream, force=force)
+        K.linear(x, w, out, epilogue, stream, force=force, act=act)
 
     prompt = random_prompt(40, seed=21)
     tiny_model.use_graphs = False
