@@ -1,5 +1,8 @@
-"""What the GPU and CPU runners share: the checkpoint's tokenizer, token-id checks, teacher-forced logits."""
+"""What the GPU and CPU runners share: the checkpoint's tokenizer, token-id checks, teacher-forced logits, and
+what a DFlash drafter's step reads."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,3 +51,14 @@ class CheckpointRunner:
             return self.extend(seq, ids, chunk=chunk)
         finally:
             cache.manager.release(seq)
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """One request's DFlash draft step. Its drafter sequence has room reserved, at its end, for the m new
+    context entries and then the k + 1 block entries."""
+    seq: Sequence
+    features: np.ndarray           # [m, feature_size] the target's states at the new context positions
+    context_positions: np.ndarray  # [m] int64, ascending
+    block: list[int]               # the last committed token and k mask tokens
+    start: int                     # the last committed token's position (the block's first)
