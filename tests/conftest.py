@@ -25,6 +25,16 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dflash_tiny_checkpoint(tmp_path_factory) -> Path:
+    """The "dflash-tiny" preset (a two-layer DFlash drafter for the tiny preset, reading both its layers) written
+    once per session. Treat it as read-only."""
+    from tileinfer.model.dflash_config import DFLASH_PRESETS
+    out = tmp_path_factory.mktemp("dflash-tiny-checkpoint")
+    write_checkpoint(DFLASH_PRESETS["dflash-tiny"][1], out, seed=0, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def apertus_tiny_checkpoint(tmp_path_factory) -> Path:
     """The "apertus-tiny" preset (its own 384-token byte-level tokenizer with Apertus' special tokens, 2 small
     layers) written once per session. Treat it as read-only; copy it before changing anything."""

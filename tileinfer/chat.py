@@ -24,12 +24,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .config import check_count
 from .engine.engine import Engine
 from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED
 from .engine.speculative import SpecStats
-from .generate import engine_over
+from .generate import draft_tokens, engine_over
 from .kv import Sequence
 from .kv.paged_cache import check_kv_quantize
 from .llm import LLM
@@ -111,11 +110,10 @@ class ChatSession:
 
     def __init__(self, model, *, max_context: int | None = None, kv_quantize: str | None = None,
                  system: str | None = None, on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True,
-                 draft_model=None, num_draft_tokens: int = 4):
+                 draft_model=None, num_draft_tokens: int | None = None):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
-        check_count("num_draft_tokens", num_draft_tokens)
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = draft_tokens(draft_model, num_draft_tokens)
         if on_overflow not in ("error", "drop_oldest"):
             raise ValueError(f"on_overflow must be 'error' or 'drop_oldest', got {on_overflow!r}")
         self.llm = model if isinstance(model, LLM) else None

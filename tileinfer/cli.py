@@ -48,15 +48,16 @@ def _sampling(args):
         raise ValueError(f"{_SAMPLING_OPTIONS.get(field, field)}: {e}") from None
 
 
-def _check_checkpoint(option: str, path: str | None) -> None:
-    """The checkpoint directory given as `option` (if any), opened once to validate it: config.json, every tensor."""
+def _check_checkpoint(option: str, path: str | None, *, draft: bool = False):
+    """The checkpoint directory given as `option` (if any), opened once to validate it: config.json, every tensor
+    (a draft's may be a DFlash drafter's). Returns its config (None without a path)."""
     if not path:
-        return
+        return None
     from tileinfer.model.checkpoint import Checkpoint, CheckpointError
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{option} {path}: no such checkpoint directory")
     try:
-        Checkpoint.open(path)
+        return (Checkpoint.open_draft(path) if draft else Checkpoint.open(path)).config
     except CheckpointError as e:
         raise ValueError(f"{option}: {e}") from None
 
@@ -73,10 +74,17 @@ def _check_model_options(args) -> None:
     """The options of the model every command has (--max-context, --num-draft-tokens, --model, --draft-model),
     checked without the GPU; the checkpoints last, as they are read from disk."""
     from tileinfer.config import check_count
+    from tileinfer.model.dflash_config import DFLASH_NEEDS_CPU, DFlashConfig
     check_count("--max-context", args.max_context)
-    check_count("--num-draft-tokens", args.num_draft_tokens)
+    if args.num_draft_tokens is not None:
+        check_count("--num-draft-tokens", args.num_draft_tokens)
     _check_checkpoint("--model", args.model)
-    _check_checkpoint("--draft-model", args.draft_model)
+    draft = _check_checkpoint("--draft-model", args.draft_model, draft=True)
+    if isinstance(draft, DFlashConfig) and args.device != "cpu":
+        raise ValueError(f"--draft-model {args.draft_model}: {DFLASH_NEEDS_CPU}; add --device cpu")
+    if isinstance(draft, DFlashConfig) and (args.num_draft_tokens or 0) > draft.max_draft_tokens:
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} exceeds what the DFlash drafter drafts a round "
+                         f"(block_size {draft.block_size} - 1 = {draft.max_draft_tokens})")
 
 
 def _load(args):
@@ -306,9 +314,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="DIR",
-                   help="a smaller Qwen3 checkpoint with the same tokenizer: speculative decoding")
-    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="N",
-                   help="tokens the draft proposes per step (4)")
+                   help="a smaller Qwen3 checkpoint with the same tokenizer, or a DFlash drafter for the model "
+                        "(--device cpu): speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="tokens the draft proposes per step (4; a DFlash drafter: its block_size - 1)")
 
 
 def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:

@@ -13,6 +13,7 @@ from .kv.paged_cache import check_kv_quantize
 from .kv.sizing import DEFAULT_UTILIZATION, check_utilization
 
 DEVICES = ("cuda", "cpu")
+DEFAULT_DRAFT_TOKENS = 4  # a draft model's proposals a round unless told otherwise
 
 
 def check_count(name: str, value) -> None:
@@ -35,6 +36,19 @@ def parse_device(device) -> tuple[str, int]:
                      f"slow, exact), got {device!r}")
 
 
+def _default_draft_tokens(draft_model: Path | None) -> int:
+    """A round's proposals when none are asked for: a DFlash drafter's block_size - 1 (all it drafts in one
+    forward), else 4. A draft directory that cannot be read gets 4 here; opening it says what is wrong."""
+    from .model.config import ConfigError
+    from .model.dflash_config import DFlashConfig, is_dflash_dir
+    if draft_model is not None and is_dflash_dir(draft_model):
+        try:
+            return DFlashConfig.from_json(draft_model).max_draft_tokens
+        except ConfigError:
+            pass
+    return DEFAULT_DRAFT_TOKENS
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: Path
@@ -53,8 +67,8 @@ class EngineConfig:
     batch_invariant: bool = False        # each request's logits bitwise independent of the batch around it
     async_scheduling: bool = True        # plan and launch step n + 1 before reading step n's tokens
     progress: bool = True                # progress bars while loading
-    draft_model: Path | None = None      # a smaller model of the same tokenizer: speculative decoding
-    num_draft_tokens: int = 4            # proposals a speculative round
+    draft_model: Path | None = None      # a smaller model of the same tokenizer, or a DFlash drafter: speculation
+    num_draft_tokens: int | None = None  # proposals a round; None: 4, or a DFlash drafter's block_size - 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -63,6 +77,8 @@ class EngineConfig:
             set_(self, "draft_model", Path(self.draft_model))
         kind, ordinal = parse_device(self.device)
         set_(self, "device", "cpu" if kind == "cpu" else f"cuda:{ordinal}")
+        if self.num_draft_tokens is None:
+            set_(self, "num_draft_tokens", _default_draft_tokens(self.draft_model))
         for name in ("max_num_seqs", "max_context", "page_size", "max_num_batched_tokens", "num_draft_tokens"):
             check_count(name, getattr(self, name))
         for name in ("num_pages", "max_tokens"):

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import EngineConfig, parse_device
+from .config import DEFAULT_DRAFT_TOKENS, EngineConfig, check_count, parse_device
 from .engine.engine import Engine
 from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED
-from .engine.speculative import DraftRunner, OracleDraft, SpecStats
+from .engine.speculative import OracleDraft, SpecStats, default_draft_tokens, make_drafter
+from .model.dflash_config import is_dflash_dir
 from .runner.cpu import CPURunner
+from .runner.cpu_dflash import CPUDFlashRunner
 from .runner.gpu import GPURunner
 
 
@@ -28,8 +30,10 @@ def load_model(path: str | Path, *, device="cuda", max_num_seqs: int = 8, max_ba
                max_logit_rows: int = 256, batch_invariant: bool = False, progress: bool = True):
     """A Hugging Face Qwen3 checkpoint directory loaded for one (or a few) sequences: bf16 weights on the GPU
     (device="cuda" or "cuda:N"), or float32 numpy weights for the CPU runner (device="cpu"), which also runs
-    Apertus checkpoints."""
+    Apertus checkpoints and DFlash drafters (a draft_model for `generate` and `ChatSession`)."""
     kind, ordinal = parse_device(device)
+    if kind == "cpu" and is_dflash_dir(path):
+        return CPUDFlashRunner(path, max_num_seqs=max_num_seqs)
     if kind == "cpu":
         return CPURunner(path, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                          max_logit_rows=max_logit_rows)
@@ -37,11 +41,21 @@ def load_model(path: str | Path, *, device="cuda", max_num_seqs: int = 8, max_ba
                      max_logit_rows=max_logit_rows, batch_invariant=batch_invariant, progress=progress)
 
 
+def draft_tokens(draft, num_draft_tokens: int | None) -> int:
+    """A round's proposals: as asked, else the drafter's default (a DFlash drafter's block_size - 1, else 4)."""
+    if num_draft_tokens is not None:
+        check_count("num_draft_tokens", num_draft_tokens)
+        return num_draft_tokens
+    return DEFAULT_DRAFT_TOKENS if draft is None else default_draft_tokens(draft)
+
+
 def engine_over(runner, positions: int, *, kv_quantize: str | None = None, kv_smoothing: bool = True,
-                draft=None, num_draft_tokens: int = 4) -> Engine:
+                draft=None, num_draft_tokens: int | None = None) -> Engine:
     """An Engine over a loaded runner whose cache holds at least `positions` (resized if it does not).
-    draft: a loaded runner of the same tokenizer (its own cache, sized alike) or an OracleDraft."""
+    draft: a loaded runner of the same tokenizer (its own cache, sized alike), a loaded DFlash drafter
+    (load_model of its directory, device="cpu") or an OracleDraft."""
     cache = runner.ensure_cache(positions, kv_quantize=kv_quantize, smoothing=kv_smoothing)
+    num_draft_tokens = draft_tokens(draft, num_draft_tokens)
     drafter = None
     if isinstance(draft, OracleDraft):
         drafter = draft
@@ -53,7 +67,7 @@ def engine_over(runner, positions: int, *, kv_quantize: str | None = None, kv_sm
             raise ValueError(f"draft_model's vocabulary ({draft.config.vocab_size}) differs from the target's "
                              f"({runner.config.vocab_size}); speculation needs the same tokenizer")
         draft.ensure_cache(positions)
-        drafter = DraftRunner(draft)
+        drafter = make_drafter(draft, runner, num_draft_tokens)
     config = EngineConfig(model=runner.checkpoint.path, device="cpu" if isinstance(runner, CPURunner) else "cuda",
                           max_num_seqs=runner.max_num_seqs, max_context=min(positions, cache.capacity),
                           max_num_batched_tokens=runner.max_batch_tokens, page_size=cache.manager.page_size,
@@ -83,7 +97,7 @@ class GenerationResult:
 def generate(model, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
              on_token: Callable[[int], None] | None = None, kv_quantize: str | None = None,
-             kv_smoothing: bool = True, draft_model=None, num_draft_tokens: int = 4) -> GenerationResult:
+             kv_smoothing: bool = True, draft_model=None, num_draft_tokens: int | None = None) -> GenerationResult:
     """Continue `prompt` (text, or token ids) by up to `max_new_tokens` tokens, stopping at EOS.
 
     model: a loaded runner (`load_model`). The KV cache is sized for the prompt plus the budget;
@@ -91,15 +105,17 @@ def generate(model, prompt: str | list[int], *, max_new_tokens: int, temperature
     is greedy; otherwise sampling is seeded (a fresh random seed when `seed` is None) and reproducible
     for a seed. `on_token(token_id)` is called with each new token as soon as it is read back.
 
-    draft_model (a second loaded runner with the same vocabulary, or an OracleDraft) turns on
-    speculative decoding (engine/speculative.py): greedy output is unchanged; sampled output keeps this
-    model's distribution. `result.speculation` holds the statistics.
+    draft_model (a second loaded runner with the same vocabulary, a loaded DFlash drafter, or an OracleDraft)
+    turns on speculative decoding (engine/speculative.py): greedy output is unchanged; sampled output keeps
+    this model's distribution. num_draft_tokens: proposals a round (default: 4; a DFlash drafter's
+    block_size - 1). `result.speculation` holds the statistics.
     """
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, ignore_eos=not stop_at_eos)
     if isinstance(prompt, str) and not prompt:
         raise ValueError("prompt is empty: give some text or token ids")
     ids = model.encode(prompt) if isinstance(prompt, str) else model.validate_ids(prompt)
+    num_draft_tokens = draft_tokens(draft_model, num_draft_tokens)
     extra = num_draft_tokens + 1 if draft_model is not None else 0  # a verify step feeds k + 1 positions
     total = len(ids) + max_new_tokens + extra
     limit = model.config.max_position_embeddings

@@ -20,9 +20,10 @@ from .engine.engine import Engine
 from .engine.outputs import RequestOutput, StreamOutput
 from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED, Request
-from .engine.speculative import DraftRunner
+from .engine.speculative import make_drafter
 from .kv import Sequence
 from .model.checkpoint import Checkpoint
+from .model.dflash_config import DFLASH_NEEDS_CPU, DFlashConfig
 from .model.forward import check_supported
 from .runner.startup import Started, start_cpu, start_gpu
 
@@ -37,8 +38,10 @@ def check_checkpoints(config: EngineConfig):
         raise ValueError(f"max_context {config.max_context} exceeds the model's {model.max_position_embeddings} "
                          f"positions (max_position_embeddings in config.json)")
     if config.draft_model is not None:
-        draft = Checkpoint.open(config.draft_model).config
-        if not config.on_cpu:
+        draft = Checkpoint.open_draft(config.draft_model).config
+        if isinstance(draft, DFlashConfig):
+            _check_dflash(config, draft, model)
+        elif not config.on_cpu:
             check_supported(draft, config.draft_model)
         if draft.vocab_size != model.vocab_size:
             raise ValueError(f"draft_model's vocabulary ({draft.vocab_size}) differs from the target's "
@@ -46,12 +49,22 @@ def check_checkpoints(config: EngineConfig):
     return model
 
 
+def _check_dflash(config: EngineConfig, draft: DFlashConfig, model) -> None:
+    if not config.on_cpu:
+        raise ValueError(DFLASH_NEEDS_CPU)
+    draft.check_target(model, source=f"draft_model {config.draft_model}")
+    if config.num_draft_tokens > draft.max_draft_tokens:
+        raise ValueError(f"num_draft_tokens {config.num_draft_tokens} exceeds what the DFlash drafter drafts a round "
+                         f"(block_size {draft.block_size} - 1 = {draft.max_draft_tokens})")
+
+
 class LLM:
     def __init__(self, model: str | Path, **options):
         """model: a Hugging Face Qwen3 checkpoint directory (or Apertus, with device="cpu"); options:
         EngineConfig's fields (max_num_seqs, max_context, page_size, enable_prefix_caching, max_num_batched_tokens,
         gpu_memory_utilization, num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant,
-        async_scheduling, device, progress, draft_model, num_draft_tokens)."""
+        async_scheduling, device, progress, draft_model, num_draft_tokens). draft_model may be a draft model's
+        directory or a DFlash drafter's (recognised by its config.json; device="cpu" only so far)."""
         self.config = EngineConfig(model=model, **options)
         self.model_config = check_checkpoints(self.config)
         self._closed = False
@@ -66,7 +79,7 @@ class LLM:
         self.runner, self.memory_report, self.startup = s.runner, s.memory_report, s.startup
         self.tokenizer = self.runner.tokenizer
         self.eos_token_ids = set(self.runner.eos_token_ids)
-        drafter = DraftRunner(s.draft) if s.draft is not None else None
+        drafter = make_drafter(s.draft, self.runner, self.config.num_draft_tokens) if s.draft is not None else None
         self.engine = Engine(self.config, self.runner, self.tokenizer, self.eos_token_ids, drafter)
 
     @property

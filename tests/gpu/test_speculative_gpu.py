@@ -286,3 +286,17 @@ def test_llm_speculation_with_sampling_and_penalties(tiny_checkpoint, draft_chec
         outs = llm.generate(prompts, params)
     assert all(len(o.token_ids) == 20 for o in outs)
     assert outs[2].speculation is None and all(o.speculation.target_steps > 0 for i, o in enumerate(outs) if i != 2)
+
+
+def test_the_gpu_runner_refuses_a_dflash_drafter(models, dflash_tiny_checkpoint):
+    # DFlash runs on the CPU runner only so far: pairing a GPU target with one fails with one clear line
+    # (naming device='cpu'), as does asking the GPU runner to capture hidden states.
+    target, _, _ = models
+    drafter = tileinfer.load_model(dflash_tiny_checkpoint, device="cpu")
+    with pytest.raises(ValueError, match=r"device='cpu'"):
+        tileinfer.generate(target, [1, 2, 3], max_new_tokens=4, draft_model=drafter)
+    with pytest.raises(ValueError, match=r"device='cpu'"):
+        target.capture_hidden_states((0, 1))
+    target.capture_hidden_states(())  # nothing asked: nothing to refuse
+    with pytest.raises(ValueError, match=r"device='cpu'"):
+        tileinfer.load_model(dflash_tiny_checkpoint)

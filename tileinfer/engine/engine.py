@@ -111,6 +111,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.drafter = drafter
+        # A DFlash drafter reads the target's hidden states at every position a step computes.
+        self._feeds_drafter = drafter is not None and bool(drafter.target_layer_ids)
+        if self._feeds_drafter:
+            runner.capture_hidden_states(drafter.target_layer_ids)
         manager: BlockManager = runner.cache.manager
         self.scheduler = Scheduler(manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=runner.max_batch_tokens, max_context=config.max_context)
@@ -271,6 +275,8 @@ class Engine:
             step = self._launch(plain)
             self._publish_masks(step)
             events += self._finish(step)
+            if self._feeds_drafter:
+                self._feed_drafter(plain, self.runner.last_features)
         spec = [r for r, s in zip(rows, speculates) if s]
         if spec:
             events += self._verify(spec)
@@ -279,6 +285,15 @@ class Engine:
             self.drafter.release(rid)  # finished or aborted: its draft pages go back
         self._check_progress(bool(rows), events)
         return events
+
+    def _feed_drafter(self, rows: list[ScheduledRow], features: np.ndarray) -> None:
+        """A DFlash drafter's context: the target's states at every position these rows computed (in the
+        step's row order), for the requests that speculate."""
+        at = 0
+        for r in rows:
+            if r.request.spec is not None:
+                self.drafter.add_context(r.request.request_id, r.start, features[at:at + r.count])
+            at += r.count
 
     def _check_progress(self, ran: bool, events: list) -> None:
         """A step that ran nothing and returned nothing while requests wait would loop forever."""
@@ -469,6 +484,7 @@ class Engine:
         greedy = all(not r.request.params.temperature > 0 for r in rows)
         width = self.config.num_draft_tokens + 1 if self.runner.use_graphs else None
         out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width)
+        features = self.runner.last_features if self._feeds_drafter else None
         self.scheduler.update(rows)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)
@@ -478,10 +494,13 @@ class Engine:
             at += len(props) + 1
             if not greedy and not r.request.params.temperature > 0:
                 p_rows = p_rows.argmax(axis=1)
-            events += self._accept_round(r, props, p_rows)
+            row_features = None if features is None else features[at - len(props) - 1:at]
+            events += self._accept_round(r, props, p_rows, row_features)
         return events
 
-    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows) -> list[Event]:
+    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows, features=None) -> list[Event]:
+        """features: with a DFlash drafter, the target's states at the round's positions (the last
+        committed token's, then the proposals'): those of the positions kept become its context."""
         req = r.request
         emitted, accepted = accept(props, p_rows, req.params, req.spec_rng)
         st = req.spec
@@ -504,6 +523,8 @@ class Engine:
                 break
         if req.status != FINISHED:
             self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
+            if features is not None:
+                self.drafter.add_context(req.request_id, r.start, features[:1 + accepted])
             self.drafter.rollback(req.request_id, req.token_ids)
         return events
 

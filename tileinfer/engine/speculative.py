@@ -13,6 +13,8 @@ Each engine step, for the decoding requests that speculate (engine/engine.py `_v
   4. rollback is free: both caches drop the rejected positions with BlockManager.truncate, a
      block-table edit on the host; nothing is copied or cleared on the device.
 
+The draft is a model of its own (DraftRunner, below) or a DFlash drafter (engine/dflash.py: one forward
+drafts a whole block from the target's hidden states); `make_drafter` picks by what was loaded.
 One sequence is batch 1 of the same path: `generate` and `ChatSession` speculate through it too.
 `OracleDraft` proposes a known continuation at no cost (acceptance 100%: the ceiling of the verify
 machinery, for benchmarks).
@@ -24,8 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import DEFAULT_DRAFT_TOKENS
 from ..kv import Sequence
+from ..model.dflash_config import DFlashConfig
 from ..runner.sampler import kept_mask, scaled
+from .dflash import DFlashDrafter
 
 
 def distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -98,6 +103,8 @@ def accept(proposals: Seq[int], p_rows, params, rng: np.random.Generator) -> tup
 class OracleDraft:
     """Proposes a given continuation of the prompt (e.g. the target's own greedy output), at no cost."""
 
+    target_layer_ids: tuple[int, ...] = ()  # reads none of the target's hidden states
+
     def __init__(self, prompt_len: int, continuation: Seq[int]):
         self.prompt_len, self.continuation = prompt_len, list(continuation)
         self.held: dict[int, None] = {}
@@ -123,6 +130,8 @@ class DraftRunner:
     """The draft model's sequences, one per request, in its own paged cache. A request's draft
     sequence holds a prefix of the request's committed tokens, never the last one (the next
     proposals need the draft's logits after it, which come from feeding it)."""
+
+    target_layer_ids: tuple[int, ...] = ()  # reads none of the target's hidden states (a DFlash drafter does)
 
     def __init__(self, runner):
         self.runner = runner
@@ -217,3 +226,21 @@ class DraftRunner:
         held = self.held.pop(request_id, None)
         if held is not None:
             self.manager.release(held[0])
+
+
+def default_draft_tokens(draft) -> int:
+    """A drafter's proposals a round when none are asked for: a DFlash drafter's block_size - 1, else 4."""
+    if not isinstance(draft, OracleDraft) and isinstance(draft.config, DFlashConfig):
+        return draft.config.max_draft_tokens
+    return DEFAULT_DRAFT_TOKENS
+
+
+def make_drafter(draft, target, num_draft_tokens: int):
+    """The engine's drafter over a loaded draft: a DFlash drafter's runner (checked to fit the target, and
+    num_draft_tokens to fit its block) or a draft model's runner."""
+    if isinstance(draft.config, DFlashConfig):
+        if num_draft_tokens > draft.config.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens {num_draft_tokens} exceeds what this DFlash drafter drafts a round "
+                             f"(block_size {draft.config.block_size} - 1 = {draft.config.max_draft_tokens})")
+        return DFlashDrafter(draft, target)
+    return DraftRunner(draft)

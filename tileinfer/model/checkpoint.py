@@ -1,7 +1,8 @@
 """A Hugging Face Qwen3 or Apertus checkpoint directory, opened and checked before anything touches the GPU.
 
 Layout (what transformers' save_pretrained writes):
-  config.json                               -> Qwen3Config or ApertusConfig (by model_type)
+  config.json                               -> Qwen3Config or ApertusConfig (by model_type), or for a
+                                               draft directory (open_draft) a DFlashConfig
   model.safetensors                         one file of weights, or
   model.safetensors.index.json + shards     {"weight_map": {tensor name: shard file name}}
   generation_config.json (optional)         eos_token_id: int or list
@@ -23,6 +24,7 @@ import numpy as np
 import tokenizers
 
 from tileinfer.model.config import ConfigError, ModelConfig, read_config
+from tileinfer.model.dflash_config import DFlashConfig, read_draft_config
 from tileinfer.model.safetensors_io import SafetensorsError, SafetensorsFile, TensorInfo
 from tileinfer.model.tokenizer import load_tokenizer
 
@@ -37,29 +39,47 @@ class CheckpointError(ValueError):
     """A checkpoint directory the engine cannot load; the message says which file and what to fix."""
 
 
-def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(config: ModelConfig | DFlashConfig) -> dict[str, tuple[int, ...]]:
     """Every weight the forward reads, Hugging Face name -> shape ([out, in] for linears)."""
-    d, hd = config.hidden_size, config.head_dim
-    q, kv = config.q_size, config.kv_size
-    attention_norm, mlp_norm = config.norm_names
+    if isinstance(config, DFlashConfig):
+        return dflash_tensors(config)
+    d = config.hidden_size
     shapes = {"model.embed_tokens.weight": (config.vocab_size, d)}
     for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes.update({
-            p + attention_norm + ".weight": (d,),
-            p + "self_attn.q_proj.weight": (q, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, q),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + mlp_norm + ".weight": (d,),
-            **mlp_tensors(config, p + "mlp."),
-        })
+        shapes.update(layer_tensors(config, f"model.layers.{layer}."))
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)
     return shapes
+
+
+def dflash_tensors(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """A DFlash drafter's weights, as z-lab's checkpoints name them: fc [hidden, layers read x hidden], no bias;
+    hidden_norm; Qwen3 layers under "layers.N."; the final norm. Embedding and LM head are the target's."""
+    d, decoder = config.hidden_size, config.decoder
+    shapes = {"fc.weight": (d, config.feature_size), "hidden_norm.weight": (d,)}
+    for layer in range(decoder.num_hidden_layers):
+        shapes.update(layer_tensors(decoder, f"layers.{layer}."))
+    shapes["norm.weight"] = (d,)
+    return shapes
+
+
+def layer_tensors(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's weights under the prefix `p` ("model.layers.N.")."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    attention_norm, mlp_norm = config.norm_names
+    return {
+        p + attention_norm + ".weight": (d,),
+        p + "self_attn.q_proj.weight": (q, d),
+        p + "self_attn.k_proj.weight": (kv, d),
+        p + "self_attn.v_proj.weight": (kv, d),
+        p + "self_attn.o_proj.weight": (d, q),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+        p + mlp_norm + ".weight": (d,),
+        **mlp_tensors(config, p + "mlp."),
+    }
 
 
 # xIELU's learned scalars, as transformers' XIELUActivation keeps them: alpha_p and alpha_n are parameters
@@ -81,7 +101,7 @@ def mlp_tensors(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
 @dataclass(eq=False)
 class Checkpoint:
     path: Path
-    config: ModelConfig
+    config: ModelConfig | DFlashConfig      # a DFlashConfig only when opened with open_draft
     tensors: dict[str, TensorInfo]          # name -> where it lives (TensorInfo.path is the shard)
     eos_token_ids: list[int]
     chat_template: str | None
@@ -97,6 +117,22 @@ class Checkpoint:
             config = read_config(path / "config.json")
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
+        return cls._open(path, config)
+
+    @classmethod
+    def open_draft(cls, path: str | Path) -> "Checkpoint":
+        """A draft directory: a model of its own (as `open`) or a DFlash drafter (config a DFlashConfig)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory")
+        try:
+            config = read_draft_config(path / "config.json")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        return cls._open(path, config)
+
+    @classmethod
+    def _open(cls, path: Path, config: ModelConfig | DFlashConfig) -> "Checkpoint":
         files, tensors = _open_weights(path)
         tensors = _check_tensors(path, config, tensors)
         return cls(path, config, tensors, _eos_token_ids(path), _chat_template(path), files)
@@ -180,9 +216,10 @@ def _read_json(file: Path):
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
-def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+def _check_tensors(path: Path, config: ModelConfig | DFlashConfig,
+                   tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     expected = expected_tensors(config)
-    if config.tie_word_embeddings:
+    if not isinstance(config, DFlashConfig) and config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) head; the forward uses the embedding.
         tensors = {name: info for name, info in tensors.items() if name != "lm_head.weight"}
     missing = [name for name in expected if name not in tensors]

@@ -284,6 +284,10 @@ FAMILIES: dict[str, type[_DecoderConfig]] = {c.family: c for c in (Qwen3Config, 
 
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     """The family's config for a parsed config.json, chosen by its model_type."""
+    architectures = raw.get("architectures")
+    if isinstance(architectures, list) and any(isinstance(a, str) and a.startswith("DFlash") for a in architectures):
+        raise ConfigError(f"{source}: a DFlash drafter ({', '.join(architectures)}), not a model that runs on its "
+                          f"own; pass its directory as draft_model beside its target model")
     model_type = raw.get("model_type")
     family = FAMILIES.get(model_type)
     if family is None:

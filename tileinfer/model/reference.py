@@ -10,8 +10,8 @@ The families differ in three places, each decided once when the model is built: 
 RoPE frequency table (plain, or with Apertus' llama3 scaling: rope_table).
 Clarity over speed, but every step is one batched matmul so a Qwen3-0.6B shape runs on a CPU.
 
-The module-level functions (rms_norm, rope_inv_freq, llama3_inv_freq, apply_rope, attention, silu, xielu)
-are oracles for kernel tests too. Weights use Hugging Face names and layout (`[out, in]`, y = x @ W.T).
+The module-level functions (rms_norm, rope_inv_freq, llama3_inv_freq, apply_rope, attention, block_attention,
+silu, xielu) are oracles for kernel tests too. Weights use Hugging Face names and layout (`[out, in]`, y = x @ W.T).
 """
 from __future__ import annotations
 
@@ -90,15 +90,31 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 
     q: [n, H, hd]; k, v: [m, KV, hd]; returns [n, H, hd].
     """
+    visible = np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]  # [n, m]
+    if not visible.any(axis=1).all():
+        first = int(np.asarray(q_positions)[~visible.any(axis=1)][0])
+        raise ValueError(f"the query at position {first} sees no key (no cached position <= it)")
+    return _grouped_attention(q, k, v, visible)
+
+
+def block_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Grouped-query attention without a mask: every query reads every key (a DFlash drafter's block
+    attends to its context and to the whole block, before and after itself). Scale 1/sqrt(head_dim).
+
+    q: [n, H, hd]; k, v: [m, KV, hd] (m >= 1); returns [n, H, hd].
+    """
+    if k.shape[0] == 0:
+        raise ValueError("block attention needs at least one key")
+    return _grouped_attention(q, k, v, np.ones((q.shape[0], k.shape[0]), bool))
+
+
+def _grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Softmax attention of query head h over KV head h // (H / KV), keys masked by visible [n, m]."""
     n, num_heads, head_dim = q.shape
     m, num_kv, _ = k.shape
     if num_heads % num_kv:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv} KV heads evenly")
     group = num_heads // num_kv
-    visible = np.asarray(k_positions)[None, :] <= np.asarray(q_positions)[:, None]  # [n, m]
-    if not visible.any(axis=1).all():
-        first = int(np.asarray(q_positions)[~visible.any(axis=1)][0])
-        raise ValueError(f"the query at position {first} sees no key (no cached position <= it)")
     # Heads of one group become extra query rows: [KV, group * n, hd].
     qg = q.reshape(n, num_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
     scores = qg @ k.transpose(1, 2, 0) * np.float32(1.0 / np.sqrt(head_dim))  # [KV, group * n, m]
@@ -294,7 +310,20 @@ class _Layer:
     mlp: GatedSiluMLP | XieluMLP
 
 
-def _as_float32(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
+def decoder_layer(config: ModelConfig, w: dict[str, np.ndarray], p: str, mlp: type = GatedSiluMLP) -> _Layer:
+    """One layer's float32 weights from `w`, named under the prefix `p` ("model.layers.N.")."""
+    attention_norm, mlp_norm = config.norm_names
+    return _Layer(
+        input_norm=w[p + attention_norm + ".weight"],
+        q_proj=w[p + "self_attn.q_proj.weight"], k_proj=w[p + "self_attn.k_proj.weight"],
+        v_proj=w[p + "self_attn.v_proj.weight"], o_proj=w[p + "self_attn.o_proj.weight"],
+        q_norm=w[p + "self_attn.q_norm.weight"], k_norm=w[p + "self_attn.k_norm.weight"],
+        post_norm=w[p + mlp_norm + ".weight"],
+        mlp=mlp.from_weights(w, p + "mlp."),
+    )
+
+
+def as_float32(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
     array = np.asarray(array)
     if array.dtype.kind in "biuc" or array.dtype == np.object_:
         raise ValueError(f"weight {name!r} has dtype {array.dtype}; expected a floating-point dtype")
@@ -313,7 +342,7 @@ class ReferenceModel:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ValueError(f"weights lack {', '.join(map(repr, missing[:3]))}{more}; "
                              f"is this a checkpoint of a different model or size?")
-        w = {name: _as_float32(name, weights[name], shape) for name, shape in shapes.items()}
+        w = {name: as_float32(name, weights[name], shape) for name, shape in shapes.items()}
         self.config = config
         self.embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
         self.norm = w["model.norm.weight"]           # [hidden]
@@ -325,23 +354,14 @@ class ReferenceModel:
 
     @staticmethod
     def _layer(config: ModelConfig, w: dict[str, np.ndarray], i: int, mlp: type) -> _Layer:
-        p = f"model.layers.{i}."
-        attention_norm, mlp_norm = config.norm_names
-        return _Layer(
-            input_norm=w[p + attention_norm + ".weight"],
-            q_proj=w[p + "self_attn.q_proj.weight"], k_proj=w[p + "self_attn.k_proj.weight"],
-            v_proj=w[p + "self_attn.v_proj.weight"], o_proj=w[p + "self_attn.o_proj.weight"],
-            q_norm=w[p + "self_attn.q_norm.weight"], k_norm=w[p + "self_attn.k_norm.weight"],
-            post_norm=w[p + mlp_norm + ".weight"],
-            mlp=mlp.from_weights(w, p + "mlp."),
-        )
+        return decoder_layer(config, w, f"model.layers.{i}.", mlp)
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "ReferenceModel":
         """Build from any object with `.config` and `.read(name) -> array` (e.g. model.checkpoint.Checkpoint)."""
         config = ckpt.config
         # Convert tensor by tensor so only one bfloat16 copy is alive at a time.
-        weights = {name: _as_float32(name, ckpt.read(name), shape)
+        weights = {name: as_float32(name, ckpt.read(name), shape)
                    for name, shape in weight_shapes(config).items()}
         return cls(config, weights)
 
@@ -376,20 +396,49 @@ class ReferenceModel:
         start = cache.append_positions(positions)
         r = _rounding(bf16_activations)
         try:
-            h = self._layers(ids, positions, cache, start, r)
+            h, _ = self._layers(ids, positions, cache, start, r)
         except BaseException:
             cache.truncate(start)  # a failed forward must not leave half-written entries behind
             raise
         return r(rms_norm(h, self.norm, self.config.rms_norm_eps)) @ self.lm_head.T
 
-    def _layers(self, ids: np.ndarray, positions: np.ndarray, cache: ReferenceCache, start: int, r) -> np.ndarray:
+    def forward_features(self, token_ids, layer_ids, cache: ReferenceCache | None = None,
+                         positions=None) -> tuple[np.ndarray, np.ndarray]:
+        """forward's logits [n, vocab] and, from the same pass, the hidden states after the layers in
+        layer_ids side by side [n, len(layer_ids) * hidden] (what a DFlash drafter reads; `hidden_rows`)."""
+        ids = self._check_ids(token_ids)
+        layer_ids = self._check_layer_ids(layer_ids)
+        cache = self.new_cache() if cache is None else cache
+        self._check_cache(cache)
+        positions = self._check_positions(positions, len(ids), cache.num_positions)
+        start = cache.append_positions(positions)
+        try:
+            h, features = self._layers(ids, positions, cache, start, _rounding(False), layer_ids)
+        except BaseException:
+            cache.truncate(start)
+            raise
+        return self.head(h), features
+
+    def _layers(self, ids: np.ndarray, positions: np.ndarray, cache, start: int, r,
+                capture: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+        """The residual stream after the last layer [n, hidden] and the captured layers' outputs (None
+        without `capture`)."""
         eps = self.config.rms_norm_eps
         h = self.embed[ids]  # [n, hidden], the residual stream
+        taken = {}
         for index, layer in enumerate(self.layers):
             h = h + self._attention_block(layer, r(rms_norm(h, layer.input_norm, eps)), positions, cache, index,
                                           start, r)
             h = h + layer.mlp(r(rms_norm(h, layer.post_norm, eps)), r)
-        return h
+            if index in capture:
+                taken[index] = h
+        if not capture:
+            return h, None
+        # transformers' hidden_states[num_layers] is the final-normed state, not the last layer's raw output.
+        last = len(self.layers) - 1
+        if last in taken:
+            taken[last] = rms_norm(h, self.norm, eps)
+        return h, np.concatenate([taken[i] for i in capture], axis=1)
 
     def _attention_block(self, layer: _Layer, x: np.ndarray, positions: np.ndarray,
                          cache: ReferenceCache, index: int, start: int, r) -> np.ndarray:
@@ -412,8 +461,19 @@ class ReferenceModel:
         """Logits of the given rows (default all) of tokens `ids` at `positions`, over any cache with
         `write(layer, start, k, v)`, `read(layer) -> (keys, values, positions)` and `smoothing` (the CPU
         runner's paged numpy cache). The caller has placed the positions in the cache."""
-        h = self._layers(np.asarray(ids, np.int64), np.asarray(positions, np.int64), cache, 0, _rounding(False))
-        h = h if rows is None else h[rows]
+        h, _ = self.hidden_rows(ids, positions, cache)
+        return self.head(h if rows is None else h[rows])
+
+    def hidden_rows(self, ids: np.ndarray, positions: np.ndarray, cache,
+                    capture: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+        """forward_rows' residual stream after the last layer [n, hidden] and, in the same pass, the outputs
+        of the layers in `capture` side by side [n, len(capture) * hidden] (None without). A captured last
+        layer gives the final-normed state, as transformers' hidden_states[num_layers] does."""
+        return self._layers(np.asarray(ids, np.int64), np.asarray(positions, np.int64), cache, 0, _rounding(False),
+                            tuple(capture))
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """Logits of residual-stream rows: final norm, then the LM head. # [n, vocab]"""
         return rms_norm(h, self.norm, self.config.rms_norm_eps) @ self.lm_head.T
 
     def greedy(self, prompt_ids, n: int) -> list[int]:
@@ -453,6 +513,14 @@ class ReferenceModel:
         expected = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
         if not isinstance(cache, ReferenceCache) or cache._shape != expected:
             raise ValueError("cache was not made by this model's new_cache() (layers, KV heads or head_dim differ)")
+
+    def _check_layer_ids(self, layer_ids) -> tuple[int, ...]:
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.config.num_hidden_layers]
+        if not ids or bad or len(set(ids)) != len(ids):
+            raise ValueError(f"layer_ids must be distinct layers in 0..{self.config.num_hidden_layers - 1}, "
+                             f"got {list(layer_ids)}")
+        return ids
 
     @staticmethod
     def _check_positions(positions, n: int, cached: int) -> np.ndarray:

@@ -1,11 +1,13 @@
-"""Synthetic Qwen3 and Apertus checkpoints in exactly the Hugging Face layout, for machines without a network.
+"""Synthetic Qwen3 and Apertus checkpoints (and DFlash drafters) in exactly the Hugging Face layout, for machines
+without a network.
 
 Weights are random bf16 but shaped like a trained model's, so kernels and the engine see realistic
 numbers: linears N(0, 0.02) (o_proj and down_proj shrunk by 1/sqrt(2 * layers), so the residual
 stream grows like a trained model's), RMSNorm weights 1 + N(0, 0.05), three rotary pairs of layer 0's
 k_norm 100x the rest (real Qwen3's first layer has such channels; they exercise INT8 key smoothing)
 with the matching q_norm channels 100x smaller (as trained, so attention scores stay moderate),
-and a final norm scaled so the logits have a trained model's spread (see `final_norm_scale`). Apertus'
+and a final norm scaled so the logits have a trained model's spread (see `final_norm_scale`; a DFlash drafter's
+`norm` likewise, as its logits come from the target's LM head of the same spread). Apertus'
 xIELU scalars start where transformers initialises them (a_p 0.8, a_n 0.8, beta 0.5, eps -1e-6), alpha_p
 and alpha_n moved by N(0, 0.1) per layer so that no two layers share an activation.
 
@@ -33,6 +35,7 @@ from tqdm import tqdm
 from tileinfer.model import apertus_tokenizer
 from tileinfer.model.checkpoint import INDEX_FILE, SINGLE_FILE, expected_tensors
 from tileinfer.model.config import ModelConfig
+from tileinfer.model.dflash_config import DFlashConfig
 from tileinfer.model.safetensors_io import write_safetensors_streamed
 from tileinfer.model.tokenizer import qwen3_tokenizer_json, tokenizer_config
 
@@ -74,7 +77,7 @@ def tensor_init(name: str, config: ModelConfig) -> tuple[float, float]:
     """(mean, std) of the normal distribution `name` is drawn from."""
     if ".act_fn." in name:
         return XIELU_INIT[name.rsplit(".", 1)[1]]
-    if name == "model.norm.weight":
+    if name in ("model.norm.weight", "norm.weight"):  # a model's final norm, a DFlash drafter's
         gain = final_norm_scale(config.hidden_size)
         return gain, gain * NORM_JITTER
     if name.endswith("norm.weight"):                 # layer norms, q_norm, k_norm
@@ -133,7 +136,7 @@ def shard_file_names(num_shards: int) -> list[str]:
     return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
 
 
-def write_checkpoint(config: ModelConfig, out: str | Path, seed: int = 0, max_shard_bytes: int = 4 * 10**9,
+def write_checkpoint(config: ModelConfig | DFlashConfig, out: str | Path, seed: int = 0, max_shard_bytes: int = 4 * 10**9,
                      workers: int | None = None, progress: bool = True) -> int:
     """Write a complete HF-layout checkpoint for `config` into `out`; returns the weight bytes written."""
     if not isinstance(seed, int) or seed < 0:
@@ -170,9 +173,12 @@ def _write_weights(config: ModelConfig, out: Path, seed: int, shapes: dict[str, 
     return total
 
 
-def write_text_files(config: ModelConfig, out: Path) -> None:
-    """config.json, generation_config.json, tokenizer.json and tokenizer_config.json (the family's)."""
+def write_text_files(config: ModelConfig | DFlashConfig, out: Path) -> None:
+    """config.json, generation_config.json, tokenizer.json and tokenizer_config.json (the family's); a DFlash
+    drafter's directory has config.json only (it uses its target's tokenizer)."""
     _write_json(out / "config.json", config.to_hf_dict())
+    if isinstance(config, DFlashConfig):
+        return
     if config.family == "apertus":
         generation, tokenizer = apertus_tokenizer.GENERATION_CONFIG, apertus_tokenizer.tokenizer_json()
         tokenizer_settings = apertus_tokenizer.tokenizer_config(model_max_length=config.max_position_embeddings)

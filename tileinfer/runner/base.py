@@ -1,6 +1,8 @@
 """What the GPU and CPU runners share: the checkpoint's tokenizer, token-id checks, a waited-for step,
-teacher-forced logits."""
+teacher-forced logits, and what a DFlash drafter's step reads."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,3 +85,14 @@ def checked_masks(masks: list | None, vocab_size: int) -> np.ndarray | None:
             raise ValueError(f"bitmask {i} is {m.dtype} {m.shape}; a vocabulary of {vocab_size} needs int32 "
                              f"({words},): one bit per token")
     return np.stack(given) if given else None
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """One request's DFlash draft step. Its drafter sequence has room reserved, at its end, for the m new
+    context entries and then the k + 1 block entries."""
+    seq: Sequence
+    features: np.ndarray           # [m, feature_size] the target's states at the new context positions
+    context_positions: np.ndarray  # [m] int64, ascending
+    block: list[int]               # the last committed token and k mask tokens
+    start: int                     # the last committed token's position (the block's first)

@@ -7,7 +7,8 @@ prefix caching with copy-on-write, preemption, speculation, chat, structured out
 machine without a GPU: slowly and exactly. As on the GPU, a step with bitmasks samples only once
 publish_masks has given them.
 Each sequence of a step is computed on its own, so a request's logits never depend on the batch
-around it.
+around it. With `capture_hidden_states`, a step also keeps the outputs of given layers at every position
+it computes, from the same pass (`last_features`): a DFlash drafter's context.
 
 The cache: per layer, keys and values [num_pages, kv_heads, page_size, head_dim] float32, written at
 the steps' slots; attention reads a sequence's positions through its block table. An INT8 cache stores
@@ -116,6 +117,27 @@ class CPURunner(CheckpointRunner):
         self._prev = np.zeros(0, np.int32)         # the last sampled step's ids (token_src reads them)
         self._unsampled = None                     # the launched step's rows and logits, until sampled
         self._last_logits = np.zeros((0, self.config.vocab_size), np.float32)
+        self.capture_layers: tuple[int, ...] = ()  # target layers whose outputs a DFlash drafter reads
+        self._features: list[np.ndarray] = []      # the last step's, per row: [n_i, len(capture_layers) * hidden]
+
+    # ------------------------------------------------------------------ hidden-state capture
+    def capture_hidden_states(self, layer_ids) -> None:
+        """From now on every step (launch, verify) also keeps, for each position it computes, the outputs of
+        these layers side by side (`last_features`); () turns it off. A captured last layer gives the
+        final-normed state, as transformers' hidden_states[num_layers] does."""
+        ids = tuple(int(i) for i in layer_ids)
+        if any(not 0 <= i < self.config.num_hidden_layers for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"capture_hidden_states: layers {list(ids)} are not distinct layers of the model's "
+                             f"{self.config.num_hidden_layers}")
+        self.capture_layers = ids
+
+    @property
+    def last_features(self) -> np.ndarray:
+        """The captured states of every position the last launch or verify computed, in the step's row
+        order (a row's positions in order): float32 [tokens, len(capture_layers) * hidden]."""
+        if not self.capture_layers:
+            raise RuntimeError("no hidden states are captured: call capture_hidden_states(layer_ids) first")
+        return np.concatenate(self._features)
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, *, num_pages: int | None = None, max_tokens: int | None = None, page_size: int = 64,
@@ -158,7 +180,10 @@ class CPURunner(CheckpointRunner):
         """One sequence's new tokens through the reference: [n or 1, vocab] logits."""
         view = _SequenceView(self.cache, seq, start, len(ids))
         positions = np.arange(start, start + len(ids))
-        return self.reference.forward_rows(np.asarray(ids), positions, view, None if every_row else slice(-1, None))
+        h, features = self.reference.hidden_rows(np.asarray(ids), positions, view, self.capture_layers)
+        if features is not None:
+            self._features.append(features)
+        return self.reference.head(h if every_row else h[-1:])
 
     def _check_step(self, batch) -> list[tuple[Sequence, list[int], int]]:
         rows = []
@@ -186,6 +211,7 @@ class CPURunner(CheckpointRunner):
         if num_masks and not sample:
             raise ValueError("launch: rows with bitmasks in a step that does not sample")
         self._copy_pending_pages()
+        self._features = []
         if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
             rows = [(seq, [int(self._prev[src])] if src >= 0 else ids, start)
                     for (seq, ids, start), src in zip(rows, token_src)]
@@ -254,6 +280,7 @@ class CPURunner(CheckpointRunner):
         if not rows or n > self.max_verify_tokens:
             raise ValueError(f"verify: {n} tokens in {len(rows)} rows; a verify step takes 1..{self.max_verify_tokens}")
         self._copy_pending_pages()
+        self._features = []
         out = np.concatenate([self._rows_logits(seq, ids, start, True) for seq, ids, start in rows])
         return out.argmax(axis=1).astype(np.int32) if logits == "argmax" else out
 
@@ -269,6 +296,7 @@ class CPURunner(CheckpointRunner):
         ids = self.validate_ids(token_ids)
         chunk = min(chunk or self.max_logit_rows, self.max_logit_rows, self.max_batch_tokens)
         parts = []
+        self._features = []
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
             self.cache.manager.reserve(seq, len(part))

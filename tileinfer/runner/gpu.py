@@ -48,6 +48,7 @@ from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import Checkpoint
+from ..model.dflash_config import DFLASH_NEEDS_CPU, is_dflash_dir
 from ..model.forward import Workspace, check_supported, forward, head_keys_written
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
@@ -87,6 +88,8 @@ class GPURunner(CheckpointRunner):
     def __init__(self, path: str | Path, *, device: int = 0, max_batch_tokens: int = 2048,
                  max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
                  progress: bool = True):
+        if is_dflash_dir(path):
+            raise ValueError(f"{path}: {DFLASH_NEEDS_CPU}")
         self.checkpoint = Checkpoint.open(path)
         self.config = self.checkpoint.config
         check_supported(self.config, path)
@@ -116,6 +119,11 @@ class GPURunner(CheckpointRunner):
         self.batch_invariant = batch_invariant
         self._smoothing: np.ndarray | None = None
         self._closed = False
+
+    def capture_hidden_states(self, layer_ids) -> None:
+        """The CPU runner's capture for a DFlash drafter is not built here: asking for layers fails."""
+        if tuple(layer_ids):
+            raise ValueError(DFLASH_NEEDS_CPU)
 
     # ------------------------------------------------------------------ cache and graphs
     def smoothing_factors(self) -> np.ndarray:

@@ -16,7 +16,8 @@ target's, the memory split between them. The target's logits workspace holds max
 rows for the verify step.
 
 On the CPU (`start_cpu`) the pool is num_pages / max_tokens, or max_num_seqs sequences of max_context
-capped at runner/cpu.py's DEFAULT_POOL_BYTES.
+capped at runner/cpu.py's DEFAULT_POOL_BYTES. A DFlash drafter (runner/cpu_dflash.py) gets a pool of
+its own of as many pages plus a block's per sequence.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
 from ..graphs import DECODE
 from ..kv import Sequence
 from ..kv import sizing
+from ..model.dflash_config import is_dflash_dir
 from .cpu import CPURunner
+from .cpu_dflash import CPUDFlashRunner
 from .gpu import GPURunner
 from .memory_report import MemoryReport
 from .sampler import MAX_BANNED_TOKENS
@@ -91,8 +94,20 @@ def start_cpu(config: EngineConfig) -> Started:
         return r
 
     target = runner(config.model, config.max_num_seqs * config.tokens_per_verify_row, False)
-    draft = runner(config.draft_model, config.max_num_seqs, True) if config.speculative else None
+    draft = None
+    if config.speculative:
+        draft = (_dflash_runner(config, target.cache.num_pages) if is_dflash_dir(config.draft_model)
+                 else runner(config.draft_model, config.max_num_seqs, True))
     return Started(target, draft)
+
+
+def _dflash_runner(config: EngineConfig, num_pages: int) -> CPUDFlashRunner:
+    """A DFlash drafter with a pool of its own: the target's pages, plus one block's worth per sequence
+    (a draft step holds a request's context and its block)."""
+    r = CPUDFlashRunner(config.draft_model, max_num_seqs=config.max_num_seqs)
+    block_pages = -(-r.config.block_size // config.page_size)
+    r.attach_cache(r.new_cache(num_pages=num_pages + config.max_num_seqs * block_pages, page_size=config.page_size))
+    return r
 
 
 def _check_pool_holds_one_sequence(config: EngineConfig, num_pages: int) -> None:

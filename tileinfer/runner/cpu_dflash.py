@@ -1,0 +1,82 @@
+"""A DFlash drafter on the CPU: the float32 reference drafter (model/dflash_reference.py) over a paged numpy
+cache of its own.
+
+The cache is the seed's second sequence: per layer, keys and values [num_pages, kv_heads, page_size,
+head_dim] with a BlockManager of its own, laid out as the target's (runner/cpu.py NumpyPagedCache). A
+request's drafter sequence holds one entry per context position (the keys and values every drafter
+layer derives from the target's features there); a draft step appends the new context and the block
+after them, attends over all of it without a mask, and the caller truncates the block away again.
+Entries are in the order the context arrived; their RoPE positions are the target's positions, which
+the attention does not need beyond the keys themselves (nothing is masked).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..kv.paged_cache import cdiv
+from ..model.checkpoint import Checkpoint, CheckpointError
+from ..model.dflash_config import DFlashConfig
+from ..model.dflash_reference import DFlashReference
+from .base import DraftRow
+from .cpu import CPURunner, NumpyPagedCache, _SequenceView
+
+
+class CPUDFlashRunner:
+    """A DFlash checkpoint loaded for the CPU runner; `bind_target` pairs it with the target it drafts for."""
+
+    use_graphs = False
+
+    def __init__(self, path: str | Path, *, max_num_seqs: int = 8):
+        self.checkpoint = Checkpoint.open_draft(path)
+        if not isinstance(self.checkpoint.config, DFlashConfig):
+            raise CheckpointError(f"{path}: not a DFlash drafter (architectures has no DFlashDraftModel); load a "
+                                  f"draft model with load_model instead")
+        self.config: DFlashConfig = self.checkpoint.config
+        self.model = DFlashReference.from_checkpoint(self.checkpoint)
+        self.max_num_seqs = max_num_seqs
+        self.cache: NumpyPagedCache | None = None
+
+    def bind_target(self, target: CPURunner) -> None:
+        """Draft for `target` (a CPURunner; ValueError if this drafter does not fit it)."""
+        if not isinstance(target, CPURunner):
+            raise ValueError("a DFlash drafter runs beside the CPU runner only (device='cpu'); the GPU runner "
+                             "does not run DFlash drafters yet")
+        self.model.bind_target(target.reference)
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self, *, num_pages: int, page_size: int = 64) -> NumpyPagedCache:
+        """The drafter's own pool (float32, no prefix caching: context entries are per request)."""
+        return NumpyPagedCache(self.config.decoder, num_pages=num_pages, page_size=page_size)
+
+    def attach_cache(self, cache: NumpyPagedCache, *, max_context: int = 0) -> None:
+        self.cache = cache
+
+    def ensure_cache(self, max_tokens: int, page_size: int = 64) -> NumpyPagedCache:
+        """A pool of at least max_tokens entries (a new one if the attached one is smaller)."""
+        if self.cache is None or self.cache.capacity < max_tokens or self.cache.page_size != page_size:
+            self.attach_cache(self.new_cache(num_pages=cdiv(max_tokens, page_size), page_size=page_size))
+        return self.cache
+
+    # ------------------------------------------------------------------ drafting
+    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
+        """Each row's k drafts (the argmax of block rows 1..k). The rows' new context and block entries are
+        written into the pool; the caller truncates each sequence back to its context afterwards."""
+        out = []
+        for row in rows:
+            n = len(row.context_positions) + len(row.block)
+            entry = row.seq.num_positions - n
+            if entry < 0:
+                raise ValueError(f"draft: a row needs {n} entries reserved, its sequence has {row.seq.num_positions}")
+            view = _SequenceView(self.cache, row.seq, entry, n)
+            logits = self.model.forward(row.features, row.context_positions, row.block, row.start, view, entry)
+            out.append([int(t) for t in logits.argmax(axis=1)])
+        return out
+
+    def close(self) -> None:
+        self.cache = None
+
+    def __enter__(self) -> "CPUDFlashRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
