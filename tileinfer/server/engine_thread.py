@@ -4,7 +4,8 @@ The engine is single-threaded. Handlers never touch it: they `submit` a request 
 of each, and the sampling fields) or `abort` one, which puts a command on a thread-safe queue. The
 thread blocks on that queue while the engine is idle (no polling), and otherwise drains it between engine steps. Everything that can fail
 on a request (the prompt's tokens, SamplingParams, fitting in max_context) is checked on this thread, and
-the answer goes back to the handler's asyncio.Queue through `loop.call_soon_threadsafe`:
+the answer goes back to the handler's asyncio.Queue through `loop.call_soon_threadsafe` (a step's tokens
+all in one call, `_Outbox`: one wake-up of the loop a step, not one a token):
 
     Added(prompt_tokens)             first, when the engine took the request, or
     Rejected(message, param)         first and last, when it could not (the handler answers 400);
@@ -287,6 +288,7 @@ class EngineThread:
             return
         if self.metrics is not None:
             self.metrics.after_step(self.engine)
+        outbox = _Outbox()
         for req, token, _ in events:
             live = self._live.get(req.request_id)
             if live is None:
@@ -296,11 +298,12 @@ class EngineThread:
             done = req.status == FINISHED and not req.unresolved
             if sub.stream:
                 entry = req.logprobs[-1] if req.logprobs else None
-                sub.send(Delta(index, req.detokenizer.stream_delta(done), token, entry))
+                outbox.add(sub, Delta(index, req.detokenizer.stream_delta(done), token, entry))
             if done:
-                self._finish(req)
+                self._finish(req, outbox)
         for req, _, _ in [v for v in self._live.values() if v[0].status == FINISHED and not v[0].unresolved]:
-            self._finish(req)  # finished without a token of its own in this step
+            self._finish(req, outbox)  # finished without a token of its own in this step
+        outbox.flush()
 
     def _time_token(self, request_id: int) -> None:
         if self.metrics is None:
@@ -311,7 +314,7 @@ class EngineThread:
             self.metrics.itl.observe(now - last)
         self._last_token[request_id] = now
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, outbox: "_Outbox") -> None:
         _, sub, index = self._live.pop(req.request_id)
         self._last_token.pop(req.request_id, None)
         if self.metrics is not None:
@@ -319,8 +322,31 @@ class EngineThread:
         if sub.stream:
             rest = req.detokenizer.stream_delta(True)
             if rest:
-                sub.send(Delta(index, rest, -1))
-        sub.send(Finished(index, self.engine.output(req)))
+                outbox.add(sub, Delta(index, rest, -1))
+        outbox.add(sub, Finished(index, self.engine.output(req)))
+
+
+class _Outbox:
+    """One step's events for the handlers, handed to each event loop in one call_soon_threadsafe: a step of
+    256 streams wakes the loop once, not 256 times (each wake-up is a write to the loop's self-pipe and a turn
+    of the loop). A submission's events keep their order."""
+
+    def __init__(self):
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+
+    def add(self, sub: Submission, event) -> None:
+        self._by_loop.setdefault(sub.loop, []).append((sub.events, event))
+
+    def flush(self) -> None:
+        for loop, items in self._by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+        self._by_loop.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: each event into its handler's queue, in order."""
+    for events, event in items:
+        events.put_nowait(event)
 
 
 def _param_of(message: str) -> str | None:
