@@ -328,6 +328,9 @@ PRESETS: dict[str, ModelConfig] = {
                             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-8b": Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # Tensor parallelism's target: 64 query heads, 8 KV heads of 128 (Qwen/Qwen3-32B's config.json).
+    "qwen3-32b": Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
     # Apertus' tiny preset has the byte-level tokenizer's 384 tokens (model/apertus_tokenizer.py) and
     # head_dim 128 = hidden_size / num_attention_heads, as the kernels and transformers both want.
     # The real ones end generation at <|assistant_end|> (68), as the instruct models' config.json says.

@@ -1,0 +1,118 @@
+"""Tensor parallelism's arithmetic: how a model's weights split over `world` ranks, and the float32 reference
+run shard by shard.
+
+The split is the usual one (Megatron-LM's, as vLLM and SGLang run it):
+    q_proj, k_proj, v_proj      column-parallel by heads: rank r holds query heads [r H/N, (r+1) H/N) and KV
+                                heads [r KV/N, (r+1) KV/N) (its KV cache holds those KV heads only)
+    o_proj                      row-parallel: the input columns of the rank's query heads; each rank's
+                                product is a partial sum, and one all-reduce per layer adds them
+    gate_proj, up_proj          column-parallel: intermediate rows [r I/N, (r+1) I/N)
+    down_proj                   row-parallel: those intermediate columns; a second all-reduce per layer
+    embed_tokens, lm_head       vocabulary-parallel: rank r holds rows [r V', (r+1) V') with V' = ceil(V / N)
+                                (the last rank fewer); each rank embeds the tokens in its range (zero rows
+                                elsewhere, added by an all-reduce) and computes the logits of its range
+                                (gathered)
+    norms, q_norm, k_norm,      whole on every rank (xIELU's four scalars too: they act element by element
+    xIELU scalars               on each rank's own intermediate columns)
+Every rank then runs the ordinary forward over its local shapes (`local_config`) with two all-reduces a layer.
+
+`TensorParallelReference` runs that with the numpy reference, rank by rank, adding the partial sums where the
+all-reduces stand: tests hold it equal to the unsharded forward (tests/test_sharding.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .config import ConfigError, ModelConfig
+from .reference import ReferenceModel, _rounding, rms_norm
+
+
+def check_world(config: ModelConfig, world: int) -> None:
+    """ConfigError unless `world` ranks can split this model: a positive count dividing the KV heads (and
+    so the query heads) and the intermediate size into 16-byte rows."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {world!r}")
+    kv, inter = config.num_key_value_heads, config.intermediate_size
+    if kv % world:
+        ways = ", ".join(str(n) for n in range(1, kv + 1) if kv % n == 0)
+        raise ConfigError(f"tensor_parallel_size {world} does not divide the model's {kv} KV heads (the KV cache is "
+                          f"split by KV heads); choose one of {ways}")
+    if inter % world or (inter // world) % 8:
+        raise ConfigError(f"tensor_parallel_size {world} does not split intermediate_size {inter} into rows of a "
+                          f"multiple of 8")
+
+
+def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
+    """The vocabulary rows [start, stop) rank `rank` of `world` holds (ceil-div slices; the last may be short)."""
+    per = -(-vocab_size // world)
+    return min(vocab_size, rank * per), min(vocab_size, (rank + 1) * per)
+
+
+def local_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
+    """The shapes rank `rank` of `world` runs: its heads, KV heads, intermediate rows and vocabulary rows."""
+    check_world(config, world)
+    start, stop = vocab_range(config.vocab_size, rank, world)
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world,
+                               num_key_value_heads=config.num_key_value_heads // world,
+                               intermediate_size=config.intermediate_size // world, vocab_size=stop - start)
+
+
+def shard_tensor(config: ModelConfig, name: str, tensor: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Rank `rank`'s slice of the weight `name` (Hugging Face names, [out, in] linears); a view where the
+    slice is rows, a copy where it is columns (row-parallel products)."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, stop = vocab_range(config.vocab_size, rank, world)
+        return tensor[start:stop]
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # whole heads / rows (check_world)
+        per = tensor.shape[0] // world
+        return tensor[rank * per:(rank + 1) * per]
+    if leaf in ("o_proj", "down_proj"):
+        per = tensor.shape[1] // world
+        return np.ascontiguousarray(tensor[:, rank * per:(rank + 1) * per])
+    return tensor  # norms, q_norm / k_norm, xIELU's scalars: whole on every rank
+
+
+def shard(config: ModelConfig, weights: dict[str, np.ndarray], rank: int, world: int
+          ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(local_config, the rank's weights under their Hugging Face names)."""
+    return local_config(config, rank, world), {name: shard_tensor(config, name, w, rank, world)
+                                               for name, w in weights.items()}
+
+
+class TensorParallelReference:
+    """The float32 reference split over `world` ranks (each a ReferenceModel of its local shapes), run in step:
+    per layer each rank's attention and MLP partial sums, added where the all-reduces stand; the embedding
+    added over the ranks' vocabulary ranges; the logits gathered."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], world: int):
+        self.config, self.world = config, world
+        self.ranks = [ReferenceModel(*shard(config, weights, r, world)) for r in range(world)]
+        self.ranges = [vocab_range(config.vocab_size, r, world) for r in range(world)]
+
+    def forward(self, token_ids, *, bf16_activations: bool = False) -> np.ndarray:
+        """Logits of every token of a prompt at positions 0.. (as ReferenceModel.forward). # [n, vocab]"""
+        ids = np.asarray(token_ids, np.int64)
+        positions = np.arange(len(ids))
+        caches = [m.new_cache() for m in self.ranks]
+        starts = [cache.append_positions(positions) for cache in caches]
+        r, eps = _rounding(bf16_activations), self.config.rms_norm_eps
+        h = self._embed(ids)
+        for i in range(self.config.num_hidden_layers):
+            x = r(rms_norm(h, self.ranks[0].layers[i].input_norm, eps))
+            h = h + sum(m._attention_block(m.layers[i], x, positions, cache, i, start, r)   # all-reduce
+                        for m, cache, start in zip(self.ranks, caches, starts))
+            x = r(rms_norm(h, self.ranks[0].layers[i].post_norm, eps))
+            h = h + sum(m.layers[i].mlp(x, r) for m in self.ranks)                           # all-reduce
+        x = r(rms_norm(h, self.ranks[0].norm, eps))
+        return np.concatenate([x @ m.lm_head.T for m in self.ranks], axis=1)                 # all-gather
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        """Each rank's rows for the tokens in its range, zero elsewhere, added over the ranks. # [n, hidden]"""
+        h = np.zeros((len(ids), self.config.hidden_size), np.float32)
+        for m, (start, stop) in zip(self.ranks, self.ranges):
+            mine = (ids >= start) & (ids < stop)
+            h[mine] += m.embed[ids[mine] - start]
+        return h
