@@ -16,7 +16,7 @@ from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.reference import ReferenceModel
 from tileinfer.model.synthetic import cached_checkpoint
 
-from test_model import check_agreement, compare_logits  # noqa: E402
+from test_model import check_agreement, compare_logits, compare_prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,19 +39,8 @@ def prompt_ids(n: int, seed: int, vocab: tuple[int, int] = TEXT_IDS) -> list[int
     return np.random.default_rng(seed).integers(*vocab, n).tolist()
 
 
-def agreement(logits_fn, reference: ReferenceModel, reference_fn, label: str, seeds=(11, 12, 13, 14), n: int = 64,
-              vocab=TEXT_IDS) -> None:
-    results, baseline = [], 0
-    for seed in seeds:
-        ids = prompt_ids(n, seed, vocab)
-        expected = reference_fn(ids)
-        results.append(compare_logits(logits_fn(ids), expected, f"{label}, prompt seed {seed}"))
-        baseline += int(np.sum(reference.forward_bf16_activations(ids).argmax(1) == expected.argmax(1)))
-    check_agreement(results, n * len(seeds), label, baseline / (n * len(seeds)))
-
-
 def test_tiny_logits_match_reference(model, reference):
-    agreement(model.logits, reference, reference.forward, "apertus-tiny")
+    compare_prompts(model.logits, reference.forward, "apertus-tiny", reference, prompt=prompt_ids)
 
 
 def test_tiny_logits_chunked_across_pages(model, reference):
@@ -187,7 +176,7 @@ def test_tiny_logits_match_transformers(model, reference, apertus_tiny_checkpoin
     rel = np.abs(reference.forward(ids) - hf_logits(ids)).max() / hf_logits(ids).std()
     print(f"apertus-tiny: numpy reference vs transformers float32: max |err|/std = {rel:.2e}")
     assert rel < 1e-3
-    agreement(model.logits, reference, hf_logits, "apertus-tiny vs transformers (float32)")
+    compare_prompts(model.logits, hf_logits, "apertus-tiny vs transformers (float32)", reference, prompt=prompt_ids)
     del hf
 
 

@@ -110,29 +110,22 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
-        path = Path(path)
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory")
-        try:
-            config = read_config(path / "config.json")
-        except ConfigError as e:
-            raise CheckpointError(str(e)) from None
-        return cls._open(path, config)
+        return cls._open(Path(path), read_config)
 
     @classmethod
     def open_draft(cls, path: str | Path) -> "Checkpoint":
         """A draft directory: a model of its own (as `open`) or a DFlash drafter (config a DFlashConfig)."""
-        path = Path(path)
+        return cls._open(Path(path), read_draft_config)
+
+    @classmethod
+    def _open(cls, path: Path, read) -> "Checkpoint":
+        """The checkpoint in `path`, its config.json read by `read` (read_config or read_draft_config)."""
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory")
         try:
-            config = read_draft_config(path / "config.json")
+            config = read(path / "config.json")
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
-        return cls._open(path, config)
-
-    @classmethod
-    def _open(cls, path: Path, config: ModelConfig | DFlashConfig) -> "Checkpoint":
         files, tensors = _open_weights(path)
         tensors = _check_tensors(path, config, tensors)
         return cls(path, config, tensors, _eos_token_ids(path), _chat_template(path), files)
