@@ -170,12 +170,7 @@ def _ms(x) -> str:
 # ---------------------------------------------------------------------------- the command
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a checkpoint directory, or a synthetic preset (qwen3-0.6b, tiny)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the engine's device, offline and served")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (256 on cuda, 8 on cpu)")
-    p.add_argument("--max-context", type=int, default=4096, help="positions of a prompt and its reply (4096)")
-    p.add_argument("--kv-int8", action="store_true", help="an INT8 KV cache")
-    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels, offline and served")
+    serve_load.add_engine_args(p)
     p.add_argument("--num-requests", type=int, default=1024, help="throughput requests (1024)")
     p.add_argument("--input-len", type=int, default=256, help="their prompt tokens (256)")
     p.add_argument("--output-len", type=int, default=256, help="their output tokens (256)")

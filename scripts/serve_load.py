@@ -293,8 +293,8 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and the engine options the server and its offline twin share (engine_options, serve_args)."""
     p.add_argument("--model", required=True, help="a checkpoint directory, or a synthetic preset (qwen3-0.6b, tiny)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the server's and the twin's device")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (256 on cuda, 8 on cpu)")
@@ -303,6 +303,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-invariant", action="store_true",
                    help="the server and the twin in batch-invariant mode (on the GPU, what makes replies comparable "
                         "token for token across different batches)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
     p.add_argument("--num-requests", type=int, default=1000, help="streamed requests (1000)")
     p.add_argument("--concurrency", type=int, default=256, help="requests in flight at most (256)")
     p.add_argument("--disconnect-fraction", type=float, default=0.1,
