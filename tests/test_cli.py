@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,17 +155,19 @@ def test_serve_checks_its_engine_options_before_the_gpu(capsys, no_gpu_calls, mi
 
 
 def test_serve_passes_its_engine_options_to_the_llm(capsys, monkeypatch, micro):
+    """The engine process makes tileinfer.LLM(model, **options) of the options EngineClient is given."""
+    from tileinfer.server.engine_client import EngineClient
     made = []
 
-    def fake_llm(model, **options):
-        made.append((model, options))
-        raise RuntimeError("fake LLM called")
-    monkeypatch.setattr(tileinfer, "LLM", fake_llm)
+    def fake_start(self):
+        made.append((Path(self.model), self.options))
+        raise RuntimeError("fake engine start")
+    monkeypatch.setattr(EngineClient, "start", fake_start)
     rc, err = run_cli(capsys, "serve", "--device", "cpu", "--model", str(micro), "--page-size", "16",
                       "--num-pages", "80", "--no-prefix-caching", "--max-num-batched-tokens", "256",
                       "--gpu-memory-utilization", "0.5", "--draft-model", str(micro), "--num-draft-tokens", "3",
                       "--kv-int8", "--max-context", "1024")
-    assert rc == 1 and "fake LLM called" in err, err
+    assert rc == 1 and "fake engine start" in err, err
     assert made == [(micro, dict(device="cpu", max_num_seqs=8, max_context=1024, page_size=16,
                                       enable_prefix_caching=False, max_num_batched_tokens=256,
                                       gpu_memory_utilization=0.5, num_pages=80, kv_quantize="int8", batch_invariant=False,

@@ -1,12 +1,12 @@
-"""`tileinfer serve` on the CPU runner: the real server (uvicorn in a thread of this process, on 127.0.0.1)
-talked to by the real OpenAI client. Greedy replies equal LLM.generate's on a second LLM with the same
+"""`tileinfer serve` on the CPU runner: the real server (uvicorn in a thread of this process, on 127.0.0.1, its
+engine in a process of its own) talked to by the real OpenAI client. Greedy replies equal LLM.generate's on a second LLM with the same
 settings; bad requests get OpenAI's error shape and the server keeps serving; a stream closed early
 aborts its request. `--serve-device cuda --serve-model qwen3-0.6b` runs the same against a GPU
 (tests/conftest.py)."""
 from __future__ import annotations
 
-import asyncio
 import json
+import signal
 import socket
 import threading
 import time
@@ -20,12 +20,16 @@ from fastapi.testclient import TestClient
 
 from tileinfer import LLM, SamplingParams, cli
 from tileinfer.chat import render_chat
+from tileinfer.kv.sizing import DEFAULT_PAGE_SIZE
 from tileinfer.model.tokenizer import CHAT_TEMPLATE
 from tileinfer.server.app import create_app
+from tileinfer.server.engine_client import EngineClient
 
 KEY = "sk-test-key"
 NAME = "tiny-test"
 MAX_NUM_SEQS, MAX_CONTEXT = 4, 512
+PAGE_SIZE = DEFAULT_PAGE_SIZE
+NUM_PAGES = MAX_NUM_SEQS * -(-MAX_CONTEXT // PAGE_SIZE)  # the pool, as the CPU runner and conftest.py size it
 
 
 def wait_for(condition, seconds: float, what: str) -> None:
@@ -38,11 +42,11 @@ def wait_for(condition, seconds: float, what: str) -> None:
 
 
 class Served:
-    """The server's LLM, its uvicorn in a thread, and its address."""
+    """The server's engine process, its uvicorn in a thread, and its address."""
 
-    def __init__(self, llm: LLM):
-        self.llm = llm
-        self.app = create_app(llm, NAME, api_key=KEY)
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+        self.app = create_app(engine, NAME, api_key=KEY)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -65,6 +69,15 @@ class Served:
         self.uvicorn.should_exit = True
         self.thread.join(30)
 
+    def metrics(self) -> dict[str, float]:
+        return scrape(self)
+
+    def idle(self) -> bool:
+        """No request left in the engine, and every KV page free (the metrics of the engine's last turn)."""
+        m = scrape(self)
+        return self.engine.num_requests == 0 and m["tileinfer_requests_running"] == 0 and \
+            m["tileinfer_requests_waiting"] == 0 and m["tileinfer_kv_pages_used"] == 0
+
 
 @pytest.fixture(scope="module")
 def reference(serve_target):
@@ -78,14 +91,19 @@ def served(serve_target):
     yield from serving(serve_target.checkpoint, serve_target.engine_options(MAX_NUM_SEQS, MAX_CONTEXT))
 
 
-def serving(checkpoint, settings: dict):
-    """A fixture's body: an LLM with these settings served on 127.0.0.1, stopped and closed after."""
-    llm = LLM(checkpoint, **settings)
-    s = Served(llm)
-    yield s
-    s.stop()
-    assert not s.thread.is_alive(), "uvicorn did not stop within 30 s"
-    llm.close()
+def serving(checkpoint, settings: dict, max_waiting: int | None = None, exit_code: int = 0):
+    """A fixture's body: an engine process with these settings served on 127.0.0.1, stopped after (its exit
+    status exit_code)."""
+    engine = EngineClient(checkpoint, settings, max_waiting=max_waiting)
+    engine.start()
+    try:
+        s = Served(engine)
+        yield s
+        s.stop()
+        assert not s.thread.is_alive(), "uvicorn did not stop within 30 s"
+    finally:
+        engine.stop()
+    assert engine._process.exitcode == exit_code, f"the engine process exited with {engine._process.exitcode}"
 
 
 def greedy(reference: LLM, prompt, max_tokens: int) -> str:
@@ -175,10 +193,10 @@ def test_models_lists_the_served_name(served):
 def test_n_choices_share_the_prompt_and_seeds_reproduce(served, reference):
     prompt = "Several choices of one prompt " * 50  # full pages (of 64 positions): the second choice takes them cached
     client = served.client()
-    before = served.llm.engine.stats.prefill_tokens
+    before = served.metrics()["tileinfer_prompt_tokens_computed_total"]
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, n=2)
     assert [c.index for c in r.choices] == [0, 1]
-    computed = served.llm.engine.stats.prefill_tokens - before
+    computed = served.metrics()["tileinfer_prompt_tokens_computed_total"] - before
     assert computed < 1.5 * r.usage.prompt_tokens, "the second choice computed the prompt again"
     assert r.choices[0].text == r.choices[1].text == greedy(reference, prompt, 6)
     assert r.usage.prompt_tokens == len(reference.encode(prompt))  # the prompt counted once
@@ -255,29 +273,29 @@ def test_tool_messages_are_rendered_by_the_template(served, reference):
     assert r.choices[0].message.content == greedy(reference, prompt, 4)
 
 
-def test_a_full_waiting_queue_is_503(reference):
+def test_a_full_waiting_queue_is_503(serve_target):
     """max_waiting=0: no request may wait, so every one is refused before it is added."""
-    app = create_app(reference, NAME, max_waiting=0)
-    with TestClient(app) as client:
-        r = client.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2})
+    for s in serving(serve_target.checkpoint, serve_target.engine_options(MAX_NUM_SEQS, MAX_CONTEXT), max_waiting=0):
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
     assert "--max-waiting 0" in r.json()["error"]["message"]
 
 
+def generated(served) -> float:
+    return served.metrics()["tileinfer_generation_tokens_total"]
+
+
 def test_a_non_streaming_client_that_goes_away_aborts_its_request(served):
-    manager = served.llm.runner.cache.manager
-    before = served.llm.stats.generated_tokens
+    before = generated(served)
     body = json.dumps({"model": NAME, "prompt": "A long answer, please", "max_tokens": 480, "temperature": 0,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:  # sends, never reads
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
-        wait_for(lambda: served.llm.stats.generated_tokens - before >= 2, 30, "the request's first tokens")
-    engine_thread = served.app.state.engine_thread
-    wait_for(lambda: engine_thread.num_requests == 0 and not served.llm.engine.has_unfinished, 10,
-             "the abandoned request ending")
-    assert served.llm.stats.generated_tokens - before < 480, "the request ran to the end: it was not aborted"
-    assert manager.num_free_pages == manager.num_pages
+        wait_for(lambda: generated(served) - before >= 2, 30, "the request's first tokens")
+    wait_for(served.idle, 10, "the abandoned request ending and its pages coming back")
+    assert generated(served) - before < 480, "the request ran to the end: it was not aborted"
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -327,18 +345,14 @@ def test_malformed_chat_bodies_and_keys(served):
 
 
 def test_a_stream_closed_early_aborts_its_request(served):
-    manager = served.llm.runner.cache.manager
-    before = served.llm.stats.generated_tokens
+    before = generated(served)
     stream = served.client().completions.create(model=NAME, prompt="Tell me a long story", max_tokens=480,
                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
     for i, _ in zip(range(2), stream):
         pass
     stream.close()
-    engine_thread = served.app.state.engine_thread
-    wait_for(lambda: engine_thread.num_requests == 0 and not served.llm.engine.has_unfinished, 10,
-             "the closed stream's request ending")
-    assert served.llm.stats.generated_tokens - before < 480, "the request ran to the end: it was not aborted"
-    assert manager.num_free_pages == manager.num_pages, "pages still held after the abort"
+    wait_for(served.idle, 10, "the closed stream's request ending and its pages coming back")
+    assert generated(served) - before < 480, "the request ran to the end: it was not aborted"
     assert httpx.get(f"{served.url}/health", timeout=5).json() == {"status": "serving", "requests": 0}
 
 
@@ -406,7 +420,7 @@ def test_metrics_count_what_the_requests_did(served, reference):
     prompt = "Metrics, please"
     outs = [served.client().completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
                                                extra_body={"ignore_eos": True}) for n in (5, 9)]
-    wait_for(lambda: served.app.state.engine_thread.num_requests == 0, 10, "both requests ending")
+    wait_for(lambda: served.engine.num_requests == 0, 10, "both requests ending")
     after = scrape(served)
 
     def grew(name: str) -> float:
@@ -418,9 +432,7 @@ def test_metrics_count_what_the_requests_did(served, reference):
     assert grew("tileinfer_e2e_request_latency_seconds_count") == 2
     assert grew("tileinfer_inter_token_latency_seconds_count") == (5 - 1) + (9 - 1)  # gaps between a request's tokens
     assert after["tileinfer_requests_running"] == 0 and after["tileinfer_requests_waiting"] == 0
-    manager = served.llm.runner.cache.manager
-    assert after["tileinfer_kv_pages_free"] == manager.num_free_pages
-    assert after["tileinfer_kv_pages_used"] + after["tileinfer_kv_pages_free"] == manager.num_pages
+    assert after["tileinfer_kv_pages_used"] + after["tileinfer_kv_pages_free"] == NUM_PAGES
     assert 0 <= after["tileinfer_prefix_cache_hit_rate"] <= 1
     assert "tileinfer_preemptions_total" in after
 
@@ -429,27 +441,22 @@ def test_metrics_count_what_the_requests_did(served, reference):
 def test_page_gauges_after_an_abort_without_a_later_step(served):
     """A request with a penalty runs synchronous steps: once it is aborted no step follows, yet the gauges
     must show its pages back; pages the prefix cache keeps count as free and as cached, never as used."""
-    manager = served.llm.runner.cache.manager
-    prompt = list(range(1000, 1000 + 2 * manager.page_size + 5))  # two full pages: cached once it ends
+    prompt = list(range(1000, 1000 + 2 * PAGE_SIZE + 5))  # two full pages: cached once it ends
     stream = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=300, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True,
                                                                          "repetition_penalty": 1.1})
     for _ in zip(range(2), stream):
         pass
     stream.close()
-    engine_thread = served.app.state.engine_thread
-    wait_for(lambda: engine_thread.num_requests == 0 and not served.llm.engine.has_unfinished, 10,
-             "the closed stream's request ending")
-    wait_for(lambda: scrape(served)["tileinfer_requests_running"] == 0, 5, "the gauges catching up with the abort")
+    wait_for(served.idle, 10, "the closed stream's request ending and the gauges showing it")
     m = scrape(served)
-    assert m["tileinfer_requests_waiting"] == 0 and m["tileinfer_kv_pages_used"] == 0, m
-    assert m["tileinfer_kv_pages_free"] == manager.num_pages
-    assert m["tileinfer_kv_pages_cached"] == manager.num_cached_pages >= 2
+    assert m["tileinfer_kv_pages_free"] == NUM_PAGES
+    assert m["tileinfer_kv_pages_cached"] >= 2
 
 
 # ---------------------------------------------------------------------------- health, CLI
 def test_health_is_503_until_the_app_starts(served):
-    assert TestClient(create_app(served.llm, NAME)).get("/health").status_code == 503  # lifespan not run
+    assert TestClient(create_app(served.engine, NAME)).get("/health").status_code == 503  # lifespan not run
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -463,28 +470,50 @@ def test_serve_checks_its_arguments_before_loading(capsys, tiny_checkpoint, argv
     assert rc == 1 and err.count("\n") == 1 and words in err, err
 
 
-def test_an_engine_failure_answers_every_request_and_health_says_so(reference, monkeypatch):
-    """The engine thread alone, on the reference LLM's engine whose step is made to fail."""
-    from tileinfer.server.engine_thread import Added, EngineThread, Failed, Submission
+def test_an_engine_failure_answers_every_request(reference, monkeypatch):
+    """The engine loop alone, in this process, on the reference LLM's engine whose step is made to fail: the
+    request in flight gets Failed, a later one is refused at once, the Report names the error."""
+    from tileinfer.server.engine_process import EngineLoop
+    from tileinfer.server.events import Added, Failed
 
     def broken_step():
         raise RuntimeError("a simulated GPU error")
     monkeypatch.setattr(reference.engine, "step", broken_step)
-    thread = EngineThread(reference.engine)
-    thread.start()
-
-    async def ask() -> list:
-        sub = Submission(["Hello"], {"max_tokens": 4, "temperature": 0}, False, asyncio.get_running_loop())
-        thread.submit(sub)
-        first = await asyncio.wait_for(sub.events.get(), 10)
-        return [first] if isinstance(first, Failed) else [first, await asyncio.wait_for(sub.events.get(), 10)]
-
+    sent = []
+    sampling = {"max_tokens": 4, "temperature": 0}
+    commands = [("add", 0, ["Hello"], sampling, False, 1), ("add", 1, ["Hi"], sampling, True, 1), ("stop",)]
     try:
-        first, second = asyncio.run(ask())
-        assert isinstance(first, Added) and isinstance(second, Failed) and "simulated GPU error" in second.message
-        later, = asyncio.run(ask())  # refused at once, not left waiting
-        assert isinstance(later, Failed) and not thread.serving
+        EngineLoop(reference.engine, sent.append).run(lambda block: commands.pop(0) if block else None)
     finally:
-        thread.stop()
         monkeypatch.undo()
+    start, (first, report), (second, _), _ = [(dict(m[1]), m[2]) for m in sent]  # start: the gauges alone
+    assert start[0] == {} and start[1].requests == 0
+    added, failed = first[0]
+    assert isinstance(added, Added) and isinstance(failed, Failed) and "simulated GPU error" in failed.message
+    assert "simulated GPU error" in report.error and report.requests == 0
+    refused, = second[1]
+    assert isinstance(refused, Failed) and "the engine stopped" in refused.message
     assert not reference.engine.has_unfinished, "the failed request was left in the engine"
+
+
+@pytest.fixture
+def doomed(serve_target):
+    """A server of its own, whose engine process the test kills."""
+    yield from serving(serve_target.checkpoint, serve_target.engine_options(MAX_NUM_SEQS, MAX_CONTEXT),
+                       exit_code=-signal.SIGKILL)
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health_says_so(doomed):
+    stream = doomed.client().completions.create(model=NAME, prompt="Tell me a long story", max_tokens=480,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    doomed.engine._process.kill()
+    with pytest.raises(openai.APIError) as e:
+        for _ in stream:
+            pass
+    assert "engine process exited unexpectedly" in str(e.value.body or e.value.message), e.value
+    r = httpx.get(f"{doomed.url}/health", timeout=5)
+    assert r.status_code == 503 and "engine process exited" in r.json()["status"], r.text
+    with pytest.raises(openai.APIStatusError) as e:
+        doomed.client().completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 503 and "engine process exited" in error_of(e.value)["message"]

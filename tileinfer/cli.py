@@ -246,17 +246,21 @@ def _serve(args) -> int:
     except ImportError as e:
         raise RuntimeError(f"tileinfer serve needs FastAPI and uvicorn ({e.name} is not installed): "
                            f"pip install tileinfer[serve]") from None
-    import tileinfer
+    from tileinfer.server.engine_client import EngineClient
     if args.device == "cuda":
         from tileinfer.cuda import get_device
         get_device()  # no GPU: say so before loading
     model = _model_path(args)
     name = args.served_model_name or ("tileinfer-demo" if not args.model else model.resolve().name)
-    with tileinfer.LLM(model, **_serve_engine_options(args)) as llm:
-        app = create_app(llm, name, api_key=args.api_key, max_waiting=args.max_waiting)
+    engine = EngineClient(model, _serve_engine_options(args), max_waiting=args.max_waiting)
+    try:
+        engine.start()  # the engine process loads the model
+        app = create_app(engine, name, api_key=args.api_key)
         print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops: requests "
               f"in flight get {args.shutdown_timeout:g} s to finish; a second Ctrl-C aborts them)", file=sys.stderr)
         forced = serve(app, host=args.host, port=args.port, grace=args.shutdown_timeout)
+    finally:
+        engine.stop()
     return 130 if forced else 0
 
 

@@ -186,21 +186,6 @@ def test_structured_output_pipelined_gives_the_unpipelined_tokens(tiny_checkpoin
         jsonschema.validate(json.loads(o.text), schema)
 
 
-def test_an_engine_made_on_one_thread_steps_on_another(tiny_llm):
-    # A server's engine thread is not the thread that loaded the model: bind_thread makes the GPU's
-    # context current there (without it the first driver call fails with an invalid context).
-    import threading
-    prompt = prompts_of([21], seed=15)[0]
-    here = tiny_llm.generate([prompt], greedy(8))[0].token_ids
-    there = []
-    worker = threading.Thread(target=lambda: (tiny_llm.engine.bind_thread(),
-                                              there.append(tiny_llm.generate([prompt], greedy(8))[0].token_ids)))
-    worker.start()
-    worker.join(60)
-    tiny_llm.engine.bind_thread()
-    assert there == [here]
-
-
 def test_stops_and_finish_reasons(tiny_llm):
     prompt = prompts_of([20], seed=8)[0]
     base = tiny_llm.generate([prompt], greedy(30))[0]

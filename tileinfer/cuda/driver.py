@@ -142,11 +142,6 @@ class Device:
         self.context = call(driver.cuDevicePrimaryCtxRetain, self.handle)
         call(driver.cuCtxSetCurrent, self.context)
 
-    def make_current(self) -> None:
-        """Make this GPU's primary context current on the calling thread (a context is current per thread:
-        another thread that launches work must call this first)."""
-        call(driver.cuCtxSetCurrent, self.context)
-
     def _attr(self, attr) -> int:
         return call(driver.cuDeviceGetAttribute, attr, self.handle)
 

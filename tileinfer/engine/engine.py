@@ -194,10 +194,6 @@ class Engine:
         if self.drafter is not None:
             self.drafter.release(req.request_id)
 
-    def bind_thread(self) -> None:
-        """Make the calling thread the one that steps this engine (a server's engine thread calls it first)."""
-        self.runner.bind_thread()
-
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None

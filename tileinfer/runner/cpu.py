@@ -312,9 +312,6 @@ class CPURunner(CheckpointRunner):
         if copies:
             self.cache.copy_pages(copies)
 
-    def bind_thread(self) -> None:
-        """Any thread may drive the CPU runner: nothing to do."""
-
     def close(self) -> None:
         self.cache = None
 

@@ -190,10 +190,6 @@ class GPURunner(CheckpointRunner):
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
-    def bind_thread(self) -> None:
-        """Let the calling thread drive this runner (the GPU's context made current on it)."""
-        self.device.make_current()
-
     def _forward(self, shape: StepShape, *, all_logits: bool, num_splits: int, stream, embedded: bool = False):
         """Enqueue the forward pass of one step (its only caller); returns its logits rows."""
         return forward(self.weights, self.workspace, self.cache, self.steps.inputs, shape, all_logits=all_logits,

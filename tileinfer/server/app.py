@@ -3,8 +3,8 @@
 
     app = create_app(llm, "my-model", api_key=None)   # served by uvicorn (tileinfer serve)
 
-Handlers run on the asyncio loop and never call the engine: they hand each request to the EngineThread
-and await its events (engine_thread.py). A request is refused with OpenAI's error shape and status 400
+Handlers run on the asyncio loop and never call the engine, which runs in a process of its own: they hand
+each request to the EngineClient and await its events (engine_client.py, events.py). A request is refused with OpenAI's error shape and status 400
 before anything streams, so a streaming client sees a bad request as an HTTP error too. A streaming
 client that goes away aborts its request, and the engine frees its pages.
 
@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,10 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..chat import render_chat
-from ..model.tokenizer import CHAT_TEMPLATE
-from .engine_thread import Added, Busy, Delta, EngineThread, Failed, Finished, Rejected, Submission
+from .engine_client import EngineClient, Submission
+from .events import Added, Busy, Failed, Finished, Rejected, is_delta
 from .lifecycle import Lifecycle
-from .metrics import ServerMetrics
 from . import tools
 from .reasoning import ReasoningStream, split
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -39,27 +39,22 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
 log = logging.getLogger("tileinfer.server")
 
 
-def create_app(llm, served_model_name: str, api_key: str | None = None, max_waiting: int | None = None) -> FastAPI:
-    """The app over a loaded LLM; max_waiting: requests waiting for admission at most (more are answered 503)."""
-    metrics = ServerMetrics()
-    engine = EngineThread(llm.engine, metrics, max_waiting=max_waiting)
+def create_app(engine: EngineClient, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app over a started EngineClient; the app's shutdown stops the engine."""
     lifecycle = Lifecycle(engine)  # loading -> serving -> stopping: what /health says
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
         lifecycle.serving()
         yield
         lifecycle.stop_accepting()
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="TileInfer", lifespan=lifespan)
-    app.state.engine_thread = engine
+    app.state.engine = engine
     app.state.lifecycle = lifecycle
     _add_error_handlers(app)
-    template = llm.runner.checkpoint.chat_template or CHAT_TEMPLATE
-    tokenizer = llm.tokenizer
-    max_context = llm.config.max_context
+    template, tokenizer, max_context, metrics = engine.chat_template, engine.tokenizer, engine.max_context, engine.metrics
 
     @app.get("/health")
     async def health():
@@ -90,7 +85,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest):
         _check_model(body.model, served_model_name)
-        vocab = llm.model_config.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
@@ -205,7 +200,7 @@ def _check_model(model: str | None, served: str) -> None:
 
 
 # ---------------------------------------------------------------------------- one request's events
-async def _start(engine: EngineThread, prompts: list, sampling: dict, stream: bool, n: int,
+async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bool, n: int,
                  renames: dict | None = None) -> Submission:
     """Hand the request to the engine thread and wait until it was taken; APIError if it was refused."""
     sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), n=n)
@@ -223,23 +218,43 @@ async def _start(engine: EngineThread, prompts: list, sampling: dict, stream: bo
     return sub
 
 
-async def _next(engine: EngineThread, sub: Submission):
-    """The request's next event; a handler cancelled while waiting (client gone, shutdown) aborts it."""
+async def _next(engine: EngineClient, sub: Submission):
+    """The request's next event."""
+    if not sub.backlog:
+        await _receive(engine, sub)
+    return sub.backlog.popleft()
+
+
+async def _batch(engine: EngineClient, sub: Submission) -> list:
+    """Every event of the request queued now, in order (waits for the first): a handler that fell behind
+    the engine takes several steps' tokens at once, and answers them in one write."""
+    if not sub.backlog:
+        await _receive(engine, sub)
+    events = list(sub.backlog)
+    sub.backlog.clear()
+    return events
+
+
+async def _receive(engine: EngineClient, sub: Submission) -> None:
+    """Move what the engine queued into sub.backlog, waiting for it if nothing is; a handler cancelled
+    while waiting (client gone, shutdown) aborts the request."""
     try:
-        return await sub.events.get()
+        sub.backlog.extend(await sub.events.get())
     except asyncio.CancelledError:
         engine.abort(sub)
         raise
+    while not sub.events.empty():
+        sub.backlog.extend(sub.events.get_nowait())
 
 
-async def _results(engine: EngineThread, sub: Submission, request: Request) -> list:
+async def _results(engine: EngineClient, sub: Submission, request: Request) -> list:
     """Every choice's RequestOutput, in choice order. If the client goes away first, the request is
     aborted (its pages go back) and nothing is answered."""
     async def collect() -> list:
         outs = [None] * sub.num_choices
         for _ in range(sub.num_choices):
             event = await _next(engine, sub)
-            while isinstance(event, Delta):
+            while is_delta(event):
                 event = await _next(engine, sub)
             if isinstance(event, Failed):
                 raise APIError(503, event.message, type="server_error")
@@ -299,53 +314,100 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _events(engine: EngineThread, sub: Submission):
-    """The request's events until every choice finished (or the engine failed); if the stream stops early
-    (the client went away), abort it."""
+def _chunk_prefix(head: dict) -> str:
+    """A stream's Server-Sent Event up to its one choice: the fields every chunk repeats, encoded once."""
+    return f"data: {json.dumps(head, ensure_ascii=False)[:-1]}, \"choices\": ["
+
+
+async def _event_batches(engine: EngineClient, sub: Submission):
+    """The request's events, a batch at a time (_batch), until every choice finished (or the engine failed);
+    if the stream stops early (the client went away), abort it."""
     left = sub.num_choices
     try:
         while left:
-            event = await _next(engine, sub)
-            left = 0 if isinstance(event, Failed) else left - isinstance(event, Finished)
-            yield event
+            events = await _batch(engine, sub)
+            for event in events:
+                left = 0 if isinstance(event, Failed) else left - isinstance(event, Finished)
+            yield events
     finally:
         if left:
             engine.abort(sub)
 
 
-async def _stream_completion(engine: EngineThread, sub: Submission, head: dict, include_usage: bool,
+def _merged(events: list) -> list:
+    """A batch of events with each run of one choice's Deltas joined into one (text joined; the tokens with
+    logprobs as `pairs`): the handler sends one chunk for what the engine made in several steps."""
+    out, runs = [], {}  # runs: choice -> its MergedDelta in `out` not yet followed by another event of it
+    for event in events:
+        if is_delta(event):
+            index, text, token, logprobs = event
+            run = runs.get(index)
+            if run is None:
+                run = runs[index] = MergedDelta(index, [], [])
+                out.append(run)
+            run.texts.append(text)
+            if logprobs is not None:
+                run.pairs.append((token, logprobs))
+        else:
+            runs.pop(getattr(event, "index", None), None)
+            out.append(event)
+    return out
+
+
+@dataclass(slots=True)
+class MergedDelta:
+    index: int
+    texts: list[str]
+    pairs: list[tuple[int, dict]]   # (token, its logprobs entry) of the tokens that have one
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+async def _stream_completion(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
                              echoes: list[str], top_n: int | None, tokenizer):
-    def choice(index: int, text: str, finish_reason=None, logprobs=None) -> dict:
-        return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": finish_reason}]}
+    prefix = _chunk_prefix(head)
+
+    def choice(index: int, text: str, finish_reason=None, logprobs=None) -> str:
+        return prefix + json.dumps({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason},
+                                   ensure_ascii=False) + "]}\n\n"
 
     offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
     for index, echo in enumerate(echoes):
         if echo:
-            yield _data(choice(index, echo))
+            yield choice(index, echo)
     outs = []
-    async for event in _events(engine, sub):
-        if isinstance(event, Delta) and (event.text or event.logprobs is not None):
-            logprobs = None
-            if event.logprobs is not None and top_n is not None:
-                logprobs, offsets[event.index] = _completion_logprobs([(event.token, event.logprobs)], tokenizer,
-                                                                      top_n, offsets[event.index])
-            yield _data(choice(event.index, event.text, logprobs=logprobs))
-        elif isinstance(event, Finished):
-            outs.append(event.output)
-            yield _data(choice(event.index, "", event.output.finish_reason))
-        elif isinstance(event, Failed):
-            yield _data(APIError(503, event.message, type="server_error").body())
+    async for events in _event_batches(engine, sub):
+        chunks = []
+        for event in _merged(events):
+            if isinstance(event, MergedDelta):
+                logprobs = None
+                if event.pairs and top_n is not None:
+                    logprobs, offsets[event.index] = _completion_logprobs(event.pairs, tokenizer, top_n,
+                                                                          offsets[event.index])
+                text = event.text
+                if text or logprobs is not None:
+                    chunks.append(choice(event.index, text, logprobs=logprobs))
+            elif isinstance(event, Finished):
+                outs.append(event.output)
+                chunks.append(choice(event.index, "", event.output.finish_reason))
+            elif isinstance(event, Failed):
+                chunks.append(_data(APIError(503, event.message, type="server_error").body()))
+        if chunks:
+            yield "".join(chunks)
     if include_usage and len(outs) == sub.num_choices:
         yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
     yield "data: [DONE]\n\n"
 
 
-async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, include_usage: bool,
+async def _stream_chat(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
                        top_n: int | None, tokenizer, uses_tools: bool):
-    def choice(index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish_reason}]}
+    prefix = _chunk_prefix(head)
+
+    def choice(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+        return prefix + json.dumps({"index": index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": finish_reason}, ensure_ascii=False) + "]}\n\n"
 
     splits = [ReasoningStream() for _ in range(sub.num_choices)]
     calls = [tools.ToolCallStream() if uses_tools else None for _ in range(sub.num_choices)]
@@ -353,36 +415,37 @@ async def _stream_chat(engine: EngineThread, sub: Submission, head: dict, includ
 
     def parts(index: int, reasoning: str, content: str, logprobs=None, last: bool = False):
         if reasoning:
-            yield _data(choice(index, {"reasoning_content": reasoning}, logprobs=logprobs))
+            yield choice(index, {"reasoning_content": reasoning}, logprobs=logprobs)
             logprobs = None
         made = []
         if calls[index] is not None:
             content, made = calls[index].feed(content)
             content += calls[index].finish() if last else ""
         if content or logprobs is not None:
-            yield _data(choice(index, {"content": content} if content else {}, logprobs=logprobs))
+            yield choice(index, {"content": content} if content else {}, logprobs=logprobs)
         for call in made:
-            yield _data(choice(index, {"tool_calls": [call.as_dict(index=num_calls[index])]}))
+            yield choice(index, {"tool_calls": [call.as_dict(index=num_calls[index])]})
             num_calls[index] += 1
 
-    for index in range(sub.num_choices):
-        yield _data(choice(index, {"role": "assistant", "content": ""}))
+    yield "".join(choice(index, {"role": "assistant", "content": ""}) for index in range(sub.num_choices))
     outs = []
-    async for event in _events(engine, sub):
-        if isinstance(event, Delta):
-            logprobs = None
-            if event.logprobs is not None and top_n is not None:
-                logprobs = _chat_logprobs([(event.token, event.logprobs)], tokenizer, top_n)
-            for chunk in parts(event.index, *splits[event.index].feed(event.text), logprobs):
-                yield chunk
-        elif isinstance(event, Finished):
-            outs.append(event.output)
-            for chunk in parts(event.index, *splits[event.index].finish(), last=True):
-                yield chunk
-            reason = "tool_calls" if num_calls[event.index] else event.output.finish_reason
-            yield _data(choice(event.index, {}, reason))
-        elif isinstance(event, Failed):
-            yield _data(APIError(503, event.message, type="server_error").body())
+    async for events in _event_batches(engine, sub):
+        chunks = []
+        for event in _merged(events):
+            if isinstance(event, MergedDelta):
+                logprobs = None
+                if event.pairs and top_n is not None:
+                    logprobs = _chat_logprobs(event.pairs, tokenizer, top_n)
+                chunks += parts(event.index, *splits[event.index].feed(event.text), logprobs)
+            elif isinstance(event, Finished):
+                outs.append(event.output)
+                chunks += parts(event.index, *splits[event.index].finish(), last=True)
+                reason = "tool_calls" if num_calls[event.index] else event.output.finish_reason
+                chunks.append(choice(event.index, {}, reason))
+            elif isinstance(event, Failed):
+                chunks.append(_data(APIError(503, event.message, type="server_error").body()))
+        if chunks:
+            yield "".join(chunks)
     if include_usage and len(outs) == sub.num_choices:
         yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
     yield "data: [DONE]\n\n"

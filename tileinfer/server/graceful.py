@@ -13,10 +13,10 @@ SIGTERM ends the process with status -15. GracefulServer changes the first signa
      what is still running then is aborted: a streaming client gets an error chunk and `data: [DONE]`,
      a waiting one a 503;
   3. uvicorn's own shutdown: the sockets close, the last responses are written (RESPONSE_TAIL_SECONDS at
-     most), the lifespan shutdown ends the engine thread; the signal is not raised again.
+     most), the lifespan shutdown stops the engine process; the signal is not raised again.
 A second Ctrl-C during 1-3 aborts what is running at once and skips uvicorn's waiting for connections
-(the exit status is then 130); the lifespan shutdown still ends the engine thread. A second SIGTERM
-changes nothing. The caller (cli.py) closes the LLM afterwards.
+(the exit status is then 130); the lifespan shutdown still stops the engine process. A second SIGTERM
+changes nothing.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets)
-        if self.force_exit:  # uvicorn skips the lifespan shutdown then; the engine thread is ended anyway
+        if self.force_exit:  # uvicorn skips the lifespan shutdown then; the engine is stopped anyway
             await self.lifespan.shutdown()
 
 
@@ -68,5 +68,5 @@ def serve(app, *, host: str, port: int, grace: float, log_level: str = "info") -
         raise RuntimeError(f"the server could not start on {host}:{port} (uvicorn's message above says why)"
                            ) from None
     finally:
-        app.state.engine_thread.stop()  # done by the lifespan shutdown already, unless start-up failed half-way
+        app.state.engine.stop()  # done by the lifespan shutdown already, unless start-up failed half-way
     return server.force_exit

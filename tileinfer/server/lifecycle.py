@@ -16,16 +16,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from .engine_thread import EngineThread
+from .engine_client import EngineClient
 
 # uvicorn's server logger: the drain's lines sit between its own "Shutting down" lines.
 log = logging.getLogger("uvicorn.error")
 
-POLL_SECONDS = 0.05  # how often the drain looks whether the engine thread is done
+POLL_SECONDS = 0.05  # how often the drain looks whether the engine is done
 
 
 class Lifecycle:
-    def __init__(self, engine: EngineThread):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
         self.phase = "loading"
 
