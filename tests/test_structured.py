@@ -186,16 +186,31 @@ def test_a_masked_cpu_step_samples_only_once_its_masks_are_published(tiny_checkp
     slot = runner.launch(list(zip(seqs, prompts)), masked=[False, True, False])
     with pytest.raises(RuntimeError, match="waits for its bitmasks"):
         runner.collect(slot, 3)
-    with pytest.raises(RuntimeError, match="waits for its bitmasks"):
-        runner.launch(list(zip(seqs, prompts)))
+    # The next step may be launched meanwhile: it runs once this one has sampled, its tokens from those samples.
+    for s in seqs:
+        cache.manager.reserve(s, 1)
+    behind = runner.launch([(s, [0]) for s in seqs], token_src=[0, 1, 2])
+    with pytest.raises(RuntimeError, match="bitmasks"):
+        runner.collect(behind, 3)
     runner.publish_masks(lambda out: out.__setitem__(0, only))
     got = runner.collect(slot, 3)
     assert got.tolist() == [plain[0], 4242, plain[2]]
-    with pytest.raises(RuntimeError, match="waits for no bitmasks"):
+    after = runner.collect(behind, 3)
+    twins = [Sequence() for _ in prompts]  # the same two steps with the tokens given on the host
+    for s, p in zip(twins, prompts):
+        cache.manager.reserve(s, len(p))
+    runner.step(list(zip(twins, prompts)), masks=[None, only, None])
+    for s in twins:
+        cache.manager.reserve(s, 1)
+    assert runner.step([(s, [int(t)]) for s, t in zip(twins, got)]).tolist() == after.tolist()
+    with pytest.raises(RuntimeError, match="no launched step waits for bitmasks"):
         runner.publish_masks(lambda out: None)
     with pytest.raises(ValueError, match=r"bitmask 0 is int32 \(3,\)"):  # checked before anything is launched
         runner.step(list(zip(seqs, prompts)), masks=[None, np.zeros(3, np.int32), None])
-    assert runner.step(list(zip(seqs, prompts)), masks=[only, None, only]).tolist() == [4242, plain[1], 4242]
+    fresh = [Sequence() for _ in prompts]
+    for s, p in zip(fresh, prompts):
+        cache.manager.reserve(s, len(p))
+    assert runner.step(list(zip(fresh, prompts)), masks=[only, None, only]).tolist() == [4242, plain[1], 4242]
 
 
 def constrained(n: int, seed: int = 0) -> list[SamplingParams]:

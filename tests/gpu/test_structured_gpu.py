@@ -60,10 +60,12 @@ def prompts_of(b: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, 151643, int(n)).tolist() for n in rng.integers(3, 40, b)]
 
 
-def decode(model, prompts, masks, *, pipelined: bool = False) -> list[list[int]]:
+def decode(model, prompts, masks, *, pipelined: bool = False, queued: bool = False) -> list[list[int]]:
     """The prompts prefilled (their first token sampled), then STEPS decode steps; tokens [STEPS + 1][rows].
     pipelined: each decode step is launched taking its tokens on the device from the step before, which
-    is read back only then; its masks are published after that."""
+    is read back only then; its masks are published after that. queued: as pipelined, but each step is
+    launched while the step before it still waits for its masks (published only then, as the engine's
+    grammar thread does)."""
     manager = model.cache.manager
     seqs = [Sequence() for _ in prompts]
     rows = sampling_rows(len(prompts))
@@ -77,18 +79,23 @@ def decode(model, prompts, masks, *, pipelined: bool = False) -> list[list[int]]
                     manager.reserve(s, 1)
                 out.append(model.step([(s, [t]) for s, t in zip(seqs, out[-1])], rows, masks=masks[k]).tolist())
             return out
-        slot = None
+        slot, waiting = None, []  # waiting: the masks of the launched step not yet published
         for k in range(1, STEPS + 1):
             for s in seqs:
                 manager.reserve(s, 1)
             given = [m for m in masks[k] if m is not None]
             launched = model.launch([(s, [0]) for s in seqs], rows, masked=[m is not None for m in masks[k]],
                                     token_src=list(range(len(seqs))))
+            if waiting:  # queued: step k was launched behind step k - 1, which gets its masks only now
+                model.publish_masks(lambda buf, w=waiting: np.copyto(buf, np.stack(w)))
             if slot is not None:
                 out.append(model.collect(slot, len(seqs)).tolist())  # while step k waits for its masks
-            if given:
+            waiting = given if queued else []
+            if given and not queued:
                 model.publish_masks(lambda buf: np.copyto(buf, np.stack(given)))
             slot = launched
+        if waiting:
+            model.publish_masks(lambda buf: np.copyto(buf, np.stack(waiting)))
         out.append(model.collect(slot, len(seqs)).tolist())
         return out
     finally:
@@ -114,13 +121,14 @@ def test_masked_steps_graphed_eager_and_pipelined_agree_and_obey_the_masks(model
     graphed = decode(model, prompts, masks)
     assert model.graphs.count(DECODE_MASKED) >= 1 and model.graphs.count(DECODE) == plain_graphs
     pipelined = decode(model, prompts, masks, pipelined=True)
+    queued = decode(model, prompts, masks, pipelined=True, queued=True)
     unmasked = decode(model, prompts, random_masks(b, vocab, seed=0, with_masks=False))
     for k, step in enumerate(masks):
         for i, m in enumerate(step):
             if m is not None:
                 assert allowed(m, graphed[k][i]), f"step {k} row {i}: token {graphed[k][i]} is not allowed"
     assert graphed == eager
-    assert pipelined == graphed
+    assert pipelined == graphed and queued == graphed
     if b > 1:  # row 1 never has a mask
         assert [t[1] for t in graphed] == [t[1] for t in unmasked]
     assert len({tuple(t) for t in graphed}) > 1  # the steps did not all repeat one token

@@ -19,7 +19,10 @@ planned, and so do speculative rounds; while one is running, steps are not pipel
 Structured output stays pipelined: a step's bitmasks are computed after it is launched, as soon as the
 matchers have consumed the tokens of the step before it (`_finish(..., then_masks_of=)`), so each
 matcher has seen every token before the one it constrains; the GPU runs the step's forward meanwhile
-and its sampling waits for them.
+and its sampling waits for them. That grammar work runs on a background thread (structured.Grammars.start)
+while this one accepts the tokens, schedules and launches the next step (the runner queues it behind
+the one waiting for its masks); it is waited for before a step is read back (`_wait_grammar`), and only
+that thread touches the matchers meanwhile.
 
 A request may hold a sequence from before (a chat's earlier turns, `Request.seq` with positions already
 computed, `keep_seq=True`): it is admitted onto its held pages, and when it finishes it keeps them.
@@ -41,7 +44,7 @@ from .outputs import EngineStats, RequestOutput
 from .params import SamplingParams
 from .scheduler import FINISHED, Request, ScheduledRow, Scheduler
 from .speculative import SpecStats, accept
-from .structured import Grammars
+from .structured import Grammars, GrammarStep
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._last_rows: dict[int, int] = {}  # request id -> its row in the step in flight (if it samples)
         self._grammars: Grammars | None = None  # made for the first structured-output request
+        self._grammar_step: GrammarStep | None = None  # grammar work in the background (until _wait_grammar)
 
     # ------------------------------------------------------------------ requests
     def prompt_ids(self, prompt, index: int = 0) -> tuple[list[int], str | None]:
@@ -372,36 +376,62 @@ class Engine:
         """Read a step's tokens back and accept them. then_masks_of: the step launched after it, whose masks
         are published as soon as the matchers have consumed these tokens (before the detokenizer and the
         stop checks run: a request they end drops that step's row anyway)."""
+        self._wait_grammar()
         sampled = self.runner.collect(step.slot, len(step.rows))
         self.scheduler.register(step.rows)
         # requests ended by a stop or an abort in an earlier step are skipped (their placeholders are gone)
         live = [(i, req, index) for i, req, index in step.samplers if not req.closed]
-        refused = self._consume(live, sampled)
-        self._publish_masks(then_masks_of)
+        constrained = [(i, req.matcher) for i, req, _ in live if req.matcher is not None]
+        grammar = self._start_grammar(constrained, sampled, then_masks_of)
         logprob_rows = [i for i, req, _ in live if req.logprobs is not None]
         logprobs = self._logprobs(logprob_rows, step.rows, sampled) if logprob_rows else {}
-        events = []
-        for i, req, index in live:
+        events = {}
+        for i, req, index in live:  # the unconstrained ones while the matchers advance
             req.unresolved -= 1
             token = int(sampled[i])
             req.token_ids[index] = token
-            events.append(self._accept(req, index, token, logprobs.get(i), refused.get(i)))
-        return events
+            if req.matcher is None:
+                events[i] = self._accept(req, index, token, logprobs.get(i))
+        if constrained:
+            errors, done = grammar.consumed.result()
+            verdicts = {i: (e, d) for (i, _), e, d in zip(constrained, errors, done)}
+            for i, req, index in live:
+                if req.matcher is not None:
+                    events[i] = self._accept(req, index, req.token_ids[index], logprobs.get(i), *verdicts[i])
+        if grammar is not None and grammar.published is None:
+            self._wait_grammar()  # no next step's masks to overlap with
+        return [events[i] for i, _, _ in live]
 
-    def _consume(self, live: list[tuple[int, Request, int]], sampled) -> dict[int, str]:
-        """The step's constrained requests' matchers advanced by their tokens (together); row -> the grammar
-        engine's error for each token a matcher refused."""
-        rows = [(i, req.matcher) for i, req, _ in live if req.matcher is not None]
-        if not rows:
-            return {}
-        start = time.perf_counter()
-        errors = self._grammars.consume([(m, int(sampled[i])) for i, m in rows])
-        self.stats.grammar_seconds += time.perf_counter() - start
-        return {i: e for (i, _), e in zip(rows, errors) if e is not None}
+    def _start_grammar(self, constrained: list[tuple[int, object]], sampled,
+                       then_masks_of: _InFlight | None) -> GrammarStep | None:
+        """In the background: the step's constrained requests' matchers advanced by their tokens (together),
+        then the next step's masks from them (published to the runner). None if there is nothing to do."""
+        masked = then_masks_of.masked if then_masks_of is not None else []
+        if not constrained and not masked:
+            return None
+        matchers = [None if req.closed else req.matcher for req in masked] if masked else None
+        if then_masks_of is not None:
+            then_masks_of.masked = []
+        self._grammar_step = self._grammars.start([(m, int(sampled[i])) for i, m in constrained], matchers,
+                                                  self.runner.publish_masks)
+        return self._grammar_step
 
-    def _accept(self, req: Request, index: int, token: int, logprobs, refused: str | None = None) -> Event:
+    def _wait_grammar(self) -> None:
+        """Until the grammar work in the background is done (before the runner or the matchers are used)."""
+        if self._grammar_step is None:
+            return
+        step, self._grammar_step = self._grammar_step, None
+        try:
+            step.wait()
+        finally:
+            self.stats.grammar_seconds += self._grammars.background_seconds
+            self._grammars.background_seconds = 0.0
+
+    def _accept(self, req: Request, index: int, token: int, logprobs, refused: str | None = None,
+                grammar_done: bool = False) -> Event:
         """A token read back: the detokenizer, penalties, logprobs and the stop checks see it (its matcher
-        has consumed it already: refused is the grammar's error if it did not allow it)."""
+        has consumed it already: refused is the grammar's error if it did not allow it, grammar_done whether
+        the grammar is complete after it)."""
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -422,7 +452,7 @@ class Engine:
             stop = token
         elif req.detokenizer is not None and req.detokenizer.stopped_by is not None:
             stop = req.detokenizer.stopped_by
-        if stop is not None or (req.matcher is not None and req.matcher.done):
+        if stop is not None or grammar_done:
             self._end(req, index, "stop", stop)
         return req, token, text
 
@@ -435,6 +465,7 @@ class Engine:
 
     def _logprobs(self, indices: list[int], rows: list[ScheduledRow], sampled) -> dict[int, dict[int, float]]:
         """Top-n log-probabilities (of the logits after penalties, before temperature) per row."""
+        self._wait_grammar()
         logits = self.runner.logits_rows(max(indices) + 1)
         out = {}
         for i in indices:
@@ -530,6 +561,7 @@ class Engine:
         if self._inflight is not None and not self.broken:
             self._finish(self._inflight)
             self._inflight = None
+        self._wait_grammar()
 
     def _check_usable(self) -> None:
         if self.broken:

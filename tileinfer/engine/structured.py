@@ -12,9 +12,10 @@ finishes ("stop"). Requests without a constraint pay nothing.
 What it costs. A step's matchers advance and compute their masks together (`Grammars.consume`,
 `Grammars.fill_masks`: llguidance's executor, Rust threads without the GIL), the masks written
 straight into the runner's pinned staging rows. The engine does it after launching the step, while
-the GPU runs its forward (the step's sampling waits for them: runner/gpu.py), so a batch of
-constrained requests pays the GPU for copying the masks in and the host for whatever of the mask
-work the forward does not hide.
+the GPU runs its forward (the step's sampling waits for them: runner/gpu.py), and in the background
+(`Grammars.start`): the engine's own host work for the step (detokenizing, stop checks, scheduling and
+launching the next one) runs meanwhile. A batch of constrained requests pays the GPU for copying the masks in, and
+the host for whatever of the mask work neither hides.
 
 JSON is generated compact (", " and ": " separators, no other whitespace): a model cannot then spend
 its budget on whitespace the grammar would allow.
@@ -22,6 +23,8 @@ its budget on whitespace the grammar would allow.
 from __future__ import annotations
 
 import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +86,8 @@ class Grammars:
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll = None
         self._executor = None
+        self._background: ThreadPoolExecutor | None = None
+        self.background_seconds = 0.0  # the background thread's time in start's work (the engine takes it)
 
     def _ll_tokenizer(self):
         if self._ll is None:
@@ -121,6 +126,33 @@ class Grammars:
         if work:
             self._pool().unsafe_compute_mask_ptr(work, out.ctypes.data, self.words * 4, len(matchers))
 
+    def start(self, pairs: list[tuple["Matcher", int]], masks_for: list["Matcher | None"] | None,
+              publish) -> "GrammarStep":
+        """On the background thread: advance each matcher by its token (consume), then, if masks_for is given,
+        publish(fill) the next step's masks (fill(out) as fill_masks(masks_for, out); publish is the runner's
+        publish_masks). Until the step's `wait`, only that thread may touch these matchers."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="tileinfer-grammar")
+        consumed = self._background.submit(self._timed, self._consume_and_check, pairs)
+        published = None
+        if masks_for is not None:
+            published = self._background.submit(self._timed, publish, lambda out: self.fill_masks(masks_for, out))
+        return GrammarStep(consumed, published)
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.background_seconds += time.perf_counter() - start
+
+    def _consume_and_check(self, pairs: list[tuple["Matcher", int]]) -> tuple[list[str | None], list[bool]]:
+        return self.consume(pairs), [m.done for m, _ in pairs]
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown()
+
     def consume(self, pairs: list[tuple["Matcher", int]]) -> list[str | None]:
         """Advance each matcher by its sampled token, in parallel; per pair None, or the grammar engine's
         error if it refuses the token (a bug: the token was sampled under that matcher's mask)."""
@@ -128,6 +160,19 @@ class Grammars:
             return []
         ok = self._pool().consume_token_par([(m._m, int(t)) for m, t in pairs])
         return [None if good else m._m.get_error() for (m, _), good in zip(pairs, ok)]
+
+
+@dataclass
+class GrammarStep:
+    """A step's grammar work running in the background (Grammars.start)."""
+    consumed: Future            # -> (per pair: None or the error of a refused token, per pair: grammar complete)
+    published: Future | None    # the next step's masks handed to the runner
+
+    def wait(self) -> None:
+        """Until all of it is done; raises what it raised."""
+        self.consumed.result()
+        if self.published is not None:
+            self.published.result()
 
 
 class Matcher:

@@ -2,6 +2,7 @@
 teacher-forced logits, and what a DFlash drafter's step reads."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,8 +16,7 @@ class CheckpointRunner:
     checkpoint = None
     config = None
     _tokenizer = None
-    _awaiting_masks = 0  # bitmasks the step launched last waits for (publish_masks)
-    _awaiting_slot = None  # that step's slot
+    _awaiting: deque  # (bitmasks, slot) of each launched step that waits for publish_masks, oldest first
 
     @property
     def tokenizer(self):
@@ -40,9 +40,9 @@ class CheckpointRunner:
         return ids
 
     def _check_not_awaiting(self, what: str, slot: int | None = None) -> None:
-        """Refuse what would wait for the step that waits for its bitmasks (or any work, slot None)."""
-        if self._awaiting_masks and (slot is None or slot == self._awaiting_slot):
-            raise RuntimeError(f"cannot {what}: the step launched last waits for its bitmasks (call publish_masks "
+        """Refuse what would wait for a step that waits for its bitmasks (that slot's, or any, slot None)."""
+        if any(slot is None or slot == s for _, s in self._awaiting):
+            raise RuntimeError(f"cannot {what}: a launched step waits for its bitmasks (call publish_masks "
                                f"first; its sampling cannot run without them)")
 
     def step(self, batch, sampling=None, *, sample: bool = True, penalties: list | None = None,

@@ -18,6 +18,8 @@ reference's INT8 model does.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +118,9 @@ class CPURunner(CheckpointRunner):
         self._slot = 0
         self._prev = np.zeros(0, np.int32)         # the last sampled step's ids (token_src reads them)
         self._unsampled = None                     # the launched step's rows and logits, until sampled
+        self._awaiting = deque()                   # (masks, slot) of the step waiting for publish_masks
+        self._deferred = None                      # a step launched behind it: run once it has sampled
+        self._lock = threading.Lock()              # publish_masks may run on another thread than launch
         self._last_logits = np.zeros((0, self.config.vocab_size), np.float32)
         self.capture_layers: tuple[int, ...] = ()  # target layers whose outputs a DFlash drafter reads
         self._features: list[np.ndarray] = []      # the last step's, per row: [n_i, len(capture_layers) * hidden]
@@ -204,40 +209,56 @@ class CPURunner(CheckpointRunner):
                token_src: list[int] | None = None) -> int | None:
         """Run one step's forward now; returns the slot to `collect` its sampled tokens from (None with
         sample=False). penalties: per row None or its penalty entries. masked: per row whether it samples
-        under a bitmask; the step then samples when publish_masks gives them (the GPU step waits for them)."""
-        self._check_not_awaiting("launch another step")
+        under a bitmask; the step then samples when publish_masks gives them (the GPU step waits for them).
+        Launched while a step waits for its masks, it runs once that one has sampled (as the GPU's stream
+        would run it): its tokens may come from that step's samples (token_src)."""
         rows = self._check_step(batch)
         num_masks = sum(map(bool, masked)) if masked is not None else 0
         if num_masks and not sample:
             raise ValueError("launch: rows with bitmasks in a step that does not sample")
+        with self._lock:
+            slot = None
+            if sample:
+                slot, self._slot = self._slot, self._slot ^ 1
+            step = (slot, rows, sampling, penalties, masked, num_masks, token_src)
+            if self._awaiting:
+                if self._deferred is not None:
+                    raise RuntimeError("launch: a step already waits behind the one that waits for its bitmasks")
+                self._deferred = step
+            else:
+                self._run(*step)
+        return slot
+
+    def _run(self, slot, rows, sampling, penalties, masked, num_masks: int, token_src) -> None:
         self._copy_pending_pages()
         self._features = []
         if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
             rows = [(seq, [int(self._prev[src])] if src >= 0 else ids, start)
                     for (seq, ids, start), src in zip(rows, token_src)]
         last = np.concatenate([self._rows_logits(seq, ids, start, False) for seq, ids, start in rows])
-        if not sample:
-            return None
-        slot, self._slot = self._slot, self._slot ^ 1
+        if slot is None:
+            return
         self._unsampled = (slot, rows, last, sampling, penalties, masked)
         if num_masks:
-            self._awaiting_masks, self._awaiting_slot = num_masks, slot
+            self._awaiting.append((num_masks, slot))
         else:
             self._sample(None)
-        return slot
 
     def publish_masks(self, fill) -> None:
-        """Hand the launched step its bitmasks: fill(out) writes them, int32 [masked rows, words] in row
-        order; then the step samples (even if fill raises)."""
-        n = self._awaiting_masks
-        if not n:
-            raise RuntimeError("publish_masks: the last launched step waits for no bitmasks")
-        self._awaiting_masks = 0
-        masks = np.zeros((n, (self.config.vocab_size + 31) // 32), np.int32)
-        try:
-            fill(masks)
-        finally:
-            self._sample(masks)
+        """Hand the step that waits its bitmasks: fill(out) writes them, int32 [masked rows, words] in row
+        order; then the step samples (even if fill raises), and a step launched behind it runs."""
+        with self._lock:
+            if not self._awaiting:
+                raise RuntimeError("publish_masks: no launched step waits for bitmasks")
+            n, _ = self._awaiting.popleft()
+            masks = np.zeros((n, (self.config.vocab_size + 31) // 32), np.int32)
+            try:
+                fill(masks)
+            finally:
+                self._sample(masks)
+                step, self._deferred = self._deferred, None
+                if step is not None:
+                    self._run(*step)
 
     def _sample(self, masks: np.ndarray | None) -> None:
         """Sample the launched step's rows: penalties, then each masked row's bitmask (masks[k] for the
@@ -259,6 +280,9 @@ class CPURunner(CheckpointRunner):
 
     def collect(self, slot: int | None, n: int) -> np.ndarray | None:
         self._check_not_awaiting("wait for that step", slot)
+        if self._deferred is not None and (slot is None or slot == self._deferred[0]):
+            raise RuntimeError("cannot wait for that step: it runs once the step before it has its bitmasks "
+                               "(call publish_masks first)")
         return None if slot is None else self._pending.pop(slot)[:n]
 
     def logits_rows(self, n: int) -> np.ndarray:

@@ -18,8 +18,9 @@ wait, a copy and a stream write, which a CUDA graph captures as nodes, so a deco
 replays a graph of its own kind (DECODE_MASKED) and a step without masks is exactly what it was.
 Launching the sampling kernel separately once the masks are written would instead cost every such
 step one more launch from the host after the masks, and split each decode graph in two. A launched
-step with masks must be published before anything else is launched or waited for (the runner
-refuses: the GPU would wait forever).
+step with masks must be published before it, or anything after it, is waited for (the runner refuses:
+the host would wait forever). The next step may be launched before: it queues behind the waiting one,
+and its own masks (published after) go through the same staging rows once the GPU has taken these.
 
 Batch invariance. By default each matrix product picks its kernel by row count (the GEMV for 1
 or 2 rows, the small-M GEMM up to 64, the tensor-core GEMM beyond), decode attention runs in its
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +118,7 @@ class GPURunner(CheckpointRunner):
         self.use_graphs = True
         self.wait_seconds = 0.0  # host time spent waiting for steps to finish on the GPU
         self._slot = 0           # row of the mapped sampled_host the next sampled step writes
+        self._awaiting = deque()
         self.batch_invariant = batch_invariant
         self._smoothing: np.ndarray | None = None
         self._closed = False
@@ -235,7 +238,6 @@ class GPURunner(CheckpointRunner):
         (None with sample=False). At most two sampled steps may be in flight. masked: per row whether
         it samples under a bitmask; the step then waits for `publish_masks` before it samples."""
         self._check_open()
-        self._check_not_awaiting("launch another step")
         self._copy_pending_pages()
         decode = all(len(item[1]) == 1 for item in batch) and len(batch) <= self.max_num_seqs
         if masked is not None and any(masked) and not sample:
@@ -245,9 +247,7 @@ class GPURunner(CheckpointRunner):
             bucket = bucket_for(len(batch), self.buckets)
             prepare_step(self.steps, self.cache.manager, batch, sampling, pad_to=bucket, penalties=penalties,
                          masked=masked, token_src=token_src)
-            # from here on the stream may wait for the masks (close releases a step left waiting)
-            self._awaiting_masks, self._awaiting_slot = self.steps.num_masks, self._slot
-            with_masks = self.steps.num_masks > 0
+            with_masks = self._await_masks()
             self.steps.set_sample_slot(self._slot)
             self.steps.upload_entries(self.stream)
             if self.use_graphs:
@@ -258,8 +258,7 @@ class GPURunner(CheckpointRunner):
         else:
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
                                  masked=masked, token_src=token_src)
-            self._awaiting_masks, self._awaiting_slot = self.steps.num_masks, self._slot
-            with_masks = self.steps.num_masks > 0
+            with_masks = self._await_masks()
             self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
             self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream, masked=with_masks)
@@ -270,17 +269,27 @@ class GPURunner(CheckpointRunner):
         self.steps.mark_sampled(slot, len(batch), self.stream)
         return slot
 
+    def _await_masks(self) -> bool:
+        """Note the step being launched as waiting for its masks, if it has any (from here on the stream may
+        wait for them: close releases a step left waiting)."""
+        if not self.steps.num_masks:
+            return False
+        self._awaiting.append((self.steps.num_masks, self._slot))
+        return True
+
     def publish_masks(self, fill) -> None:
-        """Hand the launched step its bitmasks: fill(out) writes them, int32 [masked rows, words] in row order,
-        straight into pinned memory; then the step samples. The step is released even if fill raises."""
-        n = self._awaiting_masks
-        if not n:
-            raise RuntimeError("publish_masks: the last launched step waits for no bitmasks")
-        self._awaiting_masks = 0
+        """Hand the oldest step that waits for bitmasks its masks: fill(out) writes them, int32 [masked rows,
+        words] in row order, straight into pinned memory (once the GPU has taken the masks before them); then
+        the step samples. The step is released even if fill raises. Another thread may call it while this
+        one launches the next step."""
+        if not self._awaiting:
+            raise RuntimeError("publish_masks: no launched step waits for bitmasks")
+        n, _ = self._awaiting[0]
         try:
             fill(self.steps.mask_staging(n))
         finally:
             self.steps.release_masks()
+            self._awaiting.popleft()
 
     def collect(self, slot: int | None, n: int) -> np.ndarray | None:
         """Wait for a launched step; its n sampled tokens (None for a step that did not sample)."""
@@ -431,8 +440,8 @@ class GPURunner(CheckpointRunner):
         """Free every device allocation this model made."""
         if self._closed:
             return
-        if self._awaiting_masks:  # abandoned (an error between launch and publish): let the stream drain
-            self._awaiting_masks = 0
+        while self._awaiting:  # abandoned (an error between launch and publish): let the stream drain
+            self._awaiting.popleft()
             self.steps.masks_taken(timeout=5.0)  # the step before it first (a dead device: synchronize says so)
             self.steps.release_masks()
         self.stream.synchronize()
