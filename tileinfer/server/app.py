@@ -45,6 +45,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        engine.attach(asyncio.get_running_loop())
         lifecycle.serving()
         yield
         lifecycle.stop_accepting()

@@ -2,16 +2,19 @@
 
     engine = EngineClient(model, llm_options, max_waiting=None)
     engine.start()            # spawns the engine process and waits until the model is loaded
+    engine.attach(loop)       # the serving event loop reads the engine's messages from now on
     engine.submit(sub)        # a Submission: its events arrive in sub.events
     engine.abort(sub)
     engine.stop()             # aborts what is left, closes the engine process (the GPU is free after it)
 
 Handlers never touch the engine. `submit` and `abort` put a command on a queue that a writer thread sends
-down the command pipe (SimpleQueue.put is reentrant, so `stop_accepting` is safe in a signal handler). A
-reader thread takes each turn's message from the event pipe, updates the metrics and /health's view, and
-hands the events to each handler's asyncio.Queue: one `call_soon_threadsafe` a message (a step of 256
-streams wakes the event loop once), a submission's events of the turn as one list. A handler that falls
-behind the engine finds several lists queued and answers them in one write (app.py).
+down the command pipe (SimpleQueue.put is reentrant, so `stop_accepting` is safe in a signal handler). The
+event loop itself reads the event pipe whenever it is readable (`loop.add_reader`): each turn's message
+updates the metrics and /health's view, and a submission's events of the turn go into its handler's
+asyncio.Queue as one list. Reading on the loop's own thread needs no hand-over of the interpreter lock: a
+reader thread had to wait for the busy loop thread to let go of it (up to Python's 5 ms switch interval),
+fell behind, filled the pipe and so held up the engine. A handler that falls behind the engine finds
+several lists queued and answers them in one write (app.py).
 
 If the engine process dies, every request in flight gets Failed and later ones are refused at once;
 /health says why.
@@ -86,7 +89,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._process = None
-        self._threads: list[threading.Thread] = []
+        self._writer: threading.Thread | None = None
         self._closed = False  # stop was called: submit answers at once
 
     # ------------------------------------------------------------------ start, stop
@@ -119,10 +122,12 @@ class EngineClient:
         info = message[1]
         self.max_context, self.vocab_size = info["max_context"], info["vocab_size"]
         self.chat_template = info["chat_template"] or CHAT_TEMPLATE
-        self._threads = [threading.Thread(target=self._read, name="tileinfer-engine-events", daemon=True),
-                         threading.Thread(target=self._write, name="tileinfer-engine-commands", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._writer = threading.Thread(target=self._write, name="tileinfer-engine-commands", daemon=True)
+        self._writer.start()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's messages on `loop` (the server's, from its start-up) whenever the pipe has one."""
+        loop.add_reader(self._events.fileno(), self._on_readable, loop)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is running, let the engine process close the LLM and end. Idempotent."""
@@ -139,8 +144,8 @@ class EngineClient:
             self._process.kill()
             self._process.join()
         self._commands.put(None)  # ends the writer
-        for t in self._threads:
-            t.join(timeout)
+        if self._writer is not None:
+            self._writer.join(timeout)
 
     def stop_accepting(self) -> None:
         """Refuse (Failed, a 503) every request submitted from now on; those submitted before run on. Safe in a
@@ -179,17 +184,18 @@ class EngineClient:
             except (BrokenPipeError, OSError):
                 return  # the engine process is gone: the reader says so
 
-    def _read(self) -> None:
-        while True:
-            try:
+    def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the event loop: every message the pipe holds now."""
+        try:
+            while self._events.poll():
                 message = self._events.recv()
-            except (EOFError, OSError):
-                self._engine_gone()
-                return
-            if message[0] == "turn":
-                self._turn(message[1], message[2])
-            elif message[0] == "stopped":
-                self.drained.set()
+                if message[0] == "turn":
+                    self._turn(message[1], message[2])
+                elif message[0] == "stopped":
+                    self.drained.set()
+        except (EOFError, OSError):
+            loop.remove_reader(self._events.fileno())
+            self._engine_gone()
 
     def _turn(self, items: list, report: Report) -> None:
         self.metrics.update(report)
@@ -198,7 +204,6 @@ class EngineClient:
             self.error = report.error
         if report.drained:
             self.drained.set()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for sid, events in items:
                 sub = self._subs.get(sid)
@@ -211,12 +216,7 @@ class EngineClient:
                         sub._left = 0  # the last event
                 if sub._left == 0:
                     del self._subs[sid]
-                by_loop.setdefault(sub.loop, []).append((sub.events, events))
-        for loop, deliveries in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, deliveries)
-            except RuntimeError:  # that event loop has closed (a test's): nobody reads these
-                pass
+                sub.events.put_nowait(events)  # on the loop the handler awaits on
 
     def _engine_gone(self) -> None:
         """The event pipe ended: after "stopped" (or a kill at stop) that is expected; otherwise the engine
@@ -235,9 +235,3 @@ class EngineClient:
             except RuntimeError:
                 pass
         self.drained.set()
-
-
-def _deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
-    """On the event loop: each submission's events into its handler's queue."""
-    for events_queue, events in items:
-        events_queue.put_nowait(events)
