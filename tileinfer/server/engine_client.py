@@ -56,7 +56,7 @@ class Submission:
     backlog: deque = field(default_factory=deque)  # the handler's: events taken from the queue, not yet read
     prompt_tokens: list[int] = field(default_factory=list)  # per prompt, once added (Added)
     sid: int = -1        # the engine's name for it, once submitted
-    _left: int = 0       # choices not yet Finished (reader thread)
+    _left: int = 0       # choices not yet Finished (EngineClient's count)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompts, list) or not self.prompts:

@@ -4,7 +4,7 @@ The engine process reports after every turn of its loop (events.Report): the gau
 waiting, KV pages used, free and cached), its counters (preemptions, prompt tokens added and computed,
 tokens generated), the gaps between each request's tokens this turn (inter-token latency), and per request
 ended its time to first token, end-to-end latency and prompt tokens served by the prefix cache (the hit
-rate). EngineClient's reader thread hands each Report to `update`.
+rate). EngineClient hands each Report to `update` on the server's event loop.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class ServerMetrics:
         self._prompt = self._cached = 0
 
     def update(self, report: Report) -> None:
-        """One turn of the engine loop (EngineClient's reader thread)."""
+        """One turn of the engine loop (on the server's event loop)."""
         self.running.set(report.running)
         self.waiting.set(report.waiting)
         self.kv_used.set(report.kv_used)
