@@ -4,6 +4,11 @@
     python scripts/make_checkpoint.py --preset qwen3-8b --out /data/qwen3-8b-synthetic
     python scripts/make_checkpoint.py --preset apertus-8b --out /data/apertus-8b-synthetic
     python scripts/make_checkpoint.py --preset dflash-qwen3-8b --target /data/qwen3-8b-synthetic --out /data/qwen3-8b-dflash
+    python scripts/make_checkpoint.py --preset apertus-70b --config-only --out /data/apertus-70b-config
+
+--config-only writes config.json and the tokenizer files, no weights: such a directory serves with
+load_format="dummy" (LLM(..., load_format="dummy"), `tileinfer serve --load-format dummy`), whose weights are
+the ones this script writes for seed 0, made as they load.
 
 A DFlash preset needs --target, the model it drafts for: it is checked to fit (hidden size, the layers
 it reads, the vocabulary) before anything is written.
@@ -13,10 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from tileinfer.model.config import PRESETS, ConfigError, preset, read_config
 from tileinfer.model.dflash_config import DFLASH_PRESETS
-from tileinfer.model.synthetic import write_checkpoint
+from tileinfer.model.synthetic import write_checkpoint, write_text_files
 
 
 def _config(parser: argparse.ArgumentParser, args):
@@ -45,10 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-gb", type=float, default=4.0,
                         help="largest weights file, in GB (10^9 bytes); bigger models are sharded")
     parser.add_argument("--workers", type=int, default=None, help="generator threads (default: all cores)")
+    parser.add_argument("--config-only", action="store_true",
+                        help="config.json and the tokenizer files only, for load_format='dummy'")
     args = parser.parse_args(argv)
     if args.seed < 0 or args.max_shard_gb <= 0:
         parser.error("--seed must be >= 0 and --max-shard-gb > 0")
     config = _config(parser, args)
+    if args.config_only:
+        if args.preset in DFLASH_PRESETS or args.seed != 0:
+            parser.error("--config-only is for the model presets, whose dummy weights are seed 0's")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_text_files(config, Path(args.out))
+        print(f"{args.preset}: wrote config.json and the tokenizer files to {args.out} (load_format='dummy')")
+        return 0
 
     start = time.perf_counter()
     nbytes = write_checkpoint(config, args.out, seed=args.seed, max_shard_bytes=int(args.max_shard_gb * 1e9),

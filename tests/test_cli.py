@@ -171,7 +171,8 @@ def test_serve_passes_its_engine_options_to_the_llm(capsys, monkeypatch, micro):
     assert made == [(micro, dict(device="cpu", max_num_seqs=8, max_context=1024, page_size=16,
                                       enable_prefix_caching=False, max_num_batched_tokens=256,
                                       gpu_memory_utilization=0.5, num_pages=80, kv_quantize="int8", batch_invariant=False,
-                                      draft_model=str(micro), num_draft_tokens=3, progress=True))]
+                                      draft_model=str(micro), num_draft_tokens=3, load_format="auto",
+                                      progress=True))]
     tileinfer.config.EngineConfig(model=micro, **made[0][1])  # every one is a field
 
 

@@ -210,3 +210,29 @@ def test_enable_thinking_false_adds_an_empty_think_block(render):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert render(messages, add_generation_prompt=True, enable_thinking=True).endswith("<|im_start|>assistant\n")
     assert render(messages, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+# ---------------------------------------------------------------------------- load_format="dummy"
+def test_dummy_load_format_makes_the_written_weights_from_config_alone(tmp_path, tiny_checkpoint):
+    """A --config-only directory (no weight file) with load_format="dummy" reads exactly the tensors the
+    synthetic checkpoint of seed 0 holds, and an LLM over it answers as one over that checkpoint."""
+    from tileinfer import LLM, SamplingParams
+    from tileinfer.model.checkpoint import CheckpointError, DummyCheckpoint, load_checkpoint
+    out = tmp_path / "tiny-config"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "make_checkpoint.py"), "--preset", "tiny", "--config-only",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not list(out.glob("*.safetensors*"))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(out)  # "auto" needs the weight files
+    dummy, written = load_checkpoint(out, "dummy"), Checkpoint.open(tiny_checkpoint)
+    assert isinstance(dummy, DummyCheckpoint) and dummy.total_bytes == written.total_bytes
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_norm.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert np.array_equal(dummy.read(name).view(np.uint16), written.read(name).view(np.uint16)), name
+    params = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(out, device="cpu", load_format="dummy", max_num_seqs=2, progress=False) as llm:
+        got = llm.generate(["The weights of this model"], params)[0].token_ids
+    with LLM(tiny_checkpoint, device="cpu", max_num_seqs=2, progress=False) as llm:
+        assert got == llm.generate(["The weights of this model"], params)[0].token_ids
+    with pytest.raises(ValueError, match="load_format must be"):
+        LLM(out, device="cpu", load_format="random")

@@ -48,16 +48,17 @@ def _sampling(args):
         raise ValueError(f"{_SAMPLING_OPTIONS.get(field, field)}: {e}") from None
 
 
-def _check_checkpoint(option: str, path: str | None, *, draft: bool = False):
+def _check_checkpoint(option: str, path: str | None, *, draft: bool = False, load_format: str = "auto"):
     """The checkpoint directory given as `option` (if any), opened once to validate it: config.json, every tensor
-    (a draft's may be a DFlash drafter's). Returns its config (None without a path)."""
+    (a draft's may be a DFlash drafter's; with load_format "dummy", config.json alone). Returns its config (None
+    without a path)."""
     if not path:
         return None
-    from tileinfer.model.checkpoint import Checkpoint, CheckpointError
+    from tileinfer.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{option} {path}: no such checkpoint directory")
     try:
-        return (Checkpoint.open_draft(path) if draft else Checkpoint.open(path)).config
+        return (Checkpoint.open_draft(path) if draft else load_checkpoint(path, load_format)).config
     except CheckpointError as e:
         raise ValueError(f"{option}: {e}") from None
 
@@ -70,15 +71,15 @@ def _check_arguments(args):
     return sampling
 
 
-def _check_model_options(args) -> None:
+def _check_model_options(args, load_format: str = "auto") -> None:
     """The options of the model every command has (--max-context, --num-draft-tokens, --model, --draft-model),
-    checked without the GPU; the checkpoints last, as they are read from disk."""
+    checked without the GPU; the checkpoints last, as they are read from disk (the model's by load_format)."""
     from tileinfer.config import check_count
     from tileinfer.model.dflash_config import DFLASH_NEEDS_CPU, DFlashConfig
     check_count("--max-context", args.max_context)
     if args.num_draft_tokens is not None:
         check_count("--num-draft-tokens", args.num_draft_tokens)
-    _check_checkpoint("--model", args.model)
+    _check_checkpoint("--model", args.model, load_format=load_format)
     draft = _check_checkpoint("--draft-model", args.draft_model, draft=True)
     if isinstance(draft, DFlashConfig) and args.device != "cpu":
         raise ValueError(f"--draft-model {args.draft_model}: {DFLASH_NEEDS_CPU}; add --device cpu")
@@ -224,7 +225,10 @@ def _check_serve_arguments(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
-    _check_model_options(args)
+    if args.load_format == "dummy" and not args.model:
+        raise ValueError("--load-format dummy needs --model DIR: a directory with the model's config.json and "
+                         "tokenizer (scripts/make_checkpoint.py --config-only writes one)")
+    _check_model_options(args, args.load_format)
 
 
 def _serve_engine_options(args) -> dict:
@@ -235,7 +239,7 @@ def _serve_engine_options(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_pages=args.num_pages,
                 kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant,
                 draft_model=args.draft_model,
-                num_draft_tokens=args.num_draft_tokens, progress=True)
+                num_draft_tokens=args.num_draft_tokens, load_format=args.load_format, progress=True)
 
 
 def _serve(args) -> int:
@@ -310,6 +314,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"({engine['gpu_memory_utilization']})")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share the KV pages of a common prompt prefix between requests")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: the checkpoint's weight files; dummy: random weights made from --model's config.json "
+                        "(no weight files needed: benchmarks at sizes whose checkpoints do not fit the disk)")
     _add_draft_arguments(p)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are "

@@ -69,6 +69,7 @@ class EngineConfig:
     progress: bool = True                # progress bars while loading
     draft_model: Path | None = None      # a smaller model of the same tokenizer, or a DFlash drafter: speculation
     num_draft_tokens: int | None = None  # proposals a round; None: 4, or a DFlash drafter's block_size - 1
+    load_format: str = "auto"            # "auto": the model's weight files; "dummy": weights made from its config
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -87,6 +88,9 @@ class EngineConfig:
         if self.num_pages is not None and self.max_tokens is not None:
             raise ValueError("give at most one of num_pages or max_tokens (or neither, to size from free memory)")
         check_utilization(self.gpu_memory_utilization)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' (the checkpoint's weight files) or 'dummy' (random "
+                             f"weights made from its config.json), got {self.load_format!r}")
         if check_kv_quantize(self.kv_quantize) is False:
             set_(self, "kv_quantize", None)
         for name in ("enable_prefix_caching", "kv_smoothing", "use_graphs", "batch_invariant", "async_scheduling",

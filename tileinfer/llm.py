@@ -22,7 +22,7 @@ from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED, Request
 from .engine.speculative import make_drafter
 from .kv import Sequence
-from .model.checkpoint import Checkpoint
+from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.dflash_config import DFLASH_NEEDS_CPU, DFlashConfig
 from .model.forward import check_supported
 from .runner.startup import Started, start_cpu, start_gpu
@@ -31,7 +31,7 @@ from .runner.startup import Started, start_cpu, start_gpu
 def check_checkpoints(config: EngineConfig):
     """Open (and so validate) the checkpoint and draft without a GPU, and check that the device runs them; the
     model's config."""
-    model = Checkpoint.open(config.model).config
+    model = load_checkpoint(config.model, config.load_format).config
     if not config.on_cpu:
         check_supported(model, config.model)
     if config.max_context > model.max_position_embeddings:

@@ -11,6 +11,10 @@ Layout (what transformers' save_pretrained writes):
 `Checkpoint.open` checks that every tensor the forward needs is there with its shape and a float
 dtype, and that nothing unexpected is (a different architecture would otherwise load "fine").
 Problems raise CheckpointError, whose message names the directory or file and the tensor.
+
+`load_checkpoint(path, "dummy")` (vLLM's load_format name) needs only config.json and the tokenizer files:
+its weights are made as they are read, the synthetic generator's for seed 0 (model/synthetic.py, the same
+tensors write_checkpoint writes), for benchmarks at sizes whose checkpoints do not fit a disk.
 """
 from __future__ import annotations
 
@@ -33,6 +37,17 @@ log = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+LOAD_FORMATS = ("auto", "dummy")  # the weights from the directory's files; or made from its config.json
+
+
+def load_checkpoint(path: str | Path, load_format: str = "auto") -> "Checkpoint":
+    """The model checkpoint in `path` by load_format: "auto" opens its weight files (Checkpoint.open), "dummy"
+    makes its weights from config.json (DummyCheckpoint)."""
+    if load_format == "auto":
+        return Checkpoint.open(path)
+    if load_format == "dummy":
+        return DummyCheckpoint.open(path)
+    raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
 
 
 class CheckpointError(ValueError):
@@ -152,6 +167,34 @@ class Checkpoint:
             return load_tokenizer(self.path)
         except (FileNotFoundError, ValueError) as e:
             raise CheckpointError(str(e)) from None
+
+
+class DummyCheckpoint(Checkpoint):
+    """load_format="dummy": a directory's config.json and tokenizer, each weight the synthetic generator's for
+    seed 0, made when it is read (no weight file is opened, or needed)."""
+
+    SEED = 0
+
+    @classmethod
+    def open(cls, path: str | Path) -> "DummyCheckpoint":
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: not a directory; load_format='dummy' needs a directory with config.json "
+                                  f"(scripts/make_checkpoint.py --config-only writes one)")
+        try:
+            config = read_config(path / "config.json")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        tensors = {name: TensorInfo(name, "BF16", shape, 0, 2 * int(np.prod(shape)), path)
+                   for name, shape in expected_tensors(config).items()}
+        return cls(path, config, tensors, _eos_token_ids(path), _chat_template(path), {})
+
+    def read(self, name: str) -> np.ndarray:
+        from tileinfer.model.synthetic import synthetic_tensor  # synthetic.py imports this module
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor named {name!r}")
+        return synthetic_tensor(self.config, self.SEED, name, info.shape)
 
 
 def _open_weights(path: Path) -> tuple[dict[Path, SafetensorsFile], dict[str, TensorInfo]]:

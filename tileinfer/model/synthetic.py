@@ -104,6 +104,13 @@ def generate_chunk(config: ModelConfig, seed: int, name: str, index: int, size: 
     return values.astype(BF16)                      # round to nearest even
 
 
+def synthetic_tensor(config: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` whole, bf16 of `shape`: what write_checkpoint writes for it (load_format="dummy" reads it)."""
+    numel = math.prod(shape)
+    return np.concatenate([generate_chunk(config, seed, name, index, size)
+                           for index, size in _chunk_sizes(numel)]).reshape(shape)
+
+
 def outlier_channels(config: ModelConfig, seed: int) -> np.ndarray:
     """The channels of layer 0's outlier rotary pairs (i, i + head_dim/2), the same for q_norm and k_norm."""
     half = config.head_dim // 2

@@ -27,7 +27,7 @@ import numpy as np
 from ..kv import BlockManager, Sequence
 from ..kv.int8 import dequantize, quantize, smoothing_factors
 from ..kv.paged_cache import cdiv, check_kv_quantize
-from ..model.checkpoint import Checkpoint
+from ..model.checkpoint import load_checkpoint
 from ..model.reference import ReferenceModel
 from .sampler import apply_mask, apply_penalties, sample as sample_token
 from .base import CheckpointRunner
@@ -103,8 +103,8 @@ class CPURunner(CheckpointRunner):
     use_graphs = False
 
     def __init__(self, path: str | Path, *, max_batch_tokens: int = 2048, max_num_seqs: int = 8,
-                 max_logit_rows: int = 256, progress: bool = False):
-        self.checkpoint = Checkpoint.open(path)
+                 max_logit_rows: int = 256, progress: bool = False, load_format: str = "auto"):
+        self.checkpoint = load_checkpoint(path, load_format)
         self.config = self.checkpoint.config
         self.eos_token_ids = list(self.checkpoint.eos_token_ids)
         self.reference = ReferenceModel.from_checkpoint(self.checkpoint)

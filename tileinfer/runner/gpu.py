@@ -49,7 +49,7 @@ from ..graphs import DECODE, DECODE_MASKED, GraphManager, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
-from ..model.checkpoint import Checkpoint
+from ..model.checkpoint import load_checkpoint
 from ..model.dflash_config import DFLASH_NEEDS_CPU, is_dflash_dir
 from ..model.forward import Workspace, check_supported, forward, head_keys_written
 from ..model.weights import DeviceWeights
@@ -89,10 +89,10 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class GPURunner(CheckpointRunner):
     def __init__(self, path: str | Path, *, device: int = 0, max_batch_tokens: int = 2048,
                  max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
-                 progress: bool = True):
+                 progress: bool = True, load_format: str = "auto"):
         if is_dflash_dir(path):
             raise ValueError(f"{path}: {DFLASH_NEEDS_CPU}")
-        self.checkpoint = Checkpoint.open(path)
+        self.checkpoint = load_checkpoint(path, load_format)
         self.config = self.checkpoint.config
         check_supported(self.config, path)
         self.eos_token_ids = list(self.checkpoint.eos_token_ids)

@@ -80,7 +80,7 @@ def _penalty_capacity(config: EngineConfig) -> int:
 def start_cpu(config: EngineConfig) -> Started:
     def runner(path, logit_rows, draft):
         r = CPURunner(path, max_batch_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                      max_logit_rows=logit_rows)
+                      max_logit_rows=logit_rows, load_format="auto" if draft else config.load_format)
         pages = config.num_pages
         if pages is None and config.max_tokens is not None:
             pages = -(-config.max_tokens // config.page_size)
@@ -154,7 +154,7 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
     alloc0 = allocated_bytes()
     t_start = time.perf_counter()
     runner = _gpu_runner(config, config.model, config.max_num_seqs * config.tokens_per_verify_row,
-                         config.batch_invariant)
+                         config.batch_invariant, load_format=config.load_format)
     made.append(runner)
     runner.use_graphs = config.use_graphs
     workspace_bytes = runner.workspace.nbytes
@@ -205,10 +205,11 @@ def _attach_draft_pool(config: EngineConfig, draft: GPURunner, num_pages: int, n
     return allocated_bytes() - mark + (nvml.used() - used)
 
 
-def _gpu_runner(config: EngineConfig, path, logit_rows: int, batch_invariant: bool) -> GPURunner:
+def _gpu_runner(config: EngineConfig, path, logit_rows: int, batch_invariant: bool, *,
+                load_format: str = "auto") -> GPURunner:
     return GPURunner(path, device=config.gpu_ordinal, max_batch_tokens=config.max_num_batched_tokens,
                      max_num_seqs=config.max_num_seqs, max_logit_rows=logit_rows, batch_invariant=batch_invariant,
-                     progress=config.progress)
+                     progress=config.progress, load_format=load_format)
 
 
 def _warm_up(config: EngineConfig, runner: GPURunner, nvml: _Nvml, allocated_before: int) -> dict:
