@@ -75,6 +75,7 @@ class EngineLoop:
         self.max_waiting = max_waiting  # requests waiting for admission at most (None: no limit)
         self._live: dict[int, tuple[Request, int, bool, int]] = {}  # request id -> request, sid, stream, choice
         self._last_token: dict[int, float] = {}  # request id -> when its last token was read back
+        self._ending: dict[int, Request] = {}  # finished, but a launched step still holds a row of it
         self._outbox: dict[int, list] = {}  # sid -> its events of this turn, in order
         self._itl: Counter = Counter()
         self._finished: list = []
@@ -170,6 +171,7 @@ class EngineLoop:
                 self.engine.abort(req)
                 del self._live[rid]
                 self._last_token.pop(rid, None)
+                self._ending.pop(rid, None)
 
     def _abort_all(self, message: str) -> None:
         for sid in {s for _, s, _, _ in self._live.values()}:
@@ -178,6 +180,7 @@ class EngineLoop:
             self.engine.abort(req)
         self._live.clear()
         self._last_token.clear()
+        self._ending.clear()
 
     # ------------------------------------------------------------------ steps
     def _step(self) -> None:
@@ -206,12 +209,18 @@ class EngineLoop:
                 self._say(sid, (index, req.detokenizer.stream_delta(done), token, entry))
             if done:
                 self._finish(req)
-        for req, _, _, _ in [v for v in self._live.values() if v[0].status == FINISHED and not v[0].unresolved]:
-            self._finish(req)  # finished without a token of its own in this step
+            elif req.status == FINISHED:
+                self._ending[req.request_id] = req  # a step in flight still holds a row of it
+        for rid, req in list(self._ending.items()):
+            if not req.unresolved:  # that row came back (dropped): no token of its own in this step
+                del self._ending[rid]
+                if rid in self._live:
+                    self._finish(req)
 
     def _finish(self, req: Request) -> None:
         _, sid, stream, index = self._live.pop(req.request_id)
         self._last_token.pop(req.request_id, None)
+        self._ending.pop(req.request_id, None)
         self._finished.append((None if req.first_token_time is None else req.first_token_time - req.arrival_time,
                                None if req.finish_time is None else req.finish_time - req.arrival_time,
                                req.num_prompt, req.num_cached_tokens))
