@@ -12,8 +12,8 @@ down the command pipe (SimpleQueue.put is reentrant, so `stop_accepting` is safe
 event loop itself reads the event pipe whenever it is readable (`loop.add_reader`): each turn's message
 updates the metrics and /health's view, and a submission's events of the turn go into its handler's
 asyncio.Queue as one list. Reading on the loop's own thread needs no hand-over of the interpreter lock: a
-reader thread had to wait for the busy loop thread to let go of it (up to Python's 5 ms switch interval),
-fell behind, filled the pipe and so held up the engine. A handler that falls behind the engine finds
+reader thread of its own would wait for the busy loop thread to let go of it (up to Python's 5 ms switch
+interval), fall behind, fill the pipe and so hold up the engine. A handler that falls behind the engine finds
 several lists queued and answers them in one write (app.py).
 
 If the engine process dies, every request in flight gets Failed and later ones are refused at once;

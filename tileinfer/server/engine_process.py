@@ -2,10 +2,10 @@
 handlers in another process (engine_client.py starts it and talks to it over two pipes).
 
 The server's HTTP work (parsing requests, encoding and writing a Server-Sent Event per stream and step)
-is Python, as is the engine's host side of a step. In one process the two share one interpreter lock: at
-256 streams the handlers' work stretched a ~5 ms decode step to ~13 ms. In a process of its own the
-engine steps as fast as offline, and the server takes each step's tokens when it can (a handler that fell
-behind sends several steps' tokens in one chunk).
+is Python, as is the engine's host side of a step. In one process the two would share one interpreter
+lock, and at hundreds of streams the handlers' work would hold up every decode step. In a process of its
+own the engine steps as it does offline, and the server takes each step's tokens when it can (a handler
+that fell behind sends several steps' tokens in one chunk).
 
     main(commands, events, model, options, max_waiting)   # the process's entry (engine_client.py)
 
