@@ -1,12 +1,13 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models; /health, /metrics
 (Prometheus), and vLLM's /tokenize and /detokenize.
 
-    app = create_app(llm, "my-model", api_key=None)   # served by uvicorn (tileinfer serve)
+    engine = EngineClient(model_dir, llm_options); engine.start()
+    app = create_app(engine, "my-model", api_key=None)   # served by uvicorn (tileinfer serve)
 
 Handlers run on the asyncio loop and never call the engine, which runs in a process of its own: they hand
-each request to the EngineClient and await its events (engine_client.py, events.py). A request is refused with OpenAI's error shape and status 400
-before anything streams, so a streaming client sees a bad request as an HTTP error too. A streaming
-client that goes away aborts its request, and the engine frees its pages.
+each request to the EngineClient and await its events (engine_client.py, events.py). A request is refused
+with OpenAI's error shape and status 400 before anything streams, so a streaming client sees a bad request
+as an HTTP error too. A streaming client that goes away aborts its request, and the engine frees its pages.
 
 Stopping (lifecycle.py; graceful.py turns SIGTERM and Ctrl-C into it): /health answers 503 "stopping" and
 new requests 503 at once, requests in flight run on for a grace period, what is left is aborted.
@@ -203,7 +204,7 @@ def _check_model(model: str | None, served: str) -> None:
 # ---------------------------------------------------------------------------- one request's events
 async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bool, n: int,
                  renames: dict | None = None) -> Submission:
-    """Hand the request to the engine thread and wait until it was taken; APIError if it was refused."""
+    """Hand the request to the engine and wait until it was taken; APIError if it was refused."""
     sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), n=n)
     engine.submit(sub)
     event = await _next(engine, sub)
