@@ -367,6 +367,28 @@ class MergedDelta:
         return "".join(self.texts)
 
 
+async def _stream(engine: EngineClient, sub: Submission, head: dict, include_usage: bool, on_delta, on_finish):
+    """A streamed request's Server-Sent Events after its opening ones: per batch of events one write of the
+    encoded chunks that on_delta(MergedDelta) and on_finish(Finished) return (lists), an engine failure as an
+    error chunk; then the usage chunk (if asked for and every choice finished) and [DONE]."""
+    outs = []
+    async for events in _event_batches(engine, sub):
+        chunks = []
+        for event in _merged(events):
+            if isinstance(event, MergedDelta):
+                chunks += on_delta(event)
+            elif isinstance(event, Finished):
+                outs.append(event.output)
+                chunks += on_finish(event)
+            elif isinstance(event, Failed):
+                chunks.append(_data(APIError(503, event.message, type="server_error").body()))
+        if chunks:
+            yield "".join(chunks)
+    if include_usage and len(outs) == sub.num_choices:
+        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
+    yield "data: [DONE]\n\n"
+
+
 async def _stream_completion(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
                              echoes: list[str], top_n: int | None, tokenizer):
     prefix = _chunk_prefix(head)
@@ -376,31 +398,20 @@ async def _stream_completion(engine: EngineClient, sub: Submission, head: dict, 
                                    ensure_ascii=False) + "]}\n\n"
 
     offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
+
+    def on_delta(event: MergedDelta) -> list[str]:
+        logprobs = None
+        if event.pairs and top_n is not None:
+            logprobs, offsets[event.index] = _completion_logprobs(event.pairs, tokenizer, top_n, offsets[event.index])
+        text = event.text
+        return [choice(event.index, text, logprobs=logprobs)] if text or logprobs is not None else []
+
     for index, echo in enumerate(echoes):
         if echo:
             yield choice(index, echo)
-    outs = []
-    async for events in _event_batches(engine, sub):
-        chunks = []
-        for event in _merged(events):
-            if isinstance(event, MergedDelta):
-                logprobs = None
-                if event.pairs and top_n is not None:
-                    logprobs, offsets[event.index] = _completion_logprobs(event.pairs, tokenizer, top_n,
-                                                                          offsets[event.index])
-                text = event.text
-                if text or logprobs is not None:
-                    chunks.append(choice(event.index, text, logprobs=logprobs))
-            elif isinstance(event, Finished):
-                outs.append(event.output)
-                chunks.append(choice(event.index, "", event.output.finish_reason))
-            elif isinstance(event, Failed):
-                chunks.append(_data(APIError(503, event.message, type="server_error").body()))
-        if chunks:
-            yield "".join(chunks)
-    if include_usage and len(outs) == sub.num_choices:
-        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
-    yield "data: [DONE]\n\n"
+    async for chunk in _stream(engine, sub, head, include_usage, on_delta,
+                               lambda event: [choice(event.index, "", event.output.finish_reason)]):
+        yield chunk
 
 
 async def _stream_chat(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
@@ -429,28 +440,18 @@ async def _stream_chat(engine: EngineClient, sub: Submission, head: dict, includ
             yield choice(index, {"tool_calls": [call.as_dict(index=num_calls[index])]})
             num_calls[index] += 1
 
+    def on_delta(event: MergedDelta) -> list[str]:
+        logprobs = _chat_logprobs(event.pairs, tokenizer, top_n) if event.pairs and top_n is not None else None
+        return list(parts(event.index, *splits[event.index].feed(event.text), logprobs))
+
+    def on_finish(event: Finished) -> list[str]:
+        chunks = list(parts(event.index, *splits[event.index].finish(), last=True))
+        reason = "tool_calls" if num_calls[event.index] else event.output.finish_reason
+        return chunks + [choice(event.index, {}, reason)]
+
     yield "".join(choice(index, {"role": "assistant", "content": ""}) for index in range(sub.num_choices))
-    outs = []
-    async for events in _event_batches(engine, sub):
-        chunks = []
-        for event in _merged(events):
-            if isinstance(event, MergedDelta):
-                logprobs = None
-                if event.pairs and top_n is not None:
-                    logprobs = _chat_logprobs(event.pairs, tokenizer, top_n)
-                chunks += parts(event.index, *splits[event.index].feed(event.text), logprobs)
-            elif isinstance(event, Finished):
-                outs.append(event.output)
-                chunks += parts(event.index, *splits[event.index].finish(), last=True)
-                reason = "tool_calls" if num_calls[event.index] else event.output.finish_reason
-                chunks.append(choice(event.index, {}, reason))
-            elif isinstance(event, Failed):
-                chunks.append(_data(APIError(503, event.message, type="server_error").body()))
-        if chunks:
-            yield "".join(chunks)
-    if include_usage and len(outs) == sub.num_choices:
-        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
-    yield "data: [DONE]\n\n"
+    async for chunk in _stream(engine, sub, head, include_usage, on_delta, on_finish):
+        yield chunk
 
 
 # ---------------------------------------------------------------------------- logprobs
