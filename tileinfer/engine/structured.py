@@ -149,10 +149,6 @@ class Grammars:
     def _consume_and_check(self, pairs: list[tuple["Matcher", int]]) -> tuple[list[str | None], list[bool]]:
         return self.consume(pairs), [m.done for m, _ in pairs]
 
-    def close(self) -> None:
-        if self._background is not None:
-            self._background.shutdown()
-
     def consume(self, pairs: list[tuple["Matcher", int]]) -> list[str | None]:
         """Advance each matcher by its sampled token, in parallel; per pair None, or the grammar engine's
         error if it refuses the token (a bug: the token was sampled under that matcher's mask)."""
