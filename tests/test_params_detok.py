@@ -1,10 +1,11 @@
 """SamplingParams validation, incremental detokenization and stop strings (CPU)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tokenizers
 
-from tileinfer.engine.detokenize import IncrementalDetokenizer
+from tileinfer.engine.detokenize import IncrementalDetokenizer, TokenBytes
 from tileinfer.engine.params import SamplingParams
 from tileinfer.model import tokenizer as tok
 
@@ -91,13 +92,53 @@ def test_streaming_holds_back_a_possible_stop_prefix(hf):
     assert streamed == d.text == "one two "
 
 
+def byte_token(hf, byte: int) -> int:
+    """The id of the token that is this one byte."""
+    return next(i for i, piece in enumerate(TokenBytes.of(hf).pieces) if piece == bytes([byte]))
+
+
 def test_tokens_ending_inside_a_character_are_flushed_at_the_end(hf):
-    # Byte tokens that never complete a character (a model can end on them): held back while streaming,
+    # The first two bytes of a three-byte character (a model can end on them): held back while streaming,
     # then given as U+FFFD once the request ends, as a decode of the whole output gives them.
-    ids = hf.encode("Tiger", add_special_tokens=False).ids + [94, 95, 96]
+    ids = hf.encode("Tiger", add_special_tokens=False).ids + [byte_token(hf, 0xE4), byte_token(hf, 0xB8)]
     d = IncrementalDetokenizer(hf)
     streamed = "".join(d.add(t) for t in ids)
     assert streamed == "Tiger" and d.stream_delta(False) == "Tiger"
-    assert d.stream_delta(True) == hf.decode(ids)[len("Tiger"):] and d.text == hf.decode(ids)
+    assert d.stream_delta(True) == "\ufffd" == hf.decode(ids)[len("Tiger"):] and d.text == hf.decode(ids)
     d.flush()  # twice is once
     assert d.text == hf.decode(ids)
+
+
+def test_bytes_that_can_start_no_character_come_out_as_replacement_characters_at_once(hf):
+    ids = hf.encode("Tiger", add_special_tokens=False).ids + [byte_token(hf, b) for b in (0xA1, 0xA2, 0xFF)]
+    d = IncrementalDetokenizer(hf)
+    assert "".join(d.add(t) for t in ids) == "Tiger\ufffd\ufffd\ufffd" == hf.decode(ids)
+
+
+def windowed(hf) -> tokenizers.Tokenizer:
+    """The same tokenizer with its byte-level decoder inside a Sequence: decoded by windows, not by bytes."""
+    other = tokenizers.Tokenizer.from_str(hf.to_str())
+    other.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.ByteLevel()])
+    return other
+
+
+@pytest.mark.parametrize("path", ["bytes", "windows"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_text_equals_the_tokenizers_decode_of_random_tokens(hf, path, skip_special_tokens):
+    """Random ids (single bytes: partial and invalid UTF-8; anything in the vocabulary; special and added
+    tokens among them): the streamed deltas join to what the tokenizer's decode of all of them gives."""
+    tokenizer = hf if path == "bytes" else windowed(hf)
+    assert (TokenBytes.of(tokenizer) is None) == (path == "windows")
+    rng = np.random.default_rng(5)
+    vocab = hf.get_vocab_size()
+    for trial in range(150 if path == "bytes" else 40):
+        n = int(rng.integers(1, 30))
+        # up to vocab + 300: a model's vocabulary is often padded past its tokenizer's (decoded as nothing)
+        ids = [rng.integers(0, 256, n), rng.integers(0, vocab + 300, n), rng.integers(vocab - 30, vocab, 3)][trial % 3]
+        if trial % 3 == 2:
+            ids = rng.permutation(np.concatenate([ids, rng.integers(0, 300, n)]))
+        ids = [int(i) for i in ids]
+        d = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        streamed = "".join([(d.add(t), d.stream_delta(False))[1] for t in ids]) + d.stream_delta(True)
+        want = hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert streamed == d.text == want, ids

@@ -29,6 +29,7 @@ import signal
 import time
 from collections import Counter
 
+from ..engine.detokenize import TokenBytes
 from ..engine.params import SamplingParams
 from ..engine.scheduler import FINISHED, Request
 from .events import Added, Busy, Failed, Finished, Rejected, Report
@@ -53,6 +54,7 @@ def main(commands, events, model: str, options: dict, max_waiting: int | None) -
         events.send(("failed", f"{type(e).__name__}: {e}"))
         return
     with llm:
+        TokenBytes.of(llm.tokenizer)  # the streams' detokenizers' table, built now rather than at the first stream
         template = llm.runner.checkpoint.chat_template
         events.send(("ready", {"max_context": llm.config.max_context, "vocab_size": llm.model_config.vocab_size,
                                "chat_template": template}))
