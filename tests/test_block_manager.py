@@ -74,6 +74,23 @@ def test_out_of_pages_changes_nothing():
     assert (bm.num_free_pages, a.num_positions, a.block_table, b.num_positions, b.block_table) == before
 
 
+def test_try_reserve_reserves_what_fits_and_changes_nothing_otherwise():
+    bm, a, b, other = BlockManager(3, page_size=4), Sequence(), Sequence(), BlockManager(3, page_size=4)
+    assert bm.try_reserve(a, 3) and bm.try_reserve(b, 4)
+    version = a.table_version
+    assert bm.try_reserve(a, 1)  # the rest of its last page: no page taken, the table unchanged
+    assert (a.num_positions, len(a.block_table), bm.num_free_pages, a.table_version) == (4, 1, 1, version)
+    assert bm.try_reserve(a, 4)  # a new page: the last free one
+    assert (a.num_positions, len(a.block_table), bm.num_free_pages) == (8, 2, 0)
+    before = (a.num_positions, list(a.block_table), b.num_positions)
+    assert not bm.try_reserve(a, 1) and not bm.try_reserve(b, 1)  # each would need a page
+    assert (a.num_positions, a.block_table, b.num_positions) == before
+    with pytest.raises(ValueError, match="n must be"):
+        bm.try_reserve(a, -1)
+    with pytest.raises(ValueError, match="another BlockManager"):
+        other.try_reserve(a, 0)
+
+
 def test_out_of_pages_on_partial_fit_takes_no_pages():
     bm, seq = BlockManager(4, page_size=2), Sequence()
     with pytest.raises(OutOfPagesError) as info:

@@ -306,9 +306,9 @@ class Engine:
 
     # ------------------------------------------------------------------ run
     def _step_inputs(self, rows: list[ScheduledRow]):
-        """The runner's rows (sequence, token ids, start) and, per row, the previous step's row whose sample
-        is its token (-1: the token is known on the host)."""
-        batch, token_src = [], []
+        """The runner's rows (sequence, token ids, start), their sampling rows and, per row, the previous step's
+        row whose sample is its token (-1: the token is known on the host)."""
+        batch, sampling, token_src = [], [], []
         for r in rows:
             req = r.request
             ids = req.token_ids[r.start:r.start + r.count]
@@ -318,32 +318,35 @@ class Engine:
                 src = self._last_rows[req.request_id]
                 ids = [0]
             batch.append((req.seq, ids, r.start))
+            sampling.append(req.sampling_row)
             token_src.append(src)
-        return batch, token_src
+        return batch, sampling, token_src
 
     def _launch(self, rows: list[ScheduledRow]) -> _InFlight:
-        batch, token_src = self._step_inputs(rows)
+        samples = [r.samples for r in rows]  # once: the placeholders appended below change what it says
+        batch, sampling, token_src = self._step_inputs(rows)
         penalties = None
         if any(r.request.penalties is not None for r in rows):
             penalties = [r.request.penalties.arrays(r.request.num_output) if r.request.penalties is not None
-                         and r.samples else None for r in rows]
-        masked = [r.request.matcher is not None and r.samples for r in rows]
-        slot = self.runner.launch(batch, [r.request.sampling_row for r in rows], sample=any(r.samples for r in rows),
-                                  penalties=penalties, masked=masked if any(masked) else None,
+                         and s else None for r, s in zip(rows, samples)]
+        masked = [r.request.matcher is not None and s for r, s in zip(rows, samples)] \
+            if self._grammars is not None else []
+        slot = self.runner.launch(batch, sampling, sample=any(samples), penalties=penalties,
+                                  masked=masked if any(masked) else None,
                                   token_src=token_src if max(token_src) >= 0 else None)
         self.scheduler.update(rows)
-        self._count_step(rows)  # before the placeholders below change what r.samples says
+        self._count_step(rows, samples)
         samplers = []
         self._last_rows = {}
         for i, r in enumerate(rows):
-            if not r.samples:
+            if not samples[i]:
                 continue
             req = r.request
             samplers.append((i, req, len(req.token_ids)))
             req.token_ids.append(-1)
             req.unresolved += 1
             self._last_rows[req.request_id] = i
-            if req.num_output >= req.params.max_tokens:
+            if len(req.token_ids) - req.num_prompt >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")  # known now; its last token arrives with this step
         return _InFlight(rows, slot, samplers, [r.request for r, m in zip(rows, masked) if m])
 
@@ -359,7 +362,7 @@ class Engine:
         self.runner.publish_masks(lambda out: self._grammars.fill_masks(matchers, out))
         self.stats.grammar_seconds += time.perf_counter() - start
 
-    def _count_step(self, rows: list[ScheduledRow]) -> None:
+    def _count_step(self, rows: list[ScheduledRow], samples: list[bool]) -> None:
         s = self.stats
         decode = all(r.count == 1 for r in rows)
         s.steps += 1
@@ -368,8 +371,8 @@ class Engine:
         s.decode_rows += len(rows) if decode else 0
         s.decode_positions += sum(r.start + 1 for r in rows) if decode else 0
         s.computed_tokens += sum(r.count for r in rows)
-        s.prefill_tokens += sum(r.count for r in rows
-                                if not (r.count == 1 and r.samples and r.start >= r.request.num_prompt))
+        s.prefill_tokens += sum(r.count for r, sampled in zip(rows, samples)
+                                if not (r.count == 1 and sampled and r.start >= len(r.request.prompt_ids)))
 
     # ------------------------------------------------------------------ accept
     def _finish(self, step: _InFlight, then_masks_of: _InFlight | None = None) -> list[Event]:

@@ -187,14 +187,13 @@ class Scheduler:
             count = min(req.num_tokens - req.num_computed, budget)
             need = req.num_computed + count - req.seq.num_positions
             if need > 0:
-                while not self.manager.can_reserve(req.seq, need):
+                while not self.manager.try_reserve(req.seq, need):
                     self._preempt(self.running[-1])
                     preempted = True
                     if req.status != RUNNING:
                         break
                 if req.status != RUNNING:
                     break  # it was the newest; everything after it is gone too
-                self.manager.reserve(req.seq, need)
             rows.append(ScheduledRow(req, req.num_computed, count))
             budget -= count
             i += 1

@@ -161,6 +161,18 @@ class BlockManager:
         _check_count("n", n)
         return self._new_pages_needed(seq, n) <= self.num_free_pages
 
+    def try_reserve(self, seq: Sequence, n: int) -> bool:
+        """`reserve(seq, n)` if the pool has the pages it needs; whether it did. A decode step's usual case,
+        positions that fit the sequence's last page, takes no page and only counts them."""
+        if seq._manager is self and type(n) is int and n >= 0 \
+                and seq.num_positions + n <= len(seq.block_table) * self.page_size:
+            seq.num_positions += n
+            return True
+        if not self.can_reserve(seq, n):
+            return False
+        self.reserve(seq, n)
+        return True
+
     def reserve(self, seq: Sequence, n: int) -> None:
         """Extend `seq` by n positions, taking pages as needed. On failure nothing changes."""
         self._check_owner(seq)
