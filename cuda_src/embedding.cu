@@ -1,11 +1,16 @@
-// Token embedding lookup: out[i, :] = table[tokens[i], :] as float32 (the residual stream).
+// Token embedding lookup: out[i, :] = table[tokens[i] - first, :] as float32 (the residual stream).
+//
+// `first` is the vocabulary id of the table's row 0: 0 for a whole table; under tensor parallelism a rank's
+// slice of the vocabulary (tileinfer/model/sharding.py), whose rows for the tokens outside it are zeros and
+// whose all-reduce over the ranks adds up to the whole table's embedding.
 #include "common.cuh"
 
-// out[row, :] = table[token, :] as float32 (zeros for a token outside [0, vocab)), by one block.
+// out[row, :] = table[token - first, :] as float32 (zeros for a token outside [first, first + vocab)), by
+// one block. Compared before subtracting, so that no id overflows.
 __device__ __forceinline__ void embed_row(int token, const bf16 *__restrict__ table, float *__restrict__ out,
-                                          int row, int dim, int vocab) {
-    const bool valid = token >= 0 && token < vocab;
-    const bf16 *src = table + (size_t)(valid ? token : 0) * dim;
+                                          int row, int dim, int vocab, int first) {
+    const bool valid = token >= first && token - first < vocab;
+    const bf16 *src = table + (size_t)(valid ? token - first : 0) * dim;
     float *dst = out + (size_t)row * dim;
     for (int c = threadIdx.x * 8; c < dim; c += blockDim.x * 8) {
         float f[8];
@@ -18,11 +23,12 @@ __device__ __forceinline__ void embed_row(int token, const bf16 *__restrict__ ta
 }
 
 // ============================================================================= kernels
-// grid (n), block (128). dim % 8 == 0. Tokens outside [0, vocab) (padding rows) give zeros.
+// grid (n), block (128). dim % 8 == 0, first >= 0. Tokens outside [first, first + vocab) (padding rows, or
+// another rank's part of the vocabulary) give zeros.
 extern "C" __global__ void embedding(const int *__restrict__ tokens, const bf16 *__restrict__ table,
-                                     float *__restrict__ out, int dim, int vocab) {
+                                     float *__restrict__ out, int dim, int vocab, int first) {
     pdl_start();
-    embed_row(tokens[blockIdx.x], table, out, blockIdx.x, dim, vocab);
+    embed_row(tokens[blockIdx.x], table, out, blockIdx.x, dim, vocab, first);
 }
 
 // Decode tokens that the previous step sampled on the device, without a trip through the host:
@@ -47,18 +53,19 @@ __device__ __forceinline__ u32 resolved(u32 token, u32 src, int j, int ntok, con
 // sampled[token_src[i]] where token_src[i] >= 0, token_src being the field src_delta pieces after them.
 // With a table, embedding's work too (one launch less a step): blocks past the copy's, one a row for
 // embed_rows rows, read their row's token id and source from the mirror themselves, resolve it the same
-// way and write the row's embedding to out.
+// way and write the row's embedding to out (table's row 0 being token `first`, as embedding's).
 // grid (ceil(n16 / 256) + embed_rows), block (256).
 extern "C" __global__ void fetch_step(const uint4 *__restrict__ src, uint4 *__restrict__ dst, int n16, int tok0,
                                       int ntok, int src_delta, const int *__restrict__ sampled,
-                                      const bf16 *__restrict__ table, float *__restrict__ out, int dim, int vocab) {
+                                      const bf16 *__restrict__ table, float *__restrict__ out, int dim, int vocab,
+                                      int first) {
     pdl_start();
     const int copy_blocks = (n16 + 255) >> 8;
     if ((int)blockIdx.x >= copy_blocks) {
         const int row = blockIdx.x - copy_blocks;
         const int *ids = reinterpret_cast<const int *>(src + tok0);
         const int token = (int)resolved((u32)ids[row], (u32)ids[row + 4 * src_delta], row, ntok, sampled);
-        embed_row(token, table, out, row, dim, vocab);
+        embed_row(token, table, out, row, dim, vocab, first);
         return;
     }
     const int i = blockIdx.x * blockDim.x + threadIdx.x;

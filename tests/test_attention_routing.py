@@ -114,11 +114,12 @@ def test_every_routed_kernel_has_a_file_that_exports_it():
 
 
 class _FakeModel:
-    """What GPURunner._splits_for reads: the SM count, the config's heads, the attached cache's kind."""
+    """What GPURunner._splits_for reads: the SM count, the heads this GPU holds (local_config: a tensor-parallel
+    rank's share), the attached cache's kind."""
 
     def __init__(self, int8: bool, heads: int = 32, kv_heads: int = 8):
         self.device = SimpleNamespace(info=SimpleNamespace(num_sms=132))
-        self.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.local_config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
         self.cache = SimpleNamespace(int8=int8)
 
 

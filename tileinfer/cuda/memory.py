@@ -127,6 +127,26 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
 
 
+def copy_columns(dst: DeviceArray, dst_col: int, src: DeviceArray, src_col: int, cols: int, stream) -> None:
+    """dst[:, dst_col: dst_col + cols] = src[:, src_col: src_col + cols] for 2-D arrays of one dtype and one
+    row count: one device-to-device cuMemcpy2DAsync (each row a piece of its pitch), which a stream being
+    captured takes as a graph node. No-op for cols 0."""
+    if len(dst.shape) != 2 or len(src.shape) != 2 or dst.dtype != src.dtype or dst.shape[0] != src.shape[0]:
+        raise ValueError(f"copy_columns: needs 2-D arrays of one dtype and row count, got {dst.dtype} {dst.shape} "
+                         f"<- {src.dtype} {src.shape}")
+    if cols < 0 or not (0 <= dst_col <= dst.shape[1] - cols and 0 <= src_col <= src.shape[1] - cols):
+        raise ValueError(f"copy_columns: {cols} columns from {src_col} of {src.shape} to {dst_col} of {dst.shape}")
+    if cols == 0 or dst.shape[0] == 0:
+        return
+    item = dst.dtype.itemsize
+    p = driver.CUDA_MEMCPY2D()
+    p.srcMemoryType = p.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.srcDevice, p.srcXInBytes, p.srcPitch = src.ptr, src_col * item, src.shape[1] * item
+    p.dstDevice, p.dstXInBytes, p.dstPitch = dst.ptr, dst_col * item, dst.shape[1] * item
+    p.WidthInBytes, p.Height = cols * item, dst.shape[0]
+    call(driver.cuMemcpy2DAsync, p, stream.handle, detail=f"{dst.shape[0]} rows of {cols * item} bytes")
+
+
 class PinnedBuffer:
     """Page-locked host memory viewed as a numpy array (for asynchronous copies). mapped=True also maps
     it into the device's address space: kernels write it directly at `device_ptr` (device_array())."""

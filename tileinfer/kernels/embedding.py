@@ -1,14 +1,19 @@
-"""Launcher for cuda_src/embedding.cu."""
+"""Launcher for cuda_src/embedding.cu.
+
+`first` is the vocabulary id of the table's row 0: 0 for the whole vocabulary; a rank's vocab_start under
+tensor parallelism (model/sharding.py), whose table holds its part of the vocabulary only."""
 from ..cuda import I32, DeviceArray, kernel
 from ._check import BF16, FLOAT32, INT32, UINT8, expect
 
 
-def embedding(tokens: DeviceArray, table: DeviceArray, out: DeviceArray, stream) -> None:
-    """out[i] = table[tokens[i]] as float32; tokens outside the vocabulary give zero rows."""
+def embedding(tokens: DeviceArray, table: DeviceArray, out: DeviceArray, stream, *, first: int = 0) -> None:
+    """out[i] = table[tokens[i] - first] as float32; tokens outside [first, first + table rows) give zero rows."""
     n = tokens.shape[0]
     expect("tokens", tokens, (n,), INT32)
     vocab, dim = _check_table(table, out, n, "embedding")
-    kernel("embedding.cu", "embedding").launch((n,), (128,), [tokens, table, out, I32(dim), I32(vocab)], stream)
+    _check_first(first, "embedding")
+    kernel("embedding.cu", "embedding").launch((n,), (128,), [tokens, table, out, I32(dim), I32(vocab), I32(first)],
+                                               stream)
 
 
 def resolve_tokens(tokens: DeviceArray, src: DeviceArray, sampled: DeviceArray, stream) -> None:
@@ -22,14 +27,16 @@ def resolve_tokens(tokens: DeviceArray, src: DeviceArray, sampled: DeviceArray, 
 
 
 def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_src: DeviceArray,
-               sampled: DeviceArray, stream, *, embed: tuple[DeviceArray, DeviceArray] | None = None) -> None:
+               sampled: DeviceArray, stream, *, embed: tuple[DeviceArray, DeviceArray] | None = None,
+               first: int = 0) -> None:
     """dst <- src, both uint8 [n] with n a multiple of 16: src the mapped page-locked mirror of the step
     buffers (PinnedBuffer(mapped=True).device_array), read by the kernel itself; with resolve_tokens'
     work done on the way: tokens and token_src are int32 fields of dst (16-byte aligned), and
     tokens[i] becomes sampled[token_src[i]] where token_src[i] >= 0.
 
     embed: (table, out), out [rows, dim] float32 with rows <= len(tokens): the same launch also does
-    embedding's work for the first rows tokens (out[i] = table[tokens[i]] after resolving)."""
+    embedding's work for the first rows tokens (out[i] = table[tokens[i] - first] after resolving, zero rows
+    outside [first, first + table rows))."""
     n = dst.shape[0]
     expect("dst", dst, (n,), UINT8)
     expect("src", src, (n,), UINT8)
@@ -52,9 +59,11 @@ def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_sr
         if rows > ntok:
             raise ValueError(f"fetch_step: {rows} embedding rows for {ntok} token ids")
         vocab, dim = _check_table(table, out, rows, "fetch_step")
+    _check_first(first, "fetch_step")
     kernel("embedding.cu", "fetch_step").launch(
         (-(-n16 // 256) + rows,), (256,),
-        [src, dst, I32(n16), I32(tok0), I32(ntok), I32(delta), sampled, table, out, I32(dim), I32(vocab)], stream)
+        [src, dst, I32(n16), I32(tok0), I32(ntok), I32(delta), sampled, table, out, I32(dim), I32(vocab), I32(first)],
+        stream)
 
 
 def _check_table(table: DeviceArray, out: DeviceArray, rows: int, name: str) -> tuple[int, int]:
@@ -64,3 +73,9 @@ def _check_table(table: DeviceArray, out: DeviceArray, rows: int, name: str) -> 
     if dim % 8:
         raise ValueError(f"{name}: dim must be a multiple of 8, got {dim}")
     return vocab, dim
+
+
+def _check_first(first: int, name: str) -> None:
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 2**31:
+        raise ValueError(f"{name}: first (the vocabulary id of the table's row 0) must be an int in [0, 2^31), "
+                         f"got {first!r}")

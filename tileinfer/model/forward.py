@@ -19,6 +19,17 @@ residual products also write the next norm's input and each row's sums of square
 after the norm scales its rows by 1 / rms: only layer 0's input norm and the final norm launch.
 
 The forward reads a typed StepInputs (model/inputs.py); the runner above owns and fills them.
+
+Tensor parallelism (tp, model/sharding.py): each rank runs these launches over its shard (its heads, KV heads,
+intermediate rows and vocabulary rows) and three collectives join them, enqueued on the step's stream like
+any launch (so a decode graph holds them):
+    embed this rank's vocabulary range (other tokens: zero rows)   -> all-reduce resid
+    o_proj, down_proj: rank 0 adds its partial product to resid,
+        every other rank writes its own over resid                 -> all-reduce resid (old resid + the sum)
+    LM head: this rank's [rows, vocab_part] logits                 -> all-gather, then each rank's real
+                                                                      columns copied into [rows, vocab]
+No step norms in the residual products' epilogue under tp (they need the summed residual), and no LM head
+keys (sampling scans the gathered logits).
 """
 from __future__ import annotations
 
@@ -29,10 +40,12 @@ import numpy as np
 
 from .. import kernels as K
 from ..cuda import DeviceArray
+from ..cuda.memory import copy_columns
 from ..kernels.routing import SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
 from .inputs import StepInputs, StepShape
 from .reference import rope_table
+from .sharding import TensorParallel
 from .weights import MLP_EPILOGUES, DeviceWeights
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -46,10 +59,11 @@ def check_supported(config, source) -> None:
 
 
 class Workspace:
-    """Activation buffers for steps of up to `max_tokens` rows and `max_logit_rows` logits rows."""
+    """Activation buffers for steps of up to `max_tokens` rows and `max_logit_rows` logits rows. Under tensor
+    parallelism `config` is the rank's (its shards' shapes) and the logits are the whole vocabulary's."""
 
     def __init__(self, config, max_tokens: int, max_logit_rows: int, max_decode_rows: int, max_splits: int,
-                 max_partial_rows: int | None = None):
+                 max_partial_rows: int | None = None, tp: TensorParallel | None = None):
         c = config
         T = max_tokens
         self.max_tokens, self.max_logit_rows, self.max_splits = max_tokens, max_logit_rows, max_splits
@@ -60,10 +74,6 @@ class Workspace:
         self.attn = DeviceArray((T, c.num_attention_heads, c.head_dim), BF16)
         self.act = DeviceArray((T, c.intermediate_size), BF16)
         self.final_x = DeviceArray((max_logit_rows, c.hidden_size), BF16)
-        self.logits = DeviceArray((max_logit_rows, c.vocab_size), np.float32)
-        self.logit_argmax = DeviceArray((max_logit_rows,), np.int32)  # each logits row's argmax, when asked
-        # The batch-1 LM head's per-block keys of its largest logit (linear(head_keys=), for sample()).
-        self.head_keys = DeviceArray((head_key_count(c.vocab_size, c.hidden_size),), np.uint64)
         self.max_decode_rows = max_decode_rows
         # Split-K decode attention partials: splits x rows of them, at most max_partial_rows together.
         self.max_partial_rows = max_partial_rows or max_splits * max_decode_rows
@@ -75,9 +85,25 @@ class Workspace:
         # next layer's attention), in steps of at most EPI_NORM_MAX_ROWS rows.
         ss_shape = (EPI_NORM_MAX_ROWS, norm_tiles(c.hidden_size))
         self.ss_post, self.ss_input = DeviceArray(ss_shape, np.float32), DeviceArray(ss_shape, np.float32)
-        self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.logits,
-                       self.logit_argmax, self.head_keys, self.part_o, self.part_ml, self.inv_freq, self.ss_post,
-                       self.ss_input]
+        self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.part_o,
+                       self.part_ml, self.inv_freq, self.ss_post, self.ss_input]
+        self._logit_buffers(c, max_logit_rows, tp)
+
+    def _logit_buffers(self, c, rows: int, tp: TensorParallel | None) -> None:
+        """Float32 logits of the whole vocabulary and each row's argmax; on one GPU also the batch-1 LM head's
+        keys, under tensor parallelism this rank's logits part and every rank's, gathered."""
+        vocab = c.vocab_size if tp is None else tp.vocab_size
+        self.logits = DeviceArray((rows, vocab), np.float32)
+        self.logit_argmax = DeviceArray((rows,), np.int32)  # each logits row's argmax, when asked
+        self.head_keys = self.logits_part = self.logits_parts = None
+        if tp is None:
+            # The batch-1 LM head's per-block keys of its largest logit (linear(head_keys=), for sample()).
+            self.head_keys = DeviceArray((head_key_count(c.vocab_size, c.hidden_size),), np.uint64)
+            self.arrays += [self.logits, self.logit_argmax, self.head_keys]
+            return
+        self.logits_part = DeviceArray((rows, tp.vocab_per), np.float32)               # [rows, vocab_part]
+        self.logits_parts = DeviceArray((tp.world * rows, tp.vocab_per), np.float32)  # [world x rows, vocab_part]
+        self.arrays += [self.logits, self.logit_argmax, self.logits_part, self.logits_parts]
 
     @property
     def nbytes(self) -> int:
@@ -108,22 +134,29 @@ class _Views:
     force: str | None           # "gemm" in batch-invariant mode: every product on the tensor-core GEMM
     fuse_input: bool            # the attention launch does attn_input's work
     inv_freq: DeviceArray       # [head_dim / 2] float32 RoPE frequencies
+    tp: TensorParallel | None   # this rank's place in a tensor-parallel group
+    partial: str                # the o_proj and down_proj epilogue: "residual" (resid += product), or "f32"
+                                # (resid = product) on a tensor-parallel rank past 0, whose all-reduce adds it
 
 
 def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, inputs: StepInputs, shape: StepShape,
             *, all_logits: bool, num_splits: int, stream, batch_invariant: bool = False,
-            embedded: bool = False) -> DeviceArray:
+            embedded: bool = False, tp: TensorParallel | None = None) -> DeviceArray:
     """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last.
     embedded: the step's token ids already hold the ones the previous step sampled, and ws.resid their
-    embeddings (fetch_step with embed=, a decode step's first kernel).
+    embeddings (fetch_step with embed=, a decode step's first kernel; under tp this rank's part of them,
+    all-reduced here). tp: this rank's place in a tensor-parallel group (the module docstring); `weights` and
+    `cache` hold its shards, `ws` was made with the same tp.
 
     By default each matrix product picks its kernel by row count and attention its shape by
     query rows; batch_invariant runs every product on the tensor-core GEMM and attention in its
     prefill shape, so a token's results do not depend on the step around it (runner/gpu.py)."""
-    v = _views(weights.config, ws, inputs, shape, num_splits, batch_invariant)
+    v = _views(weights.config, ws, inputs, shape, num_splits, batch_invariant, tp)
     if not embedded:
         K.resolve_tokens(inputs.tokens.rows(0, v.n), inputs.token_src.rows(0, v.n), inputs.sampled, stream)
-        K.embedding(inputs.tokens.rows(0, v.n), weights.embed, v.resid, stream)
+        K.embedding(inputs.tokens.rows(0, v.n), weights.embed, v.resid, stream,
+                    first=0 if tp is None else tp.vocab_start)
+    _all_reduce(v, stream)  # each rank embedded the tokens of its vocabulary range (zero rows elsewhere)
     layers = weights.layers
     for i, lw in enumerate(layers):
         _attention_block(weights.config, lw, i, cache, inputs, shape, v, num_splits, batch_invariant, stream)
@@ -131,7 +164,8 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, inputs: 
     return _lm_head(weights, ws, inputs, v, all_logits, batch_invariant, stream)
 
 
-def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: int, batch_invariant: bool) -> _Views:
+def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: int, batch_invariant: bool,
+           tp: TensorParallel | None) -> _Views:
     n, b = shape.num_tokens, shape.num_seqs
     if n > ws.max_tokens:
         raise ValueError(f"step of {n} tokens exceeds the workspace ({ws.max_tokens}); split the prefill into chunks")
@@ -142,8 +176,8 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
         partials = (_prefix_view(ws.part_o, (num_splits, n)), _prefix_view(ws.part_ml, (num_splits, n)))
     # Steps of 3-32 rows (on the swap-AB GEMM): o_proj and down_proj also write the next norm's input and row
     # statistics, and the product after the norm scales its rows (no rmsnorm launches but the first layer's
-    # and the final one).
-    epi_norm = not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
+    # and the final one). Not under tp: the norm needs the residual summed over the ranks.
+    epi_norm = tp is None and not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
     fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
                                       num_kv_heads=c.num_key_value_heads, num_splits=num_splits,
                                       decode_shape=not batch_invariant)
@@ -153,7 +187,7 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
                   ss_post=ws.ss_post.rows(0, n) if epi_norm else None,
                   ss_input=ws.ss_input.rows(0, n) if epi_norm else None,
                   force="gemm" if batch_invariant else None, fuse_input=fuse_input,
-                  inv_freq=ws.inv_freq)
+                  inv_freq=ws.inv_freq, tp=tp, partial="f32" if tp is not None and tp.rank > 0 else "residual")
 
 
 def _attention_block(c, lw, i: int, cache: PagedKVCache, inputs: StepInputs, shape: StepShape, v: _Views,
@@ -184,7 +218,8 @@ def _attention_block(c, lw, i: int, cache: PagedKVCache, inputs: StepInputs, sha
     if v.epi_norm:
         K.linear(attn_flat, lw.w_o, v.resid, "residual", stream, norm_out=(lw.post_norm, v.x, v.ss_post))
     else:
-        K.linear(attn_flat, lw.w_o, v.resid, "residual", stream, force=v.force)
+        K.linear(attn_flat, lw.w_o, v.resid, v.partial, stream, force=v.force)
+        _all_reduce(v, stream)
 
 
 def _mlp_block(c, lw, next_layer, v: _Views, stream) -> None:
@@ -199,7 +234,14 @@ def _mlp_block(c, lw, next_layer, v: _Views, stream) -> None:
                  norm_out=None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input))
         return
     K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_up, v.act, epilogue, stream, force=v.force, act=lw.act)
-    K.linear(v.act, lw.w_down, v.resid, "residual", stream, force=v.force)
+    K.linear(v.act, lw.w_down, v.resid, v.partial, stream, force=v.force)
+    _all_reduce(v, stream)
+
+
+def _all_reduce(v: _Views, stream) -> None:
+    """Under tp: resid (float32 [n, hidden]) summed over the ranks, in place; nothing on one GPU."""
+    if v.tp is not None:
+        v.tp.comm.all_reduce(v.resid, stream)
 
 
 def _lm_head(weights: DeviceWeights, ws: Workspace, inputs: StepInputs, v: _Views, all_logits: bool,
@@ -211,9 +253,25 @@ def _lm_head(weights: DeviceWeights, ws: Workspace, inputs: StepInputs, v: _View
     final_x, logits = ws.final_x.rows(0, rows), ws.logits.rows(0, rows)
     K.rmsnorm(v.resid, weights.final_norm, final_x, weights.config.rms_norm_eps, stream,
               rows=None if all_logits else inputs.last_rows.rows(0, v.b))
+    if v.tp is not None:
+        _gathered_logits(weights, ws, final_x, logits, v, stream)
+        return logits
     K.linear(final_x, weights.lm_head, logits, "f32", stream, force=v.force,
              head_keys=ws.head_keys if head_keys_written(logits, batch_invariant) else None)
     return logits
+
+
+def _gathered_logits(weights: DeviceWeights, ws: Workspace, final_x: DeviceArray, logits: DeviceArray, v: _Views,
+                     stream) -> None:
+    """Under tp: this rank's logits part, every rank's gathered, and each part's real columns (its vocabulary
+    range; the zero-padded rows' columns are dropped) copied into logits [rows, vocab]."""
+    rows, tp = final_x.shape[0], v.tp
+    part = ws.logits_part.rows(0, rows)                # [rows, vocab_part]
+    parts = ws.logits_parts.rows(0, tp.world * rows)   # [world x rows, vocab_part], rank-major
+    K.linear(final_x, weights.lm_head, part, "f32", stream, force=v.force)
+    tp.comm.all_gather(part, parts, stream)
+    for r, (start, stop) in enumerate(tp.vocab_ranges()):
+        copy_columns(logits, start, parts.rows(r * rows, (r + 1) * rows), 0, stop - start, stream)
 
 
 # Steps of 3-32 rows take the norm statistics from the residual products' epilogue (gemm_swap.cu) instead of
@@ -222,9 +280,9 @@ def _lm_head(weights: DeviceWeights, ws: Workspace, inputs: StepInputs, v: _View
 EPI_NORM_MAX_ROWS = 32
 
 
-def head_keys_written(logits: DeviceArray, batch_invariant: bool) -> bool:
-    """Whether forward() had the LM head write ws.head_keys with these logits (one row, on the GEMV)."""
-    return logits.shape[0] == 1 and not batch_invariant
+def head_keys_written(logits: DeviceArray, batch_invariant: bool, tp: TensorParallel | None = None) -> bool:
+    """Whether forward() had the LM head write ws.head_keys with these logits (one row, on the GEMV, one GPU)."""
+    return tp is None and logits.shape[0] == 1 and not batch_invariant
 
 
 def _prefix_view(buf: DeviceArray, lead: tuple[int, int]) -> DeviceArray:

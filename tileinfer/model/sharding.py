@@ -18,15 +18,29 @@ Every rank then runs the ordinary forward over its local shapes (`local_config`)
 
 `TensorParallelReference` runs that with the numpy reference, rank by rank, adding the partial sums where the
 all-reduces stand: tests hold it equal to the unsharded forward (tests/test_sharding.py).
+
+On the GPU a rank loads its weights through `ShardedCheckpoint` (a checkpoint view DeviceWeights reads) and
+its forward (model/forward.py) takes a `TensorParallel`, its place in the group and its communicator.
+Its embedding and LM head hold `vocab_part` rows, zero-padded past the rank's range, so that every rank's
+logits part has one width for the all-gather.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .checkpoint import expected_tensors
 from .config import ConfigError, ModelConfig
 from .reference import ReferenceModel, _rounding, rms_norm
+
+if TYPE_CHECKING:
+    from ..cuda.nccl import Communicator
+
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def check_world(config: ModelConfig, world: int) -> None:
@@ -50,6 +64,13 @@ def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
     return min(vocab_size, rank * per), min(vocab_size, (rank + 1) * per)
 
 
+def vocab_part(vocab_size: int, world: int) -> int:
+    """Rows of every rank's embedding and LM head on the GPU: the longest range (vocab_range's), rounded up to
+    a multiple of 8 (the products take 16-byte weight rows); the rows past a rank's range are zeros."""
+    per = -(-vocab_size // world)
+    return -(-per // 8) * 8
+
+
 def local_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
     """The shapes rank `rank` of `world` runs: its heads, KV heads, intermediate rows and vocabulary rows."""
     check_world(config, world)
@@ -62,7 +83,7 @@ def local_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
 def shard_tensor(config: ModelConfig, name: str, tensor: np.ndarray, rank: int, world: int) -> np.ndarray:
     """Rank `rank`'s slice of the weight `name` (Hugging Face names, [out, in] linears); a view where the
     slice is rows, a copy where it is columns (row-parallel products)."""
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name in VOCAB_TENSORS:
         start, stop = vocab_range(config.vocab_size, rank, world)
         return tensor[start:stop]
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
@@ -80,6 +101,89 @@ def shard(config: ModelConfig, weights: dict[str, np.ndarray], rank: int, world:
     """(local_config, the rank's weights under their Hugging Face names)."""
     return local_config(config, rank, world), {name: shard_tensor(config, name, w, rank, world)
                                                for name, w in weights.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """One rank's place in a tensor-parallel group, as its forward and runner read it. The communicator is the
+    caller's (a runner never closes it); vocab_size is the whole model's, which sets each rank's range."""
+    comm: Communicator
+    rank: int
+    world: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"TensorParallel.{name} must be an int, got {value!r}")
+        if not (self.world >= 1 and 0 <= self.rank < self.world and self.vocab_size >= 1):
+            raise ValueError(f"TensorParallel: rank {self.rank} of {self.world} over {self.vocab_size} tokens; need "
+                             f"0 <= rank < world and a vocabulary")
+        if (self.comm.rank, self.comm.world_size) != (self.rank, self.world):
+            raise ValueError(f"TensorParallel: rank {self.rank} of {self.world}, but its communicator is rank "
+                             f"{self.comm.rank} of {self.comm.world_size}")
+
+    @property
+    def vocab_per(self) -> int:
+        """Rows of every rank's embedding and LM head, and the width of every rank's logits part."""
+        return vocab_part(self.vocab_size, self.world)
+
+    @property
+    def vocab_start(self) -> int:
+        """The vocabulary id of this rank's first embedding and LM head row."""
+        return vocab_range(self.vocab_size, self.rank, self.world)[0]
+
+    def vocab_ranges(self) -> list[tuple[int, int]]:
+        """Every rank's vocabulary ids [start, stop), in rank order: the real columns of its logits part."""
+        return [vocab_range(self.vocab_size, r, self.world) for r in range(self.world)]
+
+
+class ShardedCheckpoint:
+    """Rank `rank` of `world`'s view of a checkpoint, loaded by DeviceWeights as a checkpoint is:
+        config        the rank's shapes (local_config) with vocab_size = vocab_part(V, world)
+        read(name)    the rank's slice of the tensor (shard_tensor); the embedding and the LM head zero-padded
+                      to vocab_part rows (row i is vocabulary id vocab_range(...)[0] + i; the last rank's range
+                      is short), so that every rank's logits part has one width for the all-gather. A tied
+                      model's LM head is this embedding, as on one GPU.
+        total_bytes   the bytes of the rank's tensors as bfloat16 (what DeviceWeights uploads)
+    The rest a runner reads (path, eos_token_ids, chat_template, tokenizer(); full_config) is the checkpoint's."""
+
+    def __init__(self, checkpoint, rank: int, world: int):
+        full = checkpoint.config
+        check_world(full, world)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+        self.checkpoint, self.rank, self.world, self.full_config = checkpoint, rank, world, full
+        self.vocab_rows = vocab_part(full.vocab_size, world)
+        self.config = dataclasses.replace(local_config(full, rank, world), vocab_size=self.vocab_rows)
+
+    def read(self, name: str) -> np.ndarray:
+        tensor = shard_tensor(self.full_config, name, self.checkpoint.read(name), self.rank, self.world)
+        if name not in VOCAB_TENSORS or tensor.shape[0] == self.vocab_rows:
+            return tensor
+        padded = np.zeros((self.vocab_rows, *tensor.shape[1:]), tensor.dtype)  # [vocab_part, hidden]
+        padded[:tensor.shape[0]] = tensor
+        return padded
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(2 * math.prod(shape) for shape in expected_tensors(self.config).values())
+
+    @property
+    def path(self):
+        return self.checkpoint.path
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.checkpoint.eos_token_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.checkpoint.chat_template
+
+    def tokenizer(self):
+        return self.checkpoint.tokenizer()
 
 
 class TensorParallelReference:

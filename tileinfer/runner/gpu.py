@@ -31,6 +31,12 @@ near-tie a greedy token can flip. With batch_invariant=True every product runs o
 always runs in its prefill shape (a decode query is summed exactly as the same query in a
 prefill chunk), so each sequence's logits are bitwise the same alone, in any batch, prefilled in
 any chunks, or recomputed after preemption; decode is slower.
+
+Tensor parallelism (`tensor_parallel=`, one runner a rank, model/sharding.py): the runner loads its rank's
+shards (ShardedCheckpoint) and runs the forward with the group's collectives; `config` stays the whole model's
+(token ids, logits and bitmask widths), `local_config` is the rank's (weights, workspace, KV cache: its KV
+heads only). Every rank samples the same tokens from the same gathered logits with the same seeds, so the
+rest of the runner is the one-GPU runner's. The communicator is the caller's: close() leaves it open.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import load_checkpoint
 from ..model.dflash_config import DFLASH_NEEDS_CPU, is_dflash_dir
 from ..model.forward import Workspace, check_supported, forward, head_keys_written
+from ..model.sharding import ShardedCheckpoint, TensorParallel
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
 from .base import CheckpointRunner
@@ -89,16 +96,19 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class GPURunner(CheckpointRunner):
     def __init__(self, path: str | Path, *, device: int = 0, max_batch_tokens: int = 2048,
                  max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
-                 progress: bool = True, load_format: str = "auto"):
+                 progress: bool = True, load_format: str = "auto", tensor_parallel: TensorParallel | None = None):
         if is_dflash_dir(path):
             raise ValueError(f"{path}: {DFLASH_NEEDS_CPU}")
         self.checkpoint = load_checkpoint(path, load_format)
-        self.config = self.checkpoint.config
+        self.config = self.checkpoint.config  # the whole model's
         check_supported(self.config, path)
+        self.tensor_parallel = tp = tensor_parallel
+        shards = self.checkpoint if tp is None else self._shards(tp)
+        self.local_config = shards.config     # what this GPU holds: the whole model, or a rank's shards
         self.eos_token_ids = list(self.checkpoint.eos_token_ids)
         self.device = get_device(device)
         self.stream = Stream()
-        self.weights = DeviceWeights(self.checkpoint, self.stream, progress=progress)
+        self.weights = DeviceWeights(shards, self.stream, progress=progress)
         compiled, start = compiler.STATS.compiled, time.perf_counter()
         load_all(progress=progress)  # every kernel compiled (or read from the disk cache) and loaded now
         self.kernel_seconds = time.perf_counter() - start  # compiling (if not cached) and loading cuda_src/
@@ -109,9 +119,9 @@ class GPURunner(CheckpointRunner):
         self.max_context = 0  # the longest sequence the attached cache serves (sets decode splits)
         # partial rows: the most any context and either cache (INT8 splits the most) needs
         partial_rows = max(self._splits_for(b, 1 << 30, max(2, INT8_DECODE_BLOCKS_MAX)) * b for b in self.buckets)
-        self.workspace = Workspace(self.config, max_tokens=self.max_batch_tokens,
-                                   max_logit_rows=max(max_logit_rows, max_num_seqs),
-                                   max_decode_rows=max_num_seqs, max_splits=MAX_SPLITS, max_partial_rows=partial_rows)
+        self.workspace = Workspace(self.local_config, max_tokens=self.max_batch_tokens,
+                                   max_logit_rows=max(max_logit_rows, max_num_seqs), max_decode_rows=max_num_seqs,
+                                   max_splits=MAX_SPLITS, max_partial_rows=partial_rows, tp=tp)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
         self.graphs: GraphManager | None = None  # decode and verify graphs over the attached cache
@@ -122,6 +132,13 @@ class GPURunner(CheckpointRunner):
         self.batch_invariant = batch_invariant
         self._smoothing: np.ndarray | None = None
         self._closed = False
+
+    def _shards(self, tp: TensorParallel) -> ShardedCheckpoint:
+        """This rank's view of the checkpoint, once the group is known to fit the model."""
+        if tp.vocab_size != self.config.vocab_size:
+            raise ValueError(f"tensor_parallel: its vocab_size {tp.vocab_size} is not the model's "
+                             f"{self.config.vocab_size}")
+        return ShardedCheckpoint(self.checkpoint, tp.rank, tp.world)
 
     def capture_hidden_states(self, layer_ids) -> None:
         """The CPU runner's capture for a DFlash drafter is not built here: asking for layers fails."""
@@ -141,7 +158,7 @@ class GPURunner(CheckpointRunner):
         stores keys smoothed unless smoothing=False."""
         int8 = check_kv_quantize(kv_quantize)
         factors = self.smoothing_factors() if int8 and smoothing else None
-        return PagedKVCache(self.config, kv_quantize=kv_quantize, smoothing=factors, **kwargs)
+        return PagedKVCache(self.local_config, kv_quantize=kv_quantize, smoothing=factors, **kwargs)
 
     def ensure_cache(self, max_tokens: int, page_size: int = 64, *, kv_quantize: str | None = None,
                      smoothing: bool = True) -> PagedKVCache:
@@ -180,9 +197,9 @@ class GPURunner(CheckpointRunner):
         if per_sm is None:
             per_sm = 2
             if self.cache is not None and self.cache.int8:
-                group = self.config.num_attention_heads // self.config.num_key_value_heads
+                group = self.local_config.num_attention_heads // self.local_config.num_key_value_heads
                 per_sm = K.int8_decode_blocks(group)  # a decode step: one token x the group a block
-        want = per_sm * sms // (batch * self.config.num_key_value_heads)
+        want = per_sm * sms // (batch * self.local_config.num_key_value_heads)
         return max(1, min(MAX_SPLITS, max_tiles, want))
 
     def decode_splits(self, batch: int) -> int:
@@ -196,7 +213,8 @@ class GPURunner(CheckpointRunner):
     def _forward(self, shape: StepShape, *, all_logits: bool, num_splits: int, stream, embedded: bool = False):
         """Enqueue the forward pass of one step (its only caller); returns its logits rows."""
         return forward(self.weights, self.workspace, self.cache, self.steps.inputs, shape, all_logits=all_logits,
-                       num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant, embedded=embedded)
+                       num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant, embedded=embedded,
+                       tp=self.tensor_parallel)
 
     def _enqueue_step(self, shape: StepShape, *, sample: bool, num_splits: int, stream, embedded: bool = False,
                       masked: bool = False):
@@ -210,7 +228,7 @@ class GPURunner(CheckpointRunner):
             self.steps.enqueue_masks(b, stream)
         penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
                      d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
-        keyed = head_keys_written(logits, self.batch_invariant)  # batch 1: row 0's maximum is known
+        keyed = head_keys_written(logits, self.batch_invariant, self.tensor_parallel)  # batch 1, one GPU
         K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                  d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),
                  self.steps.sampled.rows(0, b), stream, penalties=penalties,
@@ -220,12 +238,15 @@ class GPURunner(CheckpointRunner):
 
     def _enqueue_decode(self, bucket: int, stream, masked: bool = False) -> None:
         """A decode step of `bucket` rows (what its graph captures): its first kernel fetches the step's inputs
-        from the mapped host mirror, resolves tokens sampled by the step before and embeds them; masked=True:
-        its sampling waits for the step's bitmasks."""
+        from the mapped host mirror, resolves tokens sampled by the step before and embeds them (under tensor
+        parallelism those of this rank's vocabulary range: the forward all-reduces them); masked=True: its
+        sampling waits for the step's bitmasks."""
         shape = StepShape(num_tokens=bucket, num_seqs=bucket, max_q_len=1)
         d = self.steps.dev
+        tp = self.tensor_parallel
         K.fetch_step(self.steps.mirror, self.steps.device, d["tokens"], d["token_src"], self.steps.sampled,
-                     stream, embed=(self.weights.embed, self.workspace.resid.rows(0, bucket)))
+                     stream, embed=(self.weights.embed, self.workspace.resid.rows(0, bucket)),
+                     first=0 if tp is None else tp.vocab_start)
         self.steps.record_fetched(stream)
         self._enqueue_step(shape, sample=True, num_splits=self.decode_splits(bucket), stream=stream, embedded=True,
                            masked=masked)
@@ -437,7 +458,7 @@ class GPURunner(CheckpointRunner):
         self.cache = self.steps = self.graphs = None
 
     def close(self) -> None:
-        """Free every device allocation this model made."""
+        """Free every device allocation this model made (not a tensor-parallel communicator: the caller's)."""
         if self._closed:
             return
         while self._awaiting:  # abandoned (an error between launch and publish): let the stream drain

@@ -261,9 +261,10 @@ def _warm_up_steps(config: EngineConfig, runner: GPURunner, chunk: int) -> None:
 
 
 def _pool_pages(config: EngineConfig, runner: GPURunner, draft, nvml: _Nvml, warm: dict) -> tuple[int, float | None]:
-    """The pool's pages (and the utilization they were sized by, None when given explicitly)."""
+    """The pool's pages (and the utilization they were sized by, None when given explicitly), each page sized
+    by what this GPU's cache holds of it (under tensor parallelism, the rank's KV heads)."""
     kv_dtype = config.kv_quantize or "bf16"
-    page_bytes = sizing.bytes_per_page(runner.config, config.page_size, kv_dtype)
+    page_bytes = sizing.bytes_per_page(runner.local_config, config.page_size, kv_dtype)
     need = -(-config.max_context // config.page_size)
     if config.num_pages is not None or config.max_tokens is not None:
         pages = config.num_pages or -(-config.max_tokens // config.page_size)
@@ -277,11 +278,11 @@ def _pool_pages(config: EngineConfig, runner: GPURunner, draft, nvml: _Nvml, war
     if draft is not None:  # the draft's graphs and step buffers, taken as large as the target's
         reserve *= 2
     utilization = config.gpu_memory_utilization
-    plan = sizing.plan(runner.config, total, used_bytes=used_now, utilization=utilization, reserve_bytes=reserve,
-                       weights=0, page_size=config.page_size, kv_dtype=kv_dtype)
+    plan = sizing.plan(runner.local_config, total, used_bytes=used_now, utilization=utilization,
+                       reserve_bytes=reserve, weights=0, page_size=config.page_size, kv_dtype=kv_dtype)
     pages = plan.pages
     if draft is not None:  # the draft's pool holds as many positions: the pages' memory is shared
-        draft_page_bytes = sizing.bytes_per_page(draft.config, config.page_size, "bf16")
+        draft_page_bytes = sizing.bytes_per_page(draft.local_config, config.page_size, "bf16")
         pages = pages * page_bytes // (page_bytes + draft_page_bytes)
     if pages < need:
         missing = (need - pages) * page_bytes
