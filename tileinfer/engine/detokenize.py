@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import codecs
 import re
+import weakref
 
 from tokenizers.decoders import ByteLevel
 
@@ -46,7 +47,7 @@ class TokenBytes:
     """Each token id's bytes under a byte-level tokenizer, and the ids of its special tokens (which a
     decode with skip_special_tokens leaves out). `of(tokenizer)` builds it once per tokenizer."""
 
-    _made: dict[int, tuple[object, "TokenBytes | None"]] = {}
+    _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its table (None: not byte-level)
 
     def __init__(self, pieces: list[bytes], special: frozenset[int]):
         self.pieces = pieces      # [tokenizer's ids] bytes; b"" for an id with no token
@@ -55,10 +56,9 @@ class TokenBytes:
     @classmethod
     def of(cls, tokenizer) -> "TokenBytes | None":
         """The table of a Hugging Face tokenizer whose decoder is byte-level, else None."""
-        made = cls._made.get(id(tokenizer))
-        if made is None or made[0] is not tokenizer:
-            made = cls._made[id(tokenizer)] = (tokenizer, cls._build(tokenizer))
-        return made[1]
+        if tokenizer not in cls._made:
+            cls._made[tokenizer] = cls._build(tokenizer)
+        return cls._made[tokenizer]
 
     @classmethod
     def _build(cls, tokenizer) -> "TokenBytes | None":
