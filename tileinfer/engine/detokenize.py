@@ -107,12 +107,7 @@ class IncrementalDetokenizer:
         token_id = int(token_id)
         self.ids.append(token_id)
         delta = self._next_bytes(token_id) if self._bytes is not None else self._next_window()
-        if not delta:
-            return ""
-        start = len(self.text)
-        self.text += delta
-        if self.stop and self.stopped_by is None and find_stop:
-            self._find_stop(max(0, start - self._hold))
+        self._append(delta, find_stop)
         return delta
 
     def flush(self) -> None:
@@ -121,20 +116,19 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return
         if self._bytes is not None:
-            rest = self._partial.decode("utf-8", "replace")  # an unfinished character: U+FFFD
-            self._partial = b""
-        elif self._read_offset == len(self.ids):
-            return
+            rest, self._partial = self._partial.decode("utf-8", "replace"), b""  # an unfinished character: U+FFFD
         else:
-            prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
-            window = self._decode(self.ids[self._prefix_offset:])
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-            rest = window[len(prefix):]
-        if rest:
-            start = len(self.text)
-            self.text += rest
-            if self.stop:
-                self._find_stop(max(0, start - self._hold))
+            rest = self._next_window(final=True)
+        self._append(rest, find_stop=True)
+
+    def _append(self, delta: str, find_stop: bool) -> None:
+        """Add decoded text; look for the stop strings in it (and the characters held back before it)."""
+        if not delta:
+            return
+        start = len(self.text)
+        self.text += delta
+        if self.stop and self.stopped_by is None and find_stop:
+            self._find_stop(max(0, start - self._hold))
 
     def _next_bytes(self, token_id: int) -> str:
         """The byte-level path: the characters this token's bytes complete (invalid bytes as U+FFFD)."""
@@ -147,11 +141,14 @@ class IncrementalDetokenizer:
         self._partial = data[used:]
         return text
 
-    def _next_window(self) -> str:
-        """Any other decoder: the window's new text once it no longer ends inside a character."""
+    def _next_window(self, final: bool = False) -> str:
+        """Any other decoder: the window's new text once it no longer ends inside a character (final: as it
+        is, an unfinished character as U+FFFD)."""
+        if self._read_offset == len(self.ids):
+            return ""
         prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
         window = self._decode(self.ids[self._prefix_offset:])
-        if len(window) <= len(prefix) or window.endswith(_REPLACEMENT):
+        if not final and (len(window) <= len(prefix) or window.endswith(_REPLACEMENT)):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return window[len(prefix):]
