@@ -40,15 +40,38 @@ def _pdl_attributes() -> list:
     return [attr]
 
 
+_NULL = ctypes.c_void_p(0)  # a None argument: the launch reads its address, the driver copies its value
+_SCALARS = (ctypes._SimpleCData, ctypes.Array)
+
+
 def _as_ctype(arg):
+    if type(arg) is DeviceArray:
+        return ctypes.c_void_p(arg.ptr)
+    if isinstance(arg, _SCALARS):
+        return arg  # a ctypes array goes by value (the driver copies its bytes): e.g. a tensor map
+    if arg is None:
+        return _NULL
     if isinstance(arg, DeviceArray):
         return ctypes.c_void_p(arg.ptr)
-    if arg is None:
-        return ctypes.c_void_p(0)
-    if isinstance(arg, (ctypes._SimpleCData, ctypes.Array)):
-        return arg  # a ctypes array goes by value (the driver copies its bytes): e.g. a tensor map
     raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None, a ctypes scalar (e.g. ctypes.c_int32(n)) "
                     "or a ctypes array (by value)")
+
+
+@cache
+def _pointer_array(n: int):
+    """The ctypes type of a launch's `void*[n]` argument array."""
+    return ctypes.c_void_p * max(n, 1)
+
+
+class _Launch:
+    """What Kernel.launch enqueued, formatted only when an error names it (driver.last_work)."""
+    __slots__ = ("name", "grid", "block", "smem")
+
+    def __init__(self, name: str, grid: tuple, block: tuple, smem: int):
+        self.name, self.grid, self.block, self.smem = name, grid, block, smem
+
+    def __str__(self) -> str:
+        return f"kernel {self.name} grid={self.grid} block={self.block} smem={self.smem}"
 
 
 class Kernel:
@@ -94,16 +117,15 @@ class Kernel:
                     detail=self.name)
 
     def launch(self, grid, block, args, stream, smem: int = 0) -> None:
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        block = tuple(block) + (1,) * (3 - len(block))
+        grid = (*grid, 1, 1)[:3]
+        block = (*block, 1, 1)[:3]
         if min(grid) <= 0:
             return  # nothing to do (an empty batch); launching a 0-sized grid is an error
         values = [_as_ctype(a) for a in args]
-        pointers = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
-        if smem > 48 * 1024:
+        pointers = _pointer_array(len(values))(*map(ctypes.addressof, values))
+        if smem > self.max_dynamic_smem and smem > 48 * 1024:
             self.set_max_dynamic_smem(smem)
-        what = f"kernel {self.name} grid={grid} block={block} smem={smem}"
-        last_work[0] = what
+        what = last_work[0] = _Launch(self.name, grid, block, smem)
         c = self._config
         c.gridDimX, c.gridDimY, c.gridDimZ = grid
         c.blockDimX, c.blockDimY, c.blockDimZ = block

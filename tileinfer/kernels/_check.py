@@ -18,10 +18,15 @@ def expect(name: str, array: DeviceArray | None, shape: tuple, dtype) -> None:
     """`array` must have exactly `shape` (None entries match anything) and `dtype`."""
     if array is None:
         raise ValueError(f"{name}: expected a device array of shape {shape}, got None")
-    dtype = np.dtype(dtype)
-    ok = len(array.shape) == len(shape) and all(s is None or s == a for s, a in zip(shape, array.shape))
-    if not ok or array.dtype != dtype:
-        raise ValueError(f"{name}: expected shape {shape} {dtype}, got {array.shape} {array.dtype}")
+    have = array.shape
+    ok = len(have) == len(shape) and array.dtype == dtype
+    if ok:
+        for want, size in zip(shape, have):
+            if want is not None and want != size:
+                ok = False
+                break
+    if not ok:
+        raise ValueError(f"{name}: expected shape {shape} {np.dtype(dtype)}, got {array.shape} {array.dtype}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,6 +21,8 @@ figures in docs/benchmarks.md):
 Routing (which kernel and build, pure functions of the shapes) lives in kernels/routing.py; this module
 holds validation (the arguments' shapes and dtypes) and the launches.
 """
+from functools import cache
+
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ..cuda.tensormap import bf16_tensor_map
 from ._check import BF16, FLOAT32, UINT64, expect
@@ -123,6 +125,13 @@ def cluster_slots() -> dict[int, int]:
     return _cluster_slots
 
 
+@cache
+def _tma_plan(M: int, N: int, K: int, silu: bool, sms: int) -> tuple[int, int]:
+    """tma_plan for this GPU's cluster slots, computed once a shape (the forward pass asks for the same
+    few shapes every step)."""
+    return tma_plan(M, N, K, silu, sms, cluster_slots())
+
+
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
          split: int | None = None, blocks: int | None = None, act: DeviceArray | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
@@ -141,7 +150,7 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     if width not in (None,) + TMA_WIDTHS:
         raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
     if split is None and width is None and blocks is None:
-        width, split = tma_plan(M, N, K, silu, sms, cluster_slots())
+        width, split = _tma_plan(M, N, K, silu, sms)
     width = width or tma_width(M, N, silu, sms)
     split = split or 1
     if split > 1 and blocks is not None:
