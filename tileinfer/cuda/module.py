@@ -15,6 +15,7 @@ eagerly and while a stream is being captured into a graph.
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 import struct
@@ -55,12 +56,6 @@ def _as_ctype(arg):
         return ctypes.c_void_p(arg.ptr)
     raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None, a ctypes scalar (e.g. ctypes.c_int32(n)) "
                     "or a ctypes array (by value)")
-
-
-@cache
-def _pointer_array(n: int):
-    """The ctypes type of a launch's `void*[n]` argument array."""
-    return ctypes.c_void_p * max(n, 1)
 
 
 class _Launch:
@@ -122,7 +117,7 @@ class Kernel:
         if min(grid) <= 0:
             return  # nothing to do (an empty batch); launching a 0-sized grid is an error
         values = [_as_ctype(a) for a in args]
-        pointers = _pointer_array(len(values))(*map(ctypes.addressof, values))
+        pointers = array.array("Q", map(ctypes.addressof, values))  # the driver reads the arguments through these
         if smem > self.max_dynamic_smem and smem > 48 * 1024:
             self.set_max_dynamic_smem(smem)
         what = last_work[0] = _Launch(self.name, grid, block, smem)
@@ -130,7 +125,7 @@ class Kernel:
         c.gridDimX, c.gridDimY, c.gridDimZ = grid
         c.blockDimX, c.blockDimY, c.blockDimZ = block
         c.sharedMemBytes, c.hStream = smem, stream.handle
-        call(driver.cuLaunchKernelEx, c, self.function, ctypes.addressof(pointers), 0, detail=what)
+        call(driver.cuLaunchKernelEx, c, self.function, pointers.buffer_info()[0], 0, detail=what)
 
 
 class Module:
