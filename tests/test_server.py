@@ -6,8 +6,12 @@ aborts its request. `--serve-device cuda --serve-model qwen3-0.6b` runs the same
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import pickle
 import signal
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -517,3 +521,28 @@ def test_a_dead_engine_process_fails_its_requests_and_health_says_so(doomed):
     with pytest.raises(openai.APIStatusError) as e:
         doomed.client().completions.create(model=NAME, prompt="Hi", max_tokens=2)
     assert e.value.status_code == 503 and "engine process exited" in error_of(e.value)["message"]
+
+
+# ---------------------------------------------------------------------------- the event pipe
+def test_the_event_pipe_is_read_whole_under_uvloop():
+    """uvloop's add_reader makes a file non-blocking; attach undoes it, so that a message the engine has written
+    in part only (a big turn) is read whole once the rest comes, not taken for the engine's death."""
+    uvloop = pytest.importorskip("uvloop")
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    engine = EngineClient("unused", {})
+    engine._events = reader
+    loop = uvloop.new_event_loop()
+    try:
+        engine.attach(loop)
+        data = pickle.dumps(("turn", "x" * 10_000))
+        message = struct.pack("!i", len(data)) + data  # multiprocessing's framing: the length, then the pickle
+        os.write(writer.fileno(), message[:1000])
+        rest = threading.Timer(0.2, os.write, (writer.fileno(), message[1000:]))
+        rest.start()
+        assert reader.recv() == ("turn", "x" * 10_000)
+        rest.join()
+    finally:
+        loop.remove_reader(reader.fileno())
+        loop.close()
+        reader.close()
+        writer.close()

@@ -25,6 +25,7 @@ import asyncio
 import fcntl
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 from collections import deque
@@ -128,6 +129,10 @@ class EngineClient:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the engine's messages on `loop` (the server's, from its start-up) whenever the pipe has one."""
         loop.add_reader(self._events.fileno(), self._on_readable, loop)
+        # uvloop's add_reader (libuv's uv_poll_init) makes the pipe non-blocking. recv must block instead: a
+        # message over the pipe's atomic size (4 KiB; a turn that finishes many requests) can be readable in
+        # part only, and a non-blocking read of the rest raises BlockingIOError, taken for the engine's death.
+        os.set_blocking(self._events.fileno(), True)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is running, let the engine process close the LLM and end. Idempotent."""
