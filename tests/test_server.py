@@ -5,6 +5,7 @@ aborts its request. `--serve-device cuda --serve-model qwen3-0.6b` runs the same
 (tests/conftest.py)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ from tileinfer import LLM, SamplingParams, cli
 from tileinfer.chat import render_chat
 from tileinfer.kv.sizing import DEFAULT_PAGE_SIZE
 from tileinfer.model.tokenizer import CHAT_TEMPLATE
-from tileinfer.server.app import create_app
+from tileinfer.server.app import EventStream, create_app
 from tileinfer.server.engine_client import EngineClient
 
 KEY = "sk-test-key"
@@ -523,7 +524,59 @@ def test_a_dead_engine_process_fails_its_requests_and_health_says_so(doomed):
     assert e.value.status_code == 503 and "engine process exited" in error_of(e.value)["message"]
 
 
-# ---------------------------------------------------------------------------- the event pipe
+# ---------------------------------------------------------------------------- the stream's response, the event pipe
+def chunks_then_wait(closed: list, ready: int):
+    """A stream's generator: `ready` chunks, then it waits (an engine with nothing yet) for one more; its finally,
+    where _stream aborts the request, says in `closed` that it ran."""
+    async def chunks():
+        try:
+            for i in range(ready):
+                yield f"data: {i}\n\n"
+            await asyncio.sleep(30)
+            yield "data: late\n\n"
+        finally:
+            closed.append(True)
+    return chunks()
+
+
+def run_event_stream(chunks, leave_after: bytes | None) -> list[dict]:
+    """EventStream(chunks) under a server whose client disconnects once it was sent `leave_after` (never if
+    None); the messages sent. Fails if the response takes 5 s, or leaves a task behind."""
+    async def run() -> list[dict]:
+        sent, gone = [], asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message.get("body") == leave_after:
+                gone.set()
+
+        await asyncio.wait_for(EventStream(chunks)({"type": "http"}, receive, send), 5)
+        assert asyncio.all_tasks() == {asyncio.current_task()}, "the response left a task running"
+        return sent
+    return asyncio.run(run())
+
+
+def test_an_event_stream_whose_client_goes_away_stops_and_closes_its_generator():
+    closed = []
+    sent = run_event_stream(chunks_then_wait(closed, 2), leave_after=b"data: 1\n\n")
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert closed, "the generator was not closed: its request would not be aborted"
+
+
+def test_an_event_stream_sends_every_chunk_then_the_end():
+    async def chunks():
+        yield "data: é\n\n"
+        yield "data: [DONE]\n\n"
+    sent = run_event_stream(chunks(), leave_after=None)
+    assert sent[0]["status"] == 200 and (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [("data: é\n\n".encode(), True),
+                                                            (b"data: [DONE]\n\n", True), (b"", False)]
+
+
 def test_the_event_pipe_is_read_whole_under_uvloop():
     """uvloop's add_reader makes a file non-blocking; attach undoes it, so that a message the engine has written
     in part only (a big turn) is read whole once the rest comes, not taken for the engine's death."""

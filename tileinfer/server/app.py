@@ -20,13 +20,15 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from ..chat import render_chat
 from .engine_client import EngineClient, Submission
@@ -112,7 +114,8 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
                 "model": served_model_name}
         echoes = [_prompt_text(p, tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
         if body.stream:
-            return _sse(_stream_completion(engine, sub, head, body.include_usage, echoes, body.logprobs, tokenizer))
+            return EventStream(_stream_completion(engine, sub, head, body.include_usage, echoes, body.logprobs,
+                                                  tokenizer))
         outs = await _results(engine, sub, request)
         choices = [{"index": i, "text": echoes[i] + out.text, "finish_reason": out.finish_reason,
                     "logprobs": _completion_logprobs(_pairs(out), tokenizer, body.logprobs)[0]
@@ -135,8 +138,8 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name}
         if body.stream:
-            return _sse(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"}, body.include_usage,
-                                     top_n, tokenizer, body.uses_tools))
+            return EventStream(_stream_chat(engine, sub, {**head, "object": "chat.completion.chunk"},
+                                            body.include_usage, top_n, tokenizer, body.uses_tools))
         outs = await _results(engine, sub, request)
         choices = []
         for i, out in enumerate(outs):
@@ -263,7 +266,7 @@ async def _results(engine: EngineClient, sub: Submission, request: Request) -> l
             outs[event.index] = event.output
         return outs
 
-    result, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+    result, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request.receive))
     await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
     if not result.done():
         result.cancel()  # _next aborts the request
@@ -277,10 +280,10 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected before its answer (nobody reads the reply)."""
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has disconnected. The body was read already, so the next ASGI message
-    is the disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has disconnected (or, for uvicorn, once the response is complete). The body
+    was read already, so the next ASGI message is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -308,32 +311,92 @@ def _prompt_text(prompt, tokenizer) -> str:
 
 
 # ---------------------------------------------------------------------------- streaming
-def _sse(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+class EventStream(Response):
+    """A text/event-stream response: one ASGI body message per str that `chunks` (a stream's generator, _stream)
+    yields. What Starlette's StreamingResponse does, in plain asyncio and for less a chunk (no anyio task group).
+    uvicorn's send does not tell a writer that its client is gone (it drops the message), so a disconnect is
+    seen by receive() alone: one task writes the chunks, one awaits the disconnect, for the whole stream. A
+    client that goes away cancels the writer, which closes `chunks`: the stream's request is aborted at once,
+    not at its next event."""
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[str, None]):
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = None  # FastAPI reads it (it puts an endpoint's BackgroundTasks here; ours have none)
+        self.init_headers({"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writer = asyncio.ensure_future(self._write(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((writer, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also if this task is cancelled (uvicorn's forced shutdown): no task outlives the response
+            gone.cancel()
+            writer.cancel()  # nothing if the stream ended; else its client is gone and the request is aborted
+            await asyncio.wait((writer, gone))
+        if not writer.cancelled():
+            writer.result()  # an error the stream raised goes to the app's error handling, as any handler's
+
+    async def _write(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        finally:
+            await self.chunks.aclose()  # cancelled in send: the generator's finally (the abort) runs now
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # one for all: json.dumps(ensure_ascii=False) makes one a call
+
+
+def _json(value) -> str:
+    """value in JSON, as json.dumps(value, ensure_ascii=False) writes it; None without the encoder (a chunk's
+    usual logprobs and finish_reason), a str by the encoder's C escaper alone."""
+    return "null" if value is None else _encode(value)
 
 
 def _data(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_json(obj)}\n\n"
 
 
 def _chunk_prefix(head: dict) -> str:
     """A stream's Server-Sent Event up to its one choice: the fields every chunk repeats, encoded once."""
-    return f"data: {json.dumps(head, ensure_ascii=False)[:-1]}, \"choices\": ["
+    return f"data: {_json(head)[:-1]}, \"choices\": ["
 
 
-async def _event_batches(engine: EngineClient, sub: Submission):
-    """The request's events, a batch at a time (_batch), until every choice finished (or the engine failed);
-    if the stream stops early (the client went away), abort it."""
-    left = sub.num_choices
+async def _stream(engine: EngineClient, sub: Submission, head: dict, include_usage: bool, opening: str,
+                  on_delta, on_finish) -> AsyncGenerator[str, None]:
+    """A streamed request's Server-Sent Events: `opening` (what comes before the engine's events, if anything);
+    then per batch of the request's events (_batch: a handler that fell behind answers several steps in one
+    write) the encoded chunks that on_delta(MergedDelta) and on_finish(Finished) return (lists), an engine
+    failure as an error chunk; then the usage chunk (if asked for and every choice finished) and [DONE].
+    Closed or cancelled before every choice finished (the client went away), it aborts the request."""
+    outs, left = [], sub.num_choices  # left: choices not yet finished (none after a failure)
     try:
-        while left:
-            events = await _batch(engine, sub)
-            for event in events:
-                left = 0 if isinstance(event, Failed) else left - isinstance(event, Finished)
-            yield events
+        if opening:
+            yield opening
+        while left > 0:
+            chunks = []
+            for event in _merged(await _batch(engine, sub)):
+                if isinstance(event, MergedDelta):
+                    chunks += on_delta(event)
+                elif isinstance(event, Finished):
+                    outs.append(event.output)
+                    left -= 1
+                    chunks += on_finish(event)
+                elif isinstance(event, Failed):
+                    left = 0
+                    chunks.append(_data(APIError(503, event.message, type="server_error").body()))
+            if chunks:
+                yield "".join(chunks)
     finally:
-        if left:
+        if left > 0:
             engine.abort(sub)
+    if include_usage and len(outs) == sub.num_choices:
+        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
+    yield "data: [DONE]\n\n"
 
 
 def _merged(events: list) -> list:
@@ -367,35 +430,14 @@ class MergedDelta:
         return "".join(self.texts)
 
 
-async def _stream(engine: EngineClient, sub: Submission, head: dict, include_usage: bool, on_delta, on_finish):
-    """A streamed request's Server-Sent Events after its opening ones: per batch of events one write of the
-    encoded chunks that on_delta(MergedDelta) and on_finish(Finished) return (lists), an engine failure as an
-    error chunk; then the usage chunk (if asked for and every choice finished) and [DONE]."""
-    outs = []
-    async for events in _event_batches(engine, sub):
-        chunks = []
-        for event in _merged(events):
-            if isinstance(event, MergedDelta):
-                chunks += on_delta(event)
-            elif isinstance(event, Finished):
-                outs.append(event.output)
-                chunks += on_finish(event)
-            elif isinstance(event, Failed):
-                chunks.append(_data(APIError(503, event.message, type="server_error").body()))
-        if chunks:
-            yield "".join(chunks)
-    if include_usage and len(outs) == sub.num_choices:
-        yield _data({**head, "choices": [], "usage": _usage(sub, outs)})
-    yield "data: [DONE]\n\n"
-
-
-async def _stream_completion(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
-                             echoes: list[str], top_n: int | None, tokenizer):
+def _stream_completion(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
+                       echoes: list[str], top_n: int | None, tokenizer) -> AsyncGenerator[str, None]:
     prefix = _chunk_prefix(head)
 
     def choice(index: int, text: str, finish_reason=None, logprobs=None) -> str:
-        return prefix + json.dumps({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason},
-                                   ensure_ascii=False) + "]}\n\n"
+        # the encoded {"index", "text", "logprobs", "finish_reason"}, its values encoded one by one (_json)
+        return (f'{prefix}{{"index": {index}, "text": {_json(text)}, "logprobs": {_json(logprobs)}, '
+                f'"finish_reason": {_json(finish_reason)}}}]}}\n\n')
 
     offsets = [len(e) for e in echoes]  # text_offset of each choice's next token
 
@@ -406,21 +448,20 @@ async def _stream_completion(engine: EngineClient, sub: Submission, head: dict, 
         text = event.text
         return [choice(event.index, text, logprobs=logprobs)] if text or logprobs is not None else []
 
-    for index, echo in enumerate(echoes):
-        if echo:
-            yield choice(index, echo)
-    async for chunk in _stream(engine, sub, head, include_usage, on_delta,
-                               lambda event: [choice(event.index, "", event.output.finish_reason)]):
-        yield chunk
+    return _stream(engine, sub, head, include_usage, "".join(choice(i, echo) for i, echo in enumerate(echoes) if echo),
+                   on_delta, lambda event: [choice(event.index, "", event.output.finish_reason)])
 
 
-async def _stream_chat(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
-                       top_n: int | None, tokenizer, uses_tools: bool):
+def _stream_chat(engine: EngineClient, sub: Submission, head: dict, include_usage: bool,
+                 top_n: int | None, tokenizer, uses_tools: bool) -> AsyncGenerator[str, None]:
     prefix = _chunk_prefix(head)
 
     def choice(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
-        return prefix + json.dumps({"index": index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": finish_reason}, ensure_ascii=False) + "]}\n\n"
+        # the encoded {"index", "delta", "logprobs", "finish_reason"}, its values encoded one by one (_json), the
+        # delta's too (its keys are this function's callers' names, with nothing to escape)
+        members = ", ".join([f'"{key}": {_json(value)}' for key, value in delta.items()])
+        return (f'{prefix}{{"index": {index}, "delta": {{{members}}}, "logprobs": {_json(logprobs)}, '
+                f'"finish_reason": {_json(finish_reason)}}}]}}\n\n')
 
     splits = [ReasoningStream() for _ in range(sub.num_choices)]
     calls = [tools.ToolCallStream() if uses_tools else None for _ in range(sub.num_choices)]
@@ -449,9 +490,9 @@ async def _stream_chat(engine: EngineClient, sub: Submission, head: dict, includ
         reason = "tool_calls" if num_calls[event.index] else event.output.finish_reason
         return chunks + [choice(event.index, {}, reason)]
 
-    yield "".join(choice(index, {"role": "assistant", "content": ""}) for index in range(sub.num_choices))
-    async for chunk in _stream(engine, sub, head, include_usage, on_delta, on_finish):
-        yield chunk
+    return _stream(engine, sub, head, include_usage,
+                   "".join(choice(index, {"role": "assistant", "content": ""}) for index in range(sub.num_choices)),
+                   on_delta, on_finish)
 
 
 # ---------------------------------------------------------------------------- logprobs
