@@ -20,3 +20,21 @@ def test_the_dry_run_measures_all_three_cases(tiny_checkpoint, tmp_path):
         assert r["batch"] == 4 and r["steps"] >= 3
         assert abs(r["decode_tok_s"] * r["ms_per_step"] / 1e3 - 4) < 1e-6  # 4 tokens a step
     assert result["masking_cost_fraction"] == (every["ms_per_step"] - plain["ms_per_step"]) / plain["ms_per_step"]
+
+
+TIMELINE = Path(__file__).resolve().parents[1] / "scripts" / "structured_timeline.py"
+
+
+def test_the_timeline_dry_run_orders_each_steps_grammar_work(tiny_checkpoint, tmp_path):
+    spec = importlib.util.spec_from_file_location("structured_timeline", TIMELINE)
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    result = timeline.main(["--device", "cpu", "--model", str(tiny_checkpoint), "--batch", "4", "--context", "16",
+                            "--new", "8", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "structured_timeline.json").read_text()) == json.loads(json.dumps(result))
+    rows = result["steps"]
+    assert len(rows) >= 3
+    for r in rows:  # after the tokens are read: consume, then the next step's masks, then its tokens
+        assert 0 <= r["consume_start"] <= r["consume_end"] <= r["masks_published"] <= r["next_read_end"]
+    assert {"consume", "fill", "publish", "collect", "launch"} <= set(result["per_call_ms"])
+    assert set(result["summary"]) >= {"consume_start", "masks_published", "next_read_end", "next_wait"}
