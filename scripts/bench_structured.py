@@ -64,8 +64,8 @@ def report(name: str, r: dict) -> None:
           f"over {r['steps']} steps", flush=True)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, device and batch options (this script's and structured_timeline.py's)."""
     ap.add_argument("--preset", default="qwen3-0.6b", help="synthetic checkpoint preset (made on first use)")
     ap.add_argument("--model", type=Path, help="a checkpoint directory instead of --preset")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=512, help="prompt positions before the timed decode")
     ap.add_argument("--new", type=int, default=128, help="tokens each request decodes")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_arguments(ap)
     args = ap.parse_args(argv)
     if args.batch < 2 or args.new < 4:
         ap.error("--batch must be >= 2 (half of it is constrained) and --new >= 4 (steps to time)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import batch_decode  # noqa: E402
-from bench_structured import params  # noqa: E402
+from bench_structured import params, workload_arguments  # noqa: E402
 
 import tileinfer  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
@@ -127,13 +126,7 @@ def durations(calls: list) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen3-0.6b", help="synthetic checkpoint preset (made on first use)")
-    ap.add_argument("--model", type=Path, help="a checkpoint directory instead of --preset")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=512, help="prompt positions before the timed decode")
-    ap.add_argument("--new", type=int, default=128, help="tokens each request decodes")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    workload_arguments(ap)
     args = ap.parse_args(argv)
     if args.new < 4:
         ap.error("--new must be >= 4 (steps to time)")

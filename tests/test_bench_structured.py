@@ -1,16 +1,22 @@
-"""scripts/bench_structured.py's dry run on the CPU runner (the tiny checkpoint): the three runs happen,
-the constrained ones spend host time in the grammar and the unconstrained one none, the figures agree."""
+"""scripts/bench_structured.py's and scripts/structured_timeline.py's dry runs on the CPU runner (the tiny
+checkpoint): the three runs happen, the constrained ones spend host time in the grammar and the unconstrained
+one none, the figures agree; each step's grammar work comes in order."""
 import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_structured.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_dry_run_measures_all_three_cases(tiny_checkpoint, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_structured", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_structured")
     result = bench.main(["--device", "cpu", "--model", str(tiny_checkpoint), "--batch", "4", "--context", "16",
                          "--new", "6", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "bench_structured.json").read_text()) == json.loads(json.dumps(result))
@@ -22,13 +28,8 @@ def test_the_dry_run_measures_all_three_cases(tiny_checkpoint, tmp_path):
     assert result["masking_cost_fraction"] == (every["ms_per_step"] - plain["ms_per_step"]) / plain["ms_per_step"]
 
 
-TIMELINE = Path(__file__).resolve().parents[1] / "scripts" / "structured_timeline.py"
-
-
 def test_the_timeline_dry_run_orders_each_steps_grammar_work(tiny_checkpoint, tmp_path):
-    spec = importlib.util.spec_from_file_location("structured_timeline", TIMELINE)
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = load_script("structured_timeline")
     result = timeline.main(["--device", "cpu", "--model", str(tiny_checkpoint), "--batch", "4", "--context", "16",
                             "--new", "8", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "structured_timeline.json").read_text()) == json.loads(json.dumps(result))
