@@ -2,6 +2,7 @@
 """Speculative decoding's costs beside plain decoding, batch 1, on synthetic checkpoints.
 
     python scripts/bench_speculative.py [--target qwen3-8b] [--draft qwen3-0.6b] [--k 4] [--context 512]
+    python scripts/bench_speculative.py --target qwen3-8b --draft dflash-qwen3-8b --k 15
 
 Measures, in one process:
   * t_decode: one plain decode step of the target (tileinfer.generate's graph replay; wall time per
@@ -22,6 +23,14 @@ and prints the speedup expected at acceptance rates 0.6 and 0.8 from those measu
     time per round    T = k t_draft + t_verify
     speedup           S = E t_decode / T
 
+With a DFlash drafter (--draft dflash-*, written beside the target as a synthetic checkpoint) one forward
+drafts all k tokens, so t_draft is one draft (the new context of an accepted round, ACCEPTED_CONTEXT
+positions, and the block of k + 1 tokens, wall time with the hidden states' upload, median of --repeats);
+t_states is reading the verify step's captured hidden states back; a round is T = t_draft + t_verify +
+t_states, and at an acceptance length L (tokens per target step) the expected speedup is L t_decode / T,
+printed for L = 3, 5, 7. Its random weights are accepted about never, so generate() with it measures a
+round's whole cost too (decode seconds per target step).
+
 Writes bench_speculative.json to $OUT or --out.
 """
 from __future__ import annotations
@@ -38,7 +47,12 @@ import numpy as np
 import bench  # scripts/bench.py: the decode step's GPU time and the per-kernel profile
 import tileinfer
 from tileinfer.kv import Sequence
-from tileinfer.model.synthetic import cached_checkpoint
+from tileinfer.model.dflash_config import DFLASH_PRESETS
+from tileinfer.model.synthetic import cached_checkpoint, checkpoints_dir, write_checkpoint
+from tileinfer.runner.base import DraftRow
+from tileinfer.runner.gpu_dflash import GPUDFlashRunner
+
+ACCEPTED_CONTEXT = 4  # new context positions a DFlash draft takes after a round (accepted drafts + 1)
 
 
 def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int], list[int]]:
@@ -91,6 +105,62 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile:
         cache.manager.release(seq)
 
 
+def dflash_checkpoint(name: str) -> Path:
+    """The synthetic DFlash drafter of a preset (DFLASH_PRESETS), written on first use."""
+    out = checkpoints_dir() / f"{name}-seed0"
+    marker = out / ".tileinfer-complete"
+    if not marker.is_file():
+        write_checkpoint(DFLASH_PRESETS[name][1], out, seed=0, progress=False)
+        marker.write_text(name)
+    return out
+
+
+def dflash_costs(target, path: Path, prompt: list[int], k: int, new: int, repeats: int) -> dict:
+    """A DFlash round's parts on the target (bound to the drafter here): one draft (ACCEPTED_CONTEXT new
+    context positions, then the k + 1 block; wall seconds, median), the captured states' read-back after a
+    verify step of k + 1 tokens, and generate()'s decode seconds per target step with this drafter."""
+    drafter = GPUDFlashRunner(path, max_num_seqs=1)
+    try:
+        drafter.bind_target(target)
+        cfg = drafter.config
+        rng = np.random.default_rng(0)
+        n = len(prompt)
+        drafter.ensure_cache(n + 2 * (ACCEPTED_CONTEXT + k + 1))
+        manager, seq = drafter.cache.manager, Sequence()
+        block = [int(prompt[-1])] + [cfg.mask_token_id] * k
+        states = rng.standard_normal((n + ACCEPTED_CONTEXT, cfg.feature_size)).astype(np.float32)
+        manager.reserve(seq, n + k + 1)  # the prompt's context, once
+        drafter.draft([DraftRow(seq, states[:n], np.arange(n), block, n)])
+        manager.truncate(seq, n)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            manager.reserve(seq, ACCEPTED_CONTEXT + k + 1)
+            drafter.draft([DraftRow(seq, states[n:], np.arange(n, n + ACCEPTED_CONTEXT), block,
+                                    n + ACCEPTED_CONTEXT)])
+            times.append(time.perf_counter() - start)
+            manager.truncate(seq, n)
+        manager.release(seq)
+        cache, tseq = target.ensure_cache(n + k + 1), Sequence()
+        target.extend(tseq, prompt, logits="none")
+        read = []
+        for _ in range(repeats + 1):
+            cache.manager.reserve(tseq, k + 1)
+            target.verify([(tseq, prompt[-(k + 1):], n)], logits="argmax", graph_width=k + 1)
+            start = time.perf_counter()
+            target.last_features
+            read.append(time.perf_counter() - start)
+            cache.manager.truncate(tseq, n)
+        cache.manager.release(tseq)
+        r = tileinfer.generate(target, prompt, max_new_tokens=new, stop_at_eos=False, draft_model=drafter,
+                               num_draft_tokens=k)
+        s = r.speculation
+        return dict(t_draft_ms=1e3 * statistics.median(times[1:]), t_states_ms=1e3 * statistics.median(read[1:]),
+                    round_ms=1e3 * r.decode_seconds / max(s.target_steps, 1), tokens_per_target_step=s.tokens_per_target_step)
+    finally:
+        drafter.close()
+
+
 def speedup(a: float, k: int, t_decode: float, t_draft: float, t_verify: float) -> float:
     tokens = (1 - a ** (k + 1)) / (1 - a)
     return tokens * t_decode / (k * t_draft + t_verify)
@@ -112,6 +182,7 @@ def main() -> None:
     args = ap.parse_args()
     k = args.k
     row: dict = dict(target=args.target, draft=args.draft, k=k, context=args.context)
+    dflash = args.draft in DFLASH_PRESETS
     with tileinfer.load_model(cached_checkpoint(args.target), progress=False) as target:
         t_decode, prompt, continuation = decode_step_seconds(target, args.context, args.new)
         gpu_decode = bench.graph_step_ms(target) / 1e3
@@ -155,13 +226,22 @@ def main() -> None:
                    plain_tok_s=plain_tok_s, oracle_tok_s=oracle_tok_s, oracle_speedup=oracle_tok_s / plain_tok_s,
                    oracle_end_to_end_tok_s=oracle_e2e, oracle_prefill_ms=1e3 * oracle.prefill_seconds,
                    oracle_tokens_per_step=oracle.speculation.tokens_per_target_step)
-    with tileinfer.load_model(cached_checkpoint(args.draft), progress=False) as draft:
-        t_draft, _, _ = decode_step_seconds(draft, args.context, args.new)
-    row["t_draft_ms"] = 1e3 * t_draft
-    row["expected_speedup"] = {str(a): speedup(a, k, t_decode, t_draft, t_verify) for a in (0.6, 0.8)}
+        if dflash:
+            row["dflash"] = d = dflash_costs(target, dflash_checkpoint(args.draft), prompt, k, args.new, args.repeats)
+            t_round = (d["t_draft_ms"] + d["t_states_ms"]) / 1e3 + t_verify
+            row["expected_speedup"] = {str(L): L * t_decode / t_round for L in (3, 5, 7)}
+            print(f"{args.draft}: draft {d['t_draft_ms']:.3f} ms ({ACCEPTED_CONTEXT} new context positions, a block "
+                  f"of {k + 1}), hidden states read back {d['t_states_ms']:.3f} ms, round {1e3 * t_round:.3f} ms "
+                  f"from its parts; generate() with it: {d['round_ms']:.3f} ms per target step "
+                  f"({d['tokens_per_target_step']:.2f} tokens a step)")
+    if not dflash:
+        with tileinfer.load_model(cached_checkpoint(args.draft), progress=False) as draft:
+            t_draft, _, _ = decode_step_seconds(draft, args.context, args.new)
+        row["t_draft_ms"] = 1e3 * t_draft
+        row["expected_speedup"] = {str(a): speedup(a, k, t_decode, t_draft, t_verify) for a in (0.6, 0.8)}
     print(f"{args.target} target, k={k}, context {args.context}: decode step {row['t_decode_ms']:.3f} ms, "
-          f"verify step {row['t_verify_ms']:.3f} ms ({row['verify_over_decode']:.2f}x), "
-          f"{args.draft} draft step {row['t_draft_ms']:.3f} ms")
+          f"verify step {row['t_verify_ms']:.3f} ms ({row['verify_over_decode']:.2f}x)"
+          + ("" if dflash else f", {args.draft} draft step {row['t_draft_ms']:.3f} ms"))
     print(f"GPU time (graph replays): decode step {row['gpu_decode_ms']:.3f} ms, verify step {row['gpu_verify_ms']:.3f} ms "
           f"({row['gpu_verify_over_decode']:.2f}x)")
     print(f"oracle draft: {oracle_tok_s:.1f} decode tok/s vs plain {plain_tok_s:.1f} ({row['oracle_speedup']:.2f}x; "
@@ -169,8 +249,11 @@ def main() -> None:
           f"{row['oracle_tokens_per_step']:.2f} tokens per target step; {attempt} oracle attempt(s), the first "
           f"{same} of {len(continuation)} tokens equal to plain greedy)")
     for a, s in row["expected_speedup"].items():
-        print(f"acceptance {a}: E = (1 - a^(k+1)) / (1 - a) = {(1 - float(a) ** (k + 1)) / (1 - float(a)):.2f} tokens "
-              f"per round, expected speedup {s:.2f}x")
+        if dflash:
+            print(f"acceptance length {a} tokens per target step: expected speedup {s:.2f}x")
+        else:
+            print(f"acceptance {a}: E = (1 - a^(k+1)) / (1 - a) = {(1 - float(a) ** (k + 1)) / (1 - float(a)):.2f} "
+                  f"tokens per round, expected speedup {s:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_speculative.json").write_text(json.dumps(row, indent=1))
 

@@ -75,14 +75,12 @@ def _check_model_options(args, load_format: str = "auto") -> None:
     """The options of the model every command has (--max-context, --num-draft-tokens, --model, --draft-model),
     checked without the GPU; the checkpoints last, as they are read from disk (the model's by load_format)."""
     from tileinfer.config import check_count
-    from tileinfer.model.dflash_config import DFLASH_NEEDS_CPU, DFlashConfig
+    from tileinfer.model.dflash_config import DFlashConfig
     check_count("--max-context", args.max_context)
     if args.num_draft_tokens is not None:
         check_count("--num-draft-tokens", args.num_draft_tokens)
     _check_checkpoint("--model", args.model, load_format=load_format)
     draft = _check_checkpoint("--draft-model", args.draft_model, draft=True)
-    if isinstance(draft, DFlashConfig) and args.device != "cpu":
-        raise ValueError(f"--draft-model {args.draft_model}: {DFLASH_NEEDS_CPU}; add --device cpu")
     if isinstance(draft, DFlashConfig) and (args.num_draft_tokens or 0) > draft.max_draft_tokens:
         raise ValueError(f"--num-draft-tokens {args.num_draft_tokens} exceeds what the DFlash drafter drafts a round "
                          f"(block_size {draft.block_size} - 1 = {draft.max_draft_tokens})")

@@ -24,16 +24,20 @@ from .model.dflash_config import is_dflash_dir
 from .runner.cpu import CPURunner
 from .runner.cpu_dflash import CPUDFlashRunner
 from .runner.gpu import GPURunner
+from .runner.gpu_dflash import GPUDFlashRunner
 
 
 def load_model(path: str | Path, *, device="cuda", max_num_seqs: int = 8, max_batch_tokens: int = 2048,
                max_logit_rows: int = 256, batch_invariant: bool = False, progress: bool = True):
     """A Hugging Face Qwen3 checkpoint directory loaded for one (or a few) sequences: bf16 weights on the GPU
     (device="cuda" or "cuda:N"), or float32 numpy weights for the CPU runner (device="cpu"), which also runs
-    Apertus checkpoints and DFlash drafters (a draft_model for `generate` and `ChatSession`)."""
+    Apertus checkpoints. A DFlash drafter's directory loads as a drafter, a draft_model for `generate` and
+    `ChatSession` beside a model loaded on the same device (its weights go up when it is paired)."""
     kind, ordinal = parse_device(device)
-    if kind == "cpu" and is_dflash_dir(path):
-        return CPUDFlashRunner(path, max_num_seqs=max_num_seqs)
+    if is_dflash_dir(path):  # drafts for the model it is passed beside (generate's draft_model)
+        if kind == "cpu":
+            return CPUDFlashRunner(path, max_num_seqs=max_num_seqs)
+        return GPUDFlashRunner(path, max_num_seqs=max_num_seqs)
     if kind == "cpu":
         return CPURunner(path, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                          max_logit_rows=max_logit_rows)
@@ -53,7 +57,7 @@ def engine_over(runner, positions: int, *, kv_quantize: str | None = None, kv_sm
                 draft=None, num_draft_tokens: int | None = None) -> Engine:
     """An Engine over a loaded runner whose cache holds at least `positions` (resized if it does not).
     draft: a loaded runner of the same tokenizer (its own cache, sized alike), a loaded DFlash drafter
-    (load_model of its directory, device="cpu") or an OracleDraft."""
+    (load_model of its directory, on the runner's device) or an OracleDraft."""
     cache = runner.ensure_cache(positions, kv_quantize=kv_quantize, smoothing=kv_smoothing)
     num_draft_tokens = draft_tokens(draft, num_draft_tokens)
     drafter = None
@@ -66,8 +70,8 @@ def engine_over(runner, positions: int, *, kv_quantize: str | None = None, kv_sm
         if draft.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"draft_model's vocabulary ({draft.config.vocab_size}) differs from the target's "
                              f"({runner.config.vocab_size}); speculation needs the same tokenizer")
+        drafter = make_drafter(draft, runner, num_draft_tokens)  # (a DFlash drafter is paired with runner here)
         draft.ensure_cache(positions)
-        drafter = make_drafter(draft, runner, num_draft_tokens)
     config = EngineConfig(model=runner.checkpoint.path, device="cpu" if isinstance(runner, CPURunner) else "cuda",
                           max_num_seqs=runner.max_num_seqs, max_context=min(positions, cache.capacity),
                           max_num_batched_tokens=runner.max_batch_tokens, page_size=cache.manager.page_size,

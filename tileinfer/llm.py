@@ -23,7 +23,7 @@ from .engine.scheduler import FINISHED, Request
 from .engine.speculative import make_drafter
 from .kv import Sequence
 from .model.checkpoint import Checkpoint, load_checkpoint
-from .model.dflash_config import DFLASH_NEEDS_CPU, DFlashConfig
+from .model.dflash_config import DFlashConfig
 from .model.forward import check_supported
 from .runner.startup import Started, start_cpu, start_gpu
 
@@ -51,7 +51,7 @@ def check_checkpoints(config: EngineConfig):
 
 def _check_dflash(config: EngineConfig, draft: DFlashConfig, model) -> None:
     if not config.on_cpu:
-        raise ValueError(DFLASH_NEEDS_CPU)
+        check_supported(draft.decoder, config.draft_model)
     draft.check_target(model, source=f"draft_model {config.draft_model}")
     if config.num_draft_tokens > draft.max_draft_tokens:
         raise ValueError(f"num_draft_tokens {config.num_draft_tokens} exceeds what the DFlash drafter drafts a round "
@@ -64,7 +64,7 @@ class LLM:
         EngineConfig's fields (max_num_seqs, max_context, page_size, enable_prefix_caching, max_num_batched_tokens,
         gpu_memory_utilization, num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant,
         async_scheduling, device, progress, draft_model, num_draft_tokens). draft_model may be a draft model's
-        directory or a DFlash drafter's (recognised by its config.json; device="cpu" only so far)."""
+        directory or a DFlash drafter's (recognised by its config.json)."""
         self.config = EngineConfig(model=model, **options)
         self.model_config = check_checkpoints(self.config)
         self._closed = False
@@ -209,7 +209,7 @@ class LLM:
             return
         self._closed = True
         if self._started is not None:
-            for runner in (self._started.runner, self._started.draft):
+            for runner in (self._started.draft, self._started.runner):  # a DFlash drafter uses its target's stream
                 if runner is not None:
                     runner.close()
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from tileinfer.model.config import PRESETS, ConfigError, ModelConfig, Qwen3Config, _read_json_config, config_from_dict
 
 ARCHITECTURE = "DFlashDraftModel"
-DFLASH_NEEDS_CPU = ("DFlash drafters run on the CPU runner only (device='cpu'): the GPU runner does not run them "
-                    "yet")
+DFLASH_NOT_A_MODEL = ("a DFlash drafter is not a model of its own (it drafts from its target's hidden states): pass "
+                      "its directory as draft_model (--draft-model) beside the model it drafts for")
 # Keys z-lab's code reads with a default, and that default (the only value the engine honours).
 NEUTRAL_VALUES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0,
                   "is_causal": False}

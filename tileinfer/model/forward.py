@@ -30,6 +30,12 @@ any launch (so a decode graph holds them):
                                                                       columns copied into [rows, vocab]
 No step norms in the residual products' epilogue under tp (they need the summed residual), and no LM head
 keys (sampling scans the gathered logits).
+
+Hidden-state capture (`capture`, for a DFlash drafter beside the model, runner/gpu_dflash.py): after each
+captured layer the step's residual rows are copied into that layer's columns of a capture buffer (one 2-D
+copy, a graph node like any launch); a captured last layer is final-normed first (transformers'
+hidden_states[num_layers]), into a bf16 buffer of its own. The drafter reads the rows of every position the
+step computed.
 """
 from __future__ import annotations
 
@@ -56,6 +62,22 @@ def check_supported(config, source) -> None:
     take head_dim 128 only. `source` names the checkpoint."""
     if config.head_dim != 128:
         raise ValueError(f"{source}: head_dim {config.head_dim} is not supported (the kernels need 128)")
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """Where a step leaves the hidden states after `layers` (in that order): a layer's residual rows in
+    `states` [max_tokens, len(layers) x hidden] float32 at its column block; the last layer's, final-normed,
+    in `last` [max_tokens, hidden] bf16 (None when the last layer is not captured; its column block of
+    `states` is then unused)."""
+    layers: tuple[int, ...]
+    states: DeviceArray
+    last: DeviceArray | None
+
+    def free(self) -> None:
+        self.states.free()
+        if self.last is not None:
+            self.last.free()
 
 
 class Workspace:
@@ -141,12 +163,13 @@ class _Views:
 
 def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, inputs: StepInputs, shape: StepShape,
             *, all_logits: bool, num_splits: int, stream, batch_invariant: bool = False,
-            embedded: bool = False, tp: TensorParallel | None = None) -> DeviceArray:
+            embedded: bool = False, tp: TensorParallel | None = None, capture: Capture | None = None) -> DeviceArray:
     """Enqueue one step. Returns the logits rows: every token's (all_logits) or each sequence's last.
     embedded: the step's token ids already hold the ones the previous step sampled, and ws.resid their
     embeddings (fetch_step with embed=, a decode step's first kernel; under tp this rank's part of them,
     all-reduced here). tp: this rank's place in a tensor-parallel group (the module docstring); `weights` and
-    `cache` hold its shards, `ws` was made with the same tp.
+    `cache` hold its shards, `ws` was made with the same tp. capture: also copy the hidden states after
+    those layers (the module docstring).
 
     By default each matrix product picks its kernel by row count and attention its shape by
     query rows; batch_invariant runs every product on the tensor-core GEMM and attention in its
@@ -161,6 +184,8 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, inputs: 
     for i, lw in enumerate(layers):
         _attention_block(weights.config, lw, i, cache, inputs, shape, v, num_splits, batch_invariant, stream)
         _mlp_block(weights.config, lw, layers[i + 1] if i + 1 < len(layers) else None, v, stream)
+        if capture is not None and i in capture.layers:
+            _capture(weights, capture, i, v, stream)
     return _lm_head(weights, ws, inputs, v, all_logits, batch_invariant, stream)
 
 
@@ -236,6 +261,17 @@ def _mlp_block(c, lw, next_layer, v: _Views, stream) -> None:
     K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_up, v.act, epilogue, stream, force=v.force, act=lw.act)
     K.linear(v.act, lw.w_down, v.resid, v.partial, stream, force=v.force)
     _all_reduce(v, stream)
+
+
+def _capture(weights: DeviceWeights, capture: Capture, i: int, v: _Views, stream) -> None:
+    """Layer i's output rows into its place in the capture buffers (forward's `capture`). The last layer's is
+    final-normed straight into `capture.last`."""
+    c = weights.config
+    if i == c.num_hidden_layers - 1:
+        K.rmsnorm(v.resid, weights.final_norm, capture.last.rows(0, v.n), c.rms_norm_eps, stream)
+        return
+    j = capture.layers.index(i)
+    copy_columns(capture.states.rows(0, v.n), j * c.hidden_size, v.resid, 0, c.hidden_size, stream)
 
 
 def _all_reduce(v: _Views, stream) -> None:

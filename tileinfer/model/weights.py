@@ -98,7 +98,11 @@ class _Uploader:
 
 
 class DeviceWeights:
-    def __init__(self, checkpoint, stream, *, progress: bool = True):
+    """A checkpoint's weights on the device. vocab_from: another model's DeviceWeights whose embedding and LM
+    head these borrow instead of uploading their own (a DFlash drafter's layers read its target's; the
+    checkpoint then needs no embedding, LM head or `model.` prefix: runner/gpu_dflash.py)."""
+
+    def __init__(self, checkpoint, stream, *, progress: bool = True, vocab_from: "DeviceWeights | None" = None):
         cfg = checkpoint.config
         self.config = cfg
         self.arrays: list[DeviceArray] = []
@@ -125,7 +129,7 @@ class DeviceWeights:
                 self.arrays.append(out)
                 return out
 
-            self.embed = tensor("model.embed_tokens.weight")
+            self.embed = vocab_from.embed if vocab_from else tensor("model.embed_tokens.weight")
             self.layers = []
             attention_norm, mlp_norm = cfg.norm_names
             for i in range(cfg.num_hidden_layers):
@@ -142,7 +146,10 @@ class DeviceWeights:
                     act=act(p),
                 ))
             self.final_norm = tensor("model.norm.weight")
-            self.lm_head = self.embed if cfg.tie_word_embeddings else tensor("lm_head.weight")
+            if vocab_from:
+                self.lm_head = vocab_from.lm_head
+            else:
+                self.lm_head = self.embed if cfg.tie_word_embeddings else tensor("lm_head.weight")
         finally:
             up.close()
             if bar is not None:

@@ -39,8 +39,8 @@ class CPUDFlashRunner:
     def bind_target(self, target: CPURunner) -> None:
         """Draft for `target` (a CPURunner; ValueError if this drafter does not fit it)."""
         if not isinstance(target, CPURunner):
-            raise ValueError("a DFlash drafter runs beside the CPU runner only (device='cpu'); the GPU runner "
-                             "does not run DFlash drafters yet")
+            raise ValueError("a DFlash drafter loaded for the CPU (device='cpu') drafts for a CPU model; load it "
+                             "with device='cuda' to draft for a GPU model")
         self.model.bind_target(target.reference)
 
     # ------------------------------------------------------------------ cache

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import kernels as K
-from ..cuda import Stream, get_device
+from ..cuda import DeviceArray, Stream, get_device
 from ..cuda import compiler
 from ..cuda.module import load_all
 from ..graphs import DECODE, DECODE_MASKED, GraphManager, bucket_for
@@ -56,8 +56,8 @@ from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
 from ..model.checkpoint import load_checkpoint
-from ..model.dflash_config import DFLASH_NEEDS_CPU, is_dflash_dir
-from ..model.forward import Workspace, check_supported, forward, head_keys_written
+from ..model.dflash_config import DFLASH_NOT_A_MODEL, is_dflash_dir
+from ..model.forward import BF16, Capture, Workspace, check_supported, forward, head_keys_written
 from ..model.sharding import ShardedCheckpoint, TensorParallel
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
@@ -98,7 +98,7 @@ class GPURunner(CheckpointRunner):
                  max_num_seqs: int = 8, max_logit_rows: int = 256, batch_invariant: bool = False,
                  progress: bool = True, load_format: str = "auto", tensor_parallel: TensorParallel | None = None):
         if is_dflash_dir(path):
-            raise ValueError(f"{path}: {DFLASH_NEEDS_CPU}")
+            raise ValueError(f"{path}: {DFLASH_NOT_A_MODEL}")
         self.checkpoint = load_checkpoint(path, load_format)
         self.config = self.checkpoint.config  # the whole model's
         check_supported(self.config, path)
@@ -131,6 +131,9 @@ class GPURunner(CheckpointRunner):
         self._awaiting = deque()
         self.batch_invariant = batch_invariant
         self._smoothing: np.ndarray | None = None
+        self.capture: Capture | None = None  # hidden states a DFlash drafter reads (capture_hidden_states)
+        self._captured: list[np.ndarray] = []  # host copies of them from the last extend's earlier chunks
+        self._captured_rows = 0                # rows of the capture buffers the last launch or verify wrote
         self._closed = False
 
     def _shards(self, tp: TensorParallel) -> ShardedCheckpoint:
@@ -140,10 +143,48 @@ class GPURunner(CheckpointRunner):
                              f"{self.config.vocab_size}")
         return ShardedCheckpoint(self.checkpoint, tp.rank, tp.world)
 
+    # ------------------------------------------------------------------ hidden-state capture
     def capture_hidden_states(self, layer_ids) -> None:
-        """The CPU runner's capture for a DFlash drafter is not built here: asking for layers fails."""
-        if tuple(layer_ids):
-            raise ValueError(DFLASH_NEEDS_CPU)
+        """From now on every step (launch, verify, extend) also copies, for each position it computes, the outputs
+        of these layers side by side (`last_features`), in the same pass; () turns it off. A captured last layer
+        gives the final-normed state, as transformers' hidden_states[num_layers] does. Graphs captured before
+        are dropped (they are captured again at their next use, with or without the copies)."""
+        self._check_open()
+        ids = tuple(int(i) for i in layer_ids)
+        c = self.config
+        if any(not 0 <= i < c.num_hidden_layers for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"capture_hidden_states: layers {list(ids)} are not distinct layers of the model's "
+                             f"{c.num_hidden_layers}")
+        if (self.capture.layers if self.capture else ()) == ids:
+            return
+        if self.capture is not None:
+            self.stream.synchronize()
+            self.capture.free()
+            self.capture = None
+        if ids:
+            rows = self.workspace.max_tokens
+            last = c.num_hidden_layers - 1 in ids
+            self.capture = Capture(ids, DeviceArray((rows, len(ids) * c.hidden_size), np.float32),
+                                   DeviceArray((rows, c.hidden_size), BF16) if last else None)
+        if self.graphs is not None:
+            self.graphs.destroy()
+
+    @property
+    def last_features(self) -> np.ndarray:
+        """The captured states of every position the last launch, verify or extend computed, in the step's row
+        order (a row's positions in order): float32 [tokens, len(layers) * hidden]. Waits for that step."""
+        if self.capture is None:
+            raise RuntimeError("no hidden states are captured: call capture_hidden_states(layer_ids) first")
+        return np.concatenate([*self._captured, self._read_capture(self._captured_rows)])
+
+    def _read_capture(self, n: int) -> np.ndarray:
+        """Rows [0, n) of the capture buffers to the host, in layer order."""
+        cap, hidden = self.capture, self.config.hidden_size
+        out = cap.states.rows(0, n).to_host(self.stream)
+        if cap.last is not None:
+            j = cap.layers.index(self.config.num_hidden_layers - 1)
+            out[:, j * hidden:(j + 1) * hidden] = cap.last.rows(0, n).to_host(self.stream).astype(np.float32)
+        return out
 
     # ------------------------------------------------------------------ cache and graphs
     def smoothing_factors(self) -> np.ndarray:
@@ -214,7 +255,7 @@ class GPURunner(CheckpointRunner):
         """Enqueue the forward pass of one step (its only caller); returns its logits rows."""
         return forward(self.weights, self.workspace, self.cache, self.steps.inputs, shape, all_logits=all_logits,
                        num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant, embedded=embedded,
-                       tp=self.tensor_parallel)
+                       tp=self.tensor_parallel, capture=self.capture)
 
     def _enqueue_step(self, shape: StepShape, *, sample: bool, num_splits: int, stream, embedded: bool = False,
                       masked: bool = False):
@@ -260,6 +301,7 @@ class GPURunner(CheckpointRunner):
         it samples under a bitmask; the step then waits for `publish_masks` before it samples."""
         self._check_open()
         self._copy_pending_pages()
+        self._set_captured(sum(len(item[1]) for item in batch))
         decode = all(len(item[1]) == 1 for item in batch) and len(batch) <= self.max_num_seqs
         if masked is not None and any(masked) and not sample:
             raise ValueError("launch: rows with bitmasks in a step that does not sample")
@@ -351,8 +393,12 @@ class GPURunner(CheckpointRunner):
         out = np.empty((len(ids), self.config.vocab_size), np.float32) if logits == "all" else None
         if logits == "argmax":
             out = np.empty(len(ids), np.int32)
+        self._set_captured(0)
         for start in range(0, len(ids), chunk):
             part = ids[start: start + chunk]
+            if self.capture is not None and start:  # the chunk before's states, before this one overwrites them
+                self._captured.append(self._read_capture(self._captured_rows))
+            self._captured_rows = len(part)
             cache.manager.reserve(seq, len(part))
             shape = prepare_step(self.steps, cache.manager, [(seq, part)])
             self.steps.upload(self.stream)
@@ -390,6 +436,7 @@ class GPURunner(CheckpointRunner):
         if not batch or n > self.max_verify_tokens:
             raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
         self._copy_pending_pages()
+        self._set_captured(n)
         bucket = self._verify_bucket(batch, graph_width)
         pad = dict(pad_to=bucket, pad_tokens=bucket * graph_width) if bucket else {}
         shape = prepare_step(self.steps, self.cache.manager, batch, **pad)
@@ -426,6 +473,11 @@ class GPURunner(CheckpointRunner):
         rows = self._forward(shape, all_logits=True, num_splits=1, stream=stream)
         if logits == "argmax":
             K.argmax(rows, self.workspace.logit_argmax.rows(0, n), stream)
+
+    def _set_captured(self, rows: int) -> None:
+        """The step being launched writes `rows` rows of the capture buffers (last_features reads them)."""
+        self._captured.clear()
+        self._captured_rows = rows
 
     def _read_rows(self, rows, n: int, logits: str) -> np.ndarray:
         """The first n logits rows to the host: "all" as they are, "argmax" each row's argmax (found on
@@ -467,6 +519,8 @@ class GPURunner(CheckpointRunner):
             self.steps.release_masks()
         self.stream.synchronize()
         self.detach_cache()
+        if self.capture is not None:
+            self.capture.free()
         self.workspace.free()
         self.weights.free()
         self.stream.destroy()

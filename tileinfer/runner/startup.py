@@ -12,7 +12,8 @@ On the GPU (`start_gpu`), sizing the pool from what NVML says is free, after a w
 After that nothing is allocated: steps only launch kernels over persistent buffers.
 
 With a draft model (speculative decoding) the draft runs on its own pool of as many pages as the
-target's, the memory split between them. The target's logits workspace holds max_num_seqs x (k + 1)
+target's, the memory split between them; a DFlash drafter (runner/gpu_dflash.py) likewise, plus a block's
+pages per sequence, and the target captures the hidden states it reads from the warm-up on. The target's logits workspace holds max_num_seqs x (k + 1)
 rows for the verify step.
 
 On the CPU (`start_cpu`) the pool is num_pages / max_tokens, or max_num_seqs sequences of max_context
@@ -34,6 +35,7 @@ from ..model.dflash_config import is_dflash_dir
 from .cpu import CPURunner
 from .cpu_dflash import CPUDFlashRunner
 from .gpu import GPURunner
+from .gpu_dflash import GPUDFlashRunner
 from .memory_report import MemoryReport
 from .sampler import MAX_BANNED_TOKENS
 from .step import SamplingRow
@@ -137,11 +139,11 @@ class _Nvml:
 
 
 def start_gpu(config: EngineConfig) -> Started:
-    made: list[GPURunner] = []  # closed again if start-up fails half-way
+    made: list = []  # closed again, last first, if start-up fails half-way
     try:
         return _start_gpu(config, made)
     except BaseException:
-        for runner in made:
+        for runner in reversed(made):
             runner.close()
         raise
 
@@ -162,9 +164,14 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
     draft, draft_bytes = None, 0
     if config.speculative:
         mark = allocated_bytes()
-        draft = _gpu_runner(config, config.draft_model, config.max_num_seqs, False)  # only proposes: fast kernels
-        made.append(draft)
-        draft.use_graphs = config.use_graphs
+        if is_dflash_dir(config.draft_model):
+            draft = GPUDFlashRunner(config.draft_model, max_num_seqs=config.max_num_seqs)
+            made.append(draft)
+            draft.bind_target(runner)  # its weights, and the target's hidden-state capture buffers
+        else:
+            draft = _gpu_runner(config, config.draft_model, config.max_num_seqs, False)  # only proposes: fast kernels
+            made.append(draft)
+            draft.use_graphs = config.use_graphs
         draft_bytes = allocated_bytes() - mark
     alloc0 += draft_bytes  # what follows is measured as before, without the draft
 
@@ -196,11 +203,14 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
     return Started(runner, draft, report, times)
 
 
-def _attach_draft_pool(config: EngineConfig, draft: GPURunner, num_pages: int, nvml: _Nvml) -> int:
-    """The draft's pool (as many pages as the target's) and graphs; the bytes they took (allocated + NVML)."""
+def _attach_draft_pool(config: EngineConfig, draft, num_pages: int, nvml: _Nvml) -> int:
+    """The draft's pool (as many pages as the target's; a DFlash drafter's one block's more per sequence) and
+    graphs (a draft model's); the bytes they took (allocated + NVML)."""
     mark, used = allocated_bytes(), nvml.used()
+    if isinstance(draft, GPUDFlashRunner):
+        num_pages += config.max_num_seqs * -(-draft.config.block_size // config.page_size)
     draft.attach_cache(_allocate_pool(draft, config, num_pages, draft=True), max_context=config.max_context)
-    if config.use_graphs:
+    if config.use_graphs and draft.use_graphs:
         draft.graphs.capture(draft.stream, DECODE, draft.buckets)
     return allocated_bytes() - mark + (nvml.used() - used)
 

@@ -1,0 +1,191 @@
+"""The DFlash drafter on the GPU (runner/gpu_dflash.py) and the hidden states it reads (GPURunner's capture):
+against the float32 references (runner/cpu.py's capture, model/dflash_reference.py), against a PyTorch forward
+written from the drafter's description (z-lab's DFlashDraftModel), and greedy speculation against plain greedy
+in batch-invariant mode (a position's logits are then the same in a verify chunk and in a decode step)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tileinfer
+from tileinfer import LLM, SamplingParams
+from tileinfer.kv import Sequence
+from tileinfer.model.checkpoint import Checkpoint
+from tileinfer.model.dflash_reference import DFlashReference
+from tileinfer.model.reference import ReferenceModel
+from tileinfer.runner.base import DraftRow
+from tileinfer.runner.cpu import CPURunner
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, dflash_tiny_checkpoint):
+    target = tileinfer.load_model(tiny_checkpoint, progress=False, batch_invariant=True)
+    drafter = tileinfer.load_model(dflash_tiny_checkpoint)
+    drafter.bind_target(target)
+    drafter.ensure_cache(2048)
+    yield target, drafter
+    drafter.close()
+    target.close()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, dflash_tiny_checkpoint):
+    target = ReferenceModel.from_checkpoint(Checkpoint.open(tiny_checkpoint))
+    drafter = DFlashReference.from_checkpoint(Checkpoint.open_draft(dflash_tiny_checkpoint))
+    drafter.bind_target(target)
+    return target, drafter
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def per_layer_err(got: np.ndarray, want: np.ndarray, hidden: int) -> list[float]:
+    return [rel_err(got[:, j:j + hidden], want[:, j:j + hidden]) for j in range(0, want.shape[1], hidden)]
+
+
+def test_captured_states_match_the_reference(pair, tiny_checkpoint):
+    # dflash-tiny reads both layers of the tiny target: the first's residual and the last's final-normed state.
+    target, _ = pair
+    cpu = CPURunner(tiny_checkpoint)
+    cpu.capture_hidden_states((0, 1))
+    for r in (target, cpu):
+        r.ensure_cache(512)
+    hidden = target.config.hidden_size
+    ids = np.random.default_rng(1).integers(0, 151643, 37).tolist()
+    seqs = {r: Sequence() for r in (target, cpu)}
+    for r in (target, cpu):
+        r.extend(seqs[r], ids, chunk=16, logits="none")  # three chunks: the earlier chunks' states are kept
+    got, want = target.last_features, cpu.last_features
+    assert got.shape == want.shape == (37, 2 * hidden)
+    assert max(per_layer_err(got, want, hidden)) < 0.02, per_layer_err(got, want, hidden)
+    for step in range(3):  # eager, then captured, then replayed decode graphs
+        for r in (target, cpu):
+            r.cache.manager.reserve(seqs[r], 1)
+            r.collect(r.launch([(seqs[r], [ids[step]])]), 1)
+        got, want = target.last_features, cpu.last_features
+        assert got.shape == (1, 2 * hidden) and max(per_layer_err(got, want, hidden)) < 0.02, step
+    for width in (None, 5):  # an eager verify step, then a graphed one
+        for r in (target, cpu):
+            start = seqs[r].num_positions
+            r.cache.manager.reserve(seqs[r], 4)
+            r.verify([(seqs[r], ids[5:9], start)], logits="argmax", graph_width=width)
+        got, want = target.last_features, cpu.last_features
+        assert got.shape == (4, 2 * hidden) and max(per_layer_err(got, want, hidden)) < 0.02, width
+    for r in (target, cpu):
+        r.cache.manager.release(seqs[r])
+
+
+def torch_dflash(checkpoint: Checkpoint, embed: np.ndarray, lm_head: np.ndarray, features: np.ndarray,
+                 context_positions: np.ndarray, block: list[int], start: int) -> np.ndarray:
+    """The logits of block rows 1..k, written from the description of DFlash (not from our code): context
+    c = hidden_norm(fc(features)); per pre-norm Qwen3 layer, queries from the block, keys and values from
+    [c; block] through the layer's own k_proj/v_proj, q/k norm and RoPE at the target positions, attention
+    with no mask; then the final norm and the target's LM head."""
+    torch = pytest.importorskip("torch")
+    cfg = checkpoint.config
+    d = cfg.decoder
+    H, KV, hd, eps = d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.rms_norm_eps
+
+    def w(name):
+        return torch.tensor(np.asarray(checkpoint.read(name), np.float32))
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rope(x, positions):  # x [n, heads, hd]; rotate-half pairs channel i with i + hd/2
+        inv = 1.0 / (d.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        angle = torch.tensor(positions, dtype=torch.float64)[:, None] * inv[None]
+        cos, sin = angle.cos().float()[:, None], angle.sin().float()[:, None]
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    c = norm(torch.tensor(features, dtype=torch.float32) @ w("fc.weight").T, w("hidden_norm.weight"))
+    h = torch.tensor(embed[block], dtype=torch.float32)
+    n = len(block)
+    q_pos = start + np.arange(n)
+    kv_pos = np.concatenate([context_positions, q_pos])
+    for i in range(d.num_hidden_layers):
+        p = f"layers.{i}."
+        x = norm(h, w(p + "input_layernorm.weight"))
+        both = torch.cat([c, x])
+        q = rope(norm((x @ w(p + "self_attn.q_proj.weight").T).view(n, H, hd), w(p + "self_attn.q_norm.weight")), q_pos)
+        k = rope(norm((both @ w(p + "self_attn.k_proj.weight").T).view(-1, KV, hd), w(p + "self_attn.k_norm.weight")),
+                 kv_pos)
+        v = (both @ w(p + "self_attn.v_proj.weight").T).view(-1, KV, hd)
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        h = h + o.transpose(0, 1).reshape(n, H * hd) @ w(p + "self_attn.o_proj.weight").T
+        x = norm(h, w(p + "post_attention_layernorm.weight"))
+        gate, up = x @ w(p + "mlp.gate_proj.weight").T, x @ w(p + "mlp.up_proj.weight").T
+        h = h + (torch.nn.functional.silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+    return (norm(h, w("norm.weight")) @ torch.tensor(lm_head, dtype=torch.float32).T)[1:].numpy()
+
+
+def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash_tiny_checkpoint):
+    # Two rounds on one drafter sequence (the second attends to the first's cached context), two requests in
+    # the second round's one call, contexts at gappy target positions; rows 1..k of each block's logits.
+    target, drafter = pair
+    ref_target, ref = references
+    checkpoint = Checkpoint.open_draft(dflash_tiny_checkpoint)
+    cfg, manager = drafter.config, drafter.cache.manager
+    rng = np.random.default_rng(7)
+    F = cfg.feature_size
+    seqs, caches, history = [Sequence(), Sequence()], [ref.new_cache(), ref.new_cache()], [[], []]
+    for rnd, (m, k) in enumerate([(37, 7), (5, 15)]):
+        rows, wants = [], []
+        for r in range(2 if rnd else 1):
+            pos = np.sort(rng.choice(np.arange(400 * rnd + 10 * r, 400 * rnd + 10 * r + 3 * m), m, replace=False))
+            feats = rng.standard_normal((m, F)).astype(np.float32) * 2
+            start = int(pos[-1]) + 3
+            block = ref.block(int(rng.integers(0, 151643)), k)
+            manager.reserve(seqs[r], m + k + 1)
+            rows.append(DraftRow(seqs[r], feats, pos, block, start))
+            cache = caches[r]
+            entry = cache.append_positions(np.concatenate([pos, start + np.arange(k + 1)]))
+            wants.append(ref.forward(feats, pos, block, start, cache, entry))
+            cache.truncate(entry + m)
+            history[r].append((feats, pos))
+        drafts = drafter.draft(rows)
+        logits = drafter.workspace.logits.rows(0, sum(len(r.block) for r in rows)).to_host(drafter.stream)
+        at = 0
+        for r, (row, want, got_ids) in enumerate(zip(rows, wants, drafts)):
+            got = logits[at + 1: at + len(row.block)]
+            at += len(row.block)
+            assert got_ids == got.argmax(axis=1).tolist()
+            assert rel_err(got, want) < 0.03, (rnd, r, rel_err(got, want))
+            feats = np.concatenate([f for f, _ in history[r]])
+            pos = np.concatenate([p for _, p in history[r]])
+            theirs = torch_dflash(checkpoint, ref_target.embed, ref_target.lm_head, feats, pos, row.block, row.start)
+            assert rel_err(got, theirs) < 0.03, (rnd, r, rel_err(got, theirs))
+            manager.truncate(seqs[r], sum(len(p) for _, p in history[r]))
+    for s in seqs:
+        manager.release(s)
+    assert manager.num_free_pages == manager.num_pages
+
+
+def test_greedy_dflash_equals_plain_greedy(pair):
+    target, drafter = pair
+    prompt = np.random.default_rng(3).integers(0, 151643, 70).tolist()
+    want = tileinfer.generate(target, prompt, max_new_tokens=40, stop_at_eos=False).token_ids
+    got = tileinfer.generate(target, prompt, max_new_tokens=40, stop_at_eos=False, draft_model=drafter)
+    assert got.token_ids == want
+    assert got.speculation.target_steps > 0 and got.speculation.drafted > 0
+
+
+def test_llm_with_a_dflash_drafter_equals_plain_llm(tiny_checkpoint, dflash_tiny_checkpoint):
+    # Start-up sizes both pools and the target captures the drafter's layers; a batch of requests of
+    # different lengths gives the plain engine's greedy tokens, and every drafter page comes back.
+    prompts = [np.random.default_rng(i).integers(0, 151643, 20 + 37 * i).tolist() for i in range(5)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    options = dict(batch_invariant=True, max_num_seqs=4, max_context=512, num_pages=64, progress=False)
+    with LLM(tiny_checkpoint, **options) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(tiny_checkpoint, draft_model=dflash_tiny_checkpoint, **options) as llm:
+        outs = llm.generate(prompts, params)
+        manager = llm.engine.drafter.manager
+        assert manager.num_free_pages == manager.num_pages
+    assert [o.token_ids for o in outs] == want
+    assert all(o.speculation is not None and o.speculation.target_steps > 0 for o in outs)
