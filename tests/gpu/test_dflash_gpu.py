@@ -179,7 +179,7 @@ def test_llm_with_a_dflash_drafter_equals_plain_llm(tiny_checkpoint, dflash_tiny
     # Start-up sizes both pools and the target captures the drafter's layers; a batch of requests of
     # different lengths gives the plain engine's greedy tokens, and every drafter page comes back.
     prompts = [np.random.default_rng(i).integers(0, 151643, 20 + 37 * i).tolist() for i in range(5)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     options = dict(batch_invariant=True, max_num_seqs=4, max_context=512, num_pages=64, progress=False)
     with LLM(tiny_checkpoint, **options) as llm:
         want = [o.token_ids for o in llm.generate(prompts, params)]
