@@ -23,13 +23,16 @@ position's features and the target's own greedy next token. Several random ancho
 block; all blocks of a window go through the drafter in one attention call whose boolean mask lets the block
 of anchor a see the context entries of positions < a and its own block, nothing else. The labels are the
 target's greedy tokens (`make_blocks`), so the drafter learns what the target would emit: acceptance is
-agreement with the target's greedy choice. Loss: cross-entropy over block rows 1..block_size-1, row j weighted
-exp(-(j - 1) / gamma) (the paper's decay, gamma 7 for blocks of 16: a draft only counts if every draft
-before it was accepted, so early rows matter most). AdamW, linear warm-up then cosine decay, gradient
-clipping, bf16 autocast on CUDA, a fixed seed (batch i and its anchors come from a generator seeded by
-(seed, i)). Every --eval-every steps the mean acceptance length of greedy DFlash rounds is measured on
-held-out text (`evaluate`, exact for greedy decoding, see `round_lengths`), and the weights with the best one
-are written.
+agreement with the target's greedy choice. (z-lab train on responses the target generated; greedy labels over
+the demo's own text stand in for that at no generation cost. Past row 1 they are the target's choice after
+the real text, not after its own earlier choices.) Loss: cross-entropy over block rows 1..block_size-1, row j
+weighted exp(-(j - 1) / gamma), the paper's exponential decay in the form the open trainers use: a draft
+only counts if every draft before it was accepted, so early rows matter most; gamma 7 for blocks of 16 (the
+value given for 16-token blocks; those trainers take 4 for blocks of 8). AdamW, linear warm-up then cosine
+decay, gradient clipping, bf16 autocast on CUDA, a fixed seed (batch i and its anchors come from a generator
+seeded by (seed, i)). Every TrainSpec.eval_every steps the mean acceptance length of greedy DFlash rounds is
+measured on held-out text continued greedily by the target (`evaluate`: exact for greedy decoding, see
+`anchored_acceptance` and `round_lengths`), and the weights with the best one are written.
 
 Shapes for the demo target (hidden 384, 8 layers): 2 drafter layers of the target's width (4 query heads and
 2 KV heads of 128, intermediate 512): 2.8M parameters, 5.6 MB of bf16, small enough to ship as package data;
@@ -37,8 +40,8 @@ block_size 16 as z-lab's drafters; target_layer_ids [1, 3, 5]: three layers at z
 to num_target_layers - 3 (`spread_layer_ids`; z-lab reads as many layers as the drafter has, which for 2
 layers would be [1, 5]: a third one gives a drafter this shallow more of the target for 0.3 MB).
 The mask token is <|fim_pad|> (MASK_TOKEN): an added token of the demo tokenizer that occurs nowhere in the
-training or held-out data, nor in anything the chat template writes (checked at start), as z-lab's drafters
-use a token id the target never reads as text.
+training or held-out data (checked at start) nor in the chat template (tests/test_train_dflash.py), and that
+tool calls and thinking do not use either, as z-lab's drafters use a token id the target never reads as text.
 
 Writes OUT: config.json (DFlashConfig.to_hf_dict: architectures ["DFlashDraftModel"], block_size,
 dflash_config {mask_token_id, target_layer_ids}, num_target_layers, layer_types), model.safetensors (bf16;
@@ -103,8 +106,11 @@ class TrainSpec:
     weight_decay: float = 0.1
 
 
+# The demo's: 64 blocks per window of 512 (1,024 drafter rows for 512 target positions: blocks are cheaper than
+# the target pass that feeds them, and z-lab's recipe samples hundreds of anchors a sequence); 2,500 steps
+# (5.1M blocks) should fit 4 minutes on one H200 (an estimate: the first log line projects the schedule's time).
 DEMO = (DrafterShape(layers=2, heads=4, kv_heads=2, intermediate=512),
-        TrainSpec(steps=3000, lr=2e-3, batch=32, seq=512, anchors=32, warmup=100, eval_every=250, log_every=50,
+        TrainSpec(steps=2500, lr=2e-3, batch=32, seq=512, anchors=64, warmup=100, eval_every=250, log_every=50,
                   eval_prompts=64, eval_prompt_tokens=128, eval_new_tokens=128))
 SMOKE = (DrafterShape(layers=1, heads=2, kv_heads=1, intermediate=128),
          TrainSpec(steps=30, lr=3e-3, batch=4, seq=128, anchors=8, warmup=5, eval_every=15, log_every=5,
@@ -204,10 +210,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(d.hidden_size)
         inv_freq = 1.0 / d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float64) / d.head_dim)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # train_demo's initialisation: norms 1, linears N(0, 0.02), the residual stream's writers shrunk.
         for name, p in self.named_parameters():
             if not name.endswith("norm.weight"):
-                std = 0.02 / math.sqrt(2 * d.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                nn.init.normal_(p, std=std)
+                writer = name.endswith(("o_proj.weight", "down_proj.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * d.num_hidden_layers) if writer else 0.02)
 
     def forward(self, features: torch.Tensor, context_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -467,10 +474,12 @@ def train(drafter: DFlashDrafter, target, tokens: train_demo.Tokens, t: TrainSpe
         last = step == t.steps
         if step % t.log_every == 0 or last:
             seconds = time.perf_counter() - timer
+            rate = timed_steps / seconds
+            projection = {"schedule_minutes": round(t.steps / rate / 60, 1)} if step == t.log_every else {}
             log(step=step, of=t.steps, loss=round(loss.item(), 4), lr=float(f"{lr:.3g}"),
                 grad_norm=round(norm.item(), 3),
                 train_acceptance=round(acceptance(logits.detach(), blocks.labels).float().mean().item(), 3),
-                steps_per_s=round(timed_steps / seconds, 2))
+                steps_per_s=round(rate, 2), **projection)
             timer, timed_steps = time.perf_counter(), 0
         if step % t.eval_every == 0 or last or time.time() >= deadline:
             result = evaluate(drafter, embed, held_out, autocast)
@@ -619,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="build/demo-dflash (build/demo-dflash-smoke with --smoke)")
     parser.add_argument("--minutes", type=float, default=4.0, help="time budget, the last evaluation and writing "
                                                                    "included; cuts the schedule if reached")
-    parser.add_argument("--steps", type=int, default=None, help=f"the schedule's length ({DEMO[1].steps})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"the schedule's length ({DEMO[1].steps}; {SMOKE[1].steps} with --smoke)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a 1-layer drafter, a few dozen steps (CPU-sized)")
     parser.add_argument("--check", action="store_true", help="compare the written drafter with tileinfer's")
