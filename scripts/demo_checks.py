@@ -14,8 +14,9 @@ something.
      held-out tokens (windows of chat and of docs from scripts/prepare_demo_data.py's held-out split);
   4. INT8 cache: mean KL(BF16 cache || INT8 cache) of the next-token distributions over those
      windows, with and without key smoothing;
-  5. speculation with the demo draft: greedy output equal to plain greedy (batch-invariant mode),
-     acceptance rate, tokens per target step, and wall-clock tokens/s against plain decoding, batch 1.
+  5. speculation with the demo draft (and, given --dflash, a DFlash drafter of the demo target): greedy
+     output equal to plain greedy (batch-invariant mode), acceptance rate, tokens per target step, and
+     wall-clock tokens/s against plain decoding, batch 1.
 
 Prints each part and writes demo_checks.json to --out ($OUT by default).
 """
@@ -136,11 +137,16 @@ def part_int8(wins, device: str) -> dict:
     return out
 
 
-def part_speculation(checkpoint, tokenizer, chats: list[str], new: int, device: str) -> dict:
+def part_speculation(checkpoint, tokenizer, chats: list[str], new: int, device: str, dflash: Path | None) -> dict:
+    """Batch-1 greedy decoding of the chats plainly, with the demo draft model (k = 4) and, given one, with a
+    DFlash drafter (its block's k): each one's tokens against plain's, acceptance and tokens/s."""
     prompts = [chat_ids(checkpoint, tokenizer, q) for q in chats]
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    runs = [("plain", {}), ("draft", dict(draft_model=DRAFT, num_draft_tokens=4))]
+    if dflash is not None:
+        runs.append(("dflash", dict(draft_model=dflash)))
     result = {}
-    for name, extra in (("plain", {}), ("draft", dict(draft_model=DRAFT, num_draft_tokens=4))):
+    for name, extra in runs:
         with LLM(TARGET, device=device, batch_invariant=device != "cpu", max_num_seqs=4, max_context=1024,
                  progress=False, **extra) as llm:
             llm.generate([prompts[0]], params)  # warm: kernels compiled, graphs captured
@@ -148,20 +154,22 @@ def part_speculation(checkpoint, tokenizer, chats: list[str], new: int, device: 
             for p in prompts:  # batch 1, one after another
                 outs.append(llm.generate([p], params)[0])
             seconds = time.perf_counter() - start
-        result[name] = dict(tokens=[o.token_ids for o in outs], tok_s=len(prompts) * new / seconds)
-        if name == "draft":
-            spec = [o.speculation for o in outs]
-            drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
-            emitted, steps = sum(s.emitted for s in spec), sum(s.target_steps for s in spec)
-            result[name].update(acceptance=accepted / drafted, tokens_per_target_step=emitted / steps)
-    same = result["plain"]["tokens"] == result["draft"]["tokens"]
-    d = result["draft"]
-    summary = dict(identical=same, acceptance=d["acceptance"], tokens_per_target_step=d["tokens_per_target_step"],
-                   plain_tok_s=result["plain"]["tok_s"], draft_tok_s=d["tok_s"],
-                   speedup=d["tok_s"] / result["plain"]["tok_s"], prompts=len(prompts), new_tokens=new)
-    print(f"speculation (k 4, batch 1, {len(prompts)} held-out chats x {new} tokens): greedy identical to plain: {same}; "
-          f"acceptance {summary['acceptance']:.3f}, {summary['tokens_per_target_step']:.2f} tokens per target step; "
-          f"{summary['plain_tok_s']:.1f} -> {summary['draft_tok_s']:.1f} tok/s ({summary['speedup']:.2f}x)", flush=True)
+        r = result[name] = dict(tokens=[o.token_ids for o in outs], tok_s=len(prompts) * new / seconds)
+        if name == "plain":
+            continue
+        spec = [o.speculation for o in outs]
+        drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
+        emitted, steps = sum(s.emitted for s in spec), sum(s.target_steps for s in spec)
+        r.update(identical=r["tokens"] == result["plain"]["tokens"], acceptance=accepted / drafted,
+                 tokens_per_target_step=emitted / steps, speedup=r["tok_s"] / result["plain"]["tok_s"])
+        print(f"speculation, {name} (batch 1, {len(prompts)} held-out chats x {new} tokens): greedy identical to "
+              f"plain: {r['identical']}; acceptance {r['acceptance']:.3f}, {r['tokens_per_target_step']:.2f} tokens "
+              f"per target step; {result['plain']['tok_s']:.1f} -> {r['tok_s']:.1f} tok/s ({r['speedup']:.2f}x)",
+              flush=True)
+    summary = dict(plain_tok_s=result["plain"]["tok_s"], prompts=len(prompts), new_tokens=new)
+    for name in result:
+        if name != "plain":
+            summary[name] = {k: v for k, v in result[name].items() if k != "tokens"}
     return summary
 
 
@@ -184,6 +192,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000, help="held-out positions for top-1 and KL (2000)")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run of the script)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--dflash", type=Path, default=None, help="a DFlash drafter of the demo target for part 5")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run (default all: {','.join(PARTS)})")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -210,7 +219,7 @@ def main() -> None:
         report["int8_kl"] = part_int8(wins, args.device)
     if "speculation" in parts:
         report["speculation"] = part_speculation(checkpoint, tokenizer, held_out_questions(args.data, tokenizer, 8),
-                                                 128, args.device)
+                                                 128, args.device, args.dflash)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo_checks.json").write_text(json.dumps(report, indent=1))
 

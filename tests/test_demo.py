@@ -7,7 +7,7 @@ import pytest
 
 from tileinfer import LLM, ChatSession, SamplingParams, cli
 from tileinfer.chat import render_chat
-from tileinfer.demo import DRAFT, TARGET
+from tileinfer.demo import DFLASH, DRAFT, TARGET
 from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.reference import ReferenceModel
 
@@ -64,3 +64,16 @@ def test_generate_without_a_model_uses_the_demo(capsys):
     captured = capsys.readouterr()
     assert rc == 0 and "using the demo model" in captured.err
     assert "the best" in captured.out, captured.out  # the demo's greedy continuation
+
+
+def test_the_dflash_drafter_drafts_for_it(demo):
+    # Trained for the target: its blocks are accepted in part (acceptance lengths above one token a target step)
+    # and greedy output is the plain engine's.
+    checkpoint, _ = demo
+    prompt = chat_ids(checkpoint, "How do I open a file in Python?")
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    with LLM(TARGET, device="cpu", max_num_seqs=2, max_context=512, draft_model=DFLASH, progress=False) as llm:
+        out = llm.generate([prompt], params)[0]
+    with LLM(TARGET, device="cpu", max_num_seqs=2, max_context=512, progress=False) as plain:
+        assert plain.generate([prompt], params)[0].token_ids == out.token_ids
+    assert out.speculation.tokens_per_target_step > 1.5, out.speculation
