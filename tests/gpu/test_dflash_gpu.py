@@ -125,8 +125,9 @@ def torch_dflash(checkpoint: Checkpoint, embed: np.ndarray, lm_head: np.ndarray,
 
 
 def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash_tiny_checkpoint):
-    # Two rounds on one drafter sequence (the second attends to the first's cached context), two requests in
-    # the second round's one call, contexts at gappy target positions; rows 1..k of each block's logits.
+    # Three rounds on one drafter sequence (each attends to the earlier rounds' cached context), two requests in
+    # the later rounds' calls, contexts at gappy target positions; rows 1..k of each block's logits. The first
+    # round's context (100 entries) goes eagerly before a graphed block, the others' inside the draft's graph.
     target, drafter = pair
     ref_target, ref = references
     checkpoint = Checkpoint.open_draft(dflash_tiny_checkpoint)
@@ -134,7 +135,7 @@ def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash
     rng = np.random.default_rng(7)
     F = cfg.feature_size
     seqs, caches, history = [Sequence(), Sequence()], [ref.new_cache(), ref.new_cache()], [[], []]
-    for rnd, (m, k) in enumerate([(37, 7), (5, 15)]):
+    for rnd, (m, k) in enumerate([(100, 3), (37, 7), (5, 15)]):
         rows, wants = [], []
         for r in range(2 if rnd else 1):
             pos = np.sort(rng.choice(np.arange(400 * rnd + 10 * r, 400 * rnd + 10 * r + 3 * m), m, replace=False))

@@ -210,7 +210,7 @@ def _attach_draft_pool(config: EngineConfig, draft, num_pages: int, nvml: _Nvml)
     if isinstance(draft, GPUDFlashRunner):
         num_pages += config.max_num_seqs * -(-draft.config.block_size // config.page_size)
     draft.attach_cache(_allocate_pool(draft, config, num_pages, draft=True), max_context=config.max_context)
-    if config.use_graphs and draft.use_graphs:
+    if config.use_graphs and not isinstance(draft, GPUDFlashRunner):  # (a DFlash drafter's are per block shape)
         draft.graphs.capture(draft.stream, DECODE, draft.buckets)
     return allocated_bytes() - mark + (nvml.used() - used)
 
