@@ -163,6 +163,8 @@ class GPUDFlashRunner:
         self._check_bound()
         if self.cache is None:
             raise RuntimeError("no KV pool is attached to this drafter: call ensure_cache() first")
+        if not rows:
+            return []
         entries = []
         for row in rows:
             n = len(row.context_positions) + len(row.block)
