@@ -133,6 +133,15 @@ class Checkpoint:
         return cls._open(Path(path), read_draft_config)
 
     @classmethod
+    def open_dflash(cls, path: str | Path) -> "Checkpoint":
+        """A DFlash drafter's directory (its config a DFlashConfig); CheckpointError for anything else."""
+        ckpt = cls.open_draft(path)
+        if not isinstance(ckpt.config, DFlashConfig):
+            raise CheckpointError(f"{path}: not a DFlash drafter (architectures has no DFlashDraftModel); load a "
+                                  f"draft model with load_model instead")
+        return ckpt
+
+    @classmethod
     def _open(cls, path: Path, read) -> "Checkpoint":
         """The checkpoint in `path`, its config.json read by `read` (read_config or read_draft_config)."""
         if not path.is_dir():

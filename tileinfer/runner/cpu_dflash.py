@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..kv.paged_cache import cdiv
-from ..model.checkpoint import Checkpoint, CheckpointError
+from ..model.checkpoint import Checkpoint
 from ..model.dflash_config import DFlashConfig
 from ..model.dflash_reference import DFlashReference
 from .base import DraftRow
@@ -27,10 +27,7 @@ class CPUDFlashRunner:
     use_graphs = False
 
     def __init__(self, path: str | Path, *, max_num_seqs: int = 8):
-        self.checkpoint = Checkpoint.open_draft(path)
-        if not isinstance(self.checkpoint.config, DFlashConfig):
-            raise CheckpointError(f"{path}: not a DFlash drafter (architectures has no DFlashDraftModel); load a "
-                                  f"draft model with load_model instead")
+        self.checkpoint = Checkpoint.open_dflash(path)
         self.config: DFlashConfig = self.checkpoint.config
         self.model = DFlashReference.from_checkpoint(self.checkpoint)
         self.max_num_seqs = max_num_seqs

@@ -31,7 +31,7 @@ from ..cuda import DeviceArray
 from ..graphs import GraphManager
 from ..kv import PagedKVCache
 from ..kv.paged_cache import cdiv
-from ..model.checkpoint import Checkpoint, CheckpointError
+from ..model.checkpoint import Checkpoint
 from ..model.dflash_config import DFlashConfig
 from ..model.forward import BF16, Workspace, check_supported, forward
 from ..model.inputs import StepShape
@@ -65,10 +65,7 @@ class GPUDFlashRunner:
     steps do (use_graphs)."""
 
     def __init__(self, path: str | Path, *, max_num_seqs: int = 8):
-        self.checkpoint = Checkpoint.open_draft(path)
-        if not isinstance(self.checkpoint.config, DFlashConfig):
-            raise CheckpointError(f"{path}: not a DFlash drafter (architectures has no DFlashDraftModel); load a "
-                                  f"draft model with load_model instead")
+        self.checkpoint = Checkpoint.open_dflash(path)
         self.config: DFlashConfig = self.checkpoint.config
         self.local_config = self.config.decoder  # what a page of its pool holds (kv/sizing.py)
         check_supported(self.local_config, path)
