@@ -18,6 +18,14 @@ class CheckpointRunner:
     _tokenizer = None
     _awaiting: deque  # (bitmasks, slot) of each launched step that waits for publish_masks, oldest first
 
+    def capture_layer_ids(self, layer_ids) -> tuple[int, ...]:
+        """capture_hidden_states' layers as a tuple, checked to be distinct layers of this model."""
+        ids = tuple(int(i) for i in layer_ids)
+        if any(not 0 <= i < self.config.num_hidden_layers for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"capture_hidden_states: layers {list(ids)} are not distinct layers of the model's "
+                             f"{self.config.num_hidden_layers}")
+        return ids
+
     @property
     def tokenizer(self):
         if self._tokenizer is None:
@@ -96,3 +104,11 @@ class DraftRow:
     context_positions: np.ndarray  # [m] int64, ascending
     block: list[int]               # the last committed token and k mask tokens
     start: int                     # the last committed token's position (the block's first)
+
+    @property
+    def entry(self) -> int:
+        """The first of the row's reserved entries (its new context's, then its block's): they end the sequence."""
+        n = len(self.context_positions) + len(self.block)
+        if self.seq.num_positions < n:
+            raise ValueError(f"draft: a row needs {n} entries reserved, its sequence has {self.seq.num_positions}")
+        return self.seq.num_positions - n

@@ -130,11 +130,7 @@ class CPURunner(CheckpointRunner):
         """From now on every step (launch, verify) also keeps, for each position it computes, the outputs of
         these layers side by side (`last_features`); () turns it off. A captured last layer gives the
         final-normed state, as transformers' hidden_states[num_layers] does."""
-        ids = tuple(int(i) for i in layer_ids)
-        if any(not 0 <= i < self.config.num_hidden_layers for i in ids) or len(set(ids)) != len(ids):
-            raise ValueError(f"capture_hidden_states: layers {list(ids)} are not distinct layers of the model's "
-                             f"{self.config.num_hidden_layers}")
-        self.capture_layers = ids
+        self.capture_layers = self.capture_layer_ids(layer_ids)
 
     @property
     def last_features(self) -> np.ndarray:

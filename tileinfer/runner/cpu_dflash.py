@@ -60,11 +60,8 @@ class CPUDFlashRunner:
         written into the pool; the caller truncates each sequence back to its context afterwards."""
         out = []
         for row in rows:
-            n = len(row.context_positions) + len(row.block)
-            entry = row.seq.num_positions - n
-            if entry < 0:
-                raise ValueError(f"draft: a row needs {n} entries reserved, its sequence has {row.seq.num_positions}")
-            view = _SequenceView(self.cache, row.seq, entry, n)
+            entry = row.entry
+            view = _SequenceView(self.cache, row.seq, entry, row.seq.num_positions - entry)
             logits = self.model.forward(row.features, row.context_positions, row.block, row.start, view, entry)
             out.append([int(t) for t in logits.argmax(axis=1)])
         return out

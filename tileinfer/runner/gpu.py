@@ -150,11 +150,8 @@ class GPURunner(CheckpointRunner):
         gives the final-normed state, as transformers' hidden_states[num_layers] does. Graphs captured before
         are dropped (they are captured again at their next use, with or without the copies)."""
         self._check_open()
-        ids = tuple(int(i) for i in layer_ids)
+        ids = self.capture_layer_ids(layer_ids)
         c = self.config
-        if any(not 0 <= i < c.num_hidden_layers for i in ids) or len(set(ids)) != len(ids):
-            raise ValueError(f"capture_hidden_states: layers {list(ids)} are not distinct layers of the model's "
-                             f"{c.num_hidden_layers}")
         if (self.capture.layers if self.capture else ()) == ids:
             return
         if self.capture is not None:

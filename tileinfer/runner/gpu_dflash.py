@@ -162,13 +162,7 @@ class GPUDFlashRunner:
             raise RuntimeError("no KV pool is attached to this drafter: call ensure_cache() first")
         if not rows:
             return []
-        entries = []
-        for row in rows:
-            n = len(row.context_positions) + len(row.block)
-            entry = row.seq.num_positions - n
-            if entry < 0:
-                raise ValueError(f"draft: a row needs {n} entries reserved, its sequence has {row.seq.num_positions}")
-            entries.append(entry)
+        entries = [row.entry for row in rows]
         positions, slots, features = self._context_rows(rows, entries)
         if len(slots) <= CONTEXT_GRAPH_TOKENS and sum(len(row.block) for row in rows) <= self.draft_tokens:
             return self._block(list(zip(rows, entries)), (positions, slots, features))  # one launch or replay
