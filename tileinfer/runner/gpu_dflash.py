@@ -110,11 +110,6 @@ class GPUDFlashRunner:
         self._arrays.append(out)
         return out
 
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of the weights, workspace and buffers (not the pool or the borrowed embedding)."""
-        return self.weights.nbytes + self.workspace.nbytes + sum(a.nbytes for a in self._arrays)
-
     # ------------------------------------------------------------------ cache
     def new_cache(self, *, num_pages: int | None = None, max_tokens: int | None = None, page_size: int = 64,
                   max_seq_len: int | None = None, **_) -> PagedKVCache:
