@@ -141,6 +141,33 @@ def allowed(mask: np.ndarray, vocab: int) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
 
 
+def test_the_short_string_slices_change_no_mask(grammars):
+    # Grammars' tokenizer puts SHORT_STRING_SLICES before llguidance's own slices (a speed-up inside strings with
+    # a maxLength): along random documents of a schema of bounded strings, every mask equals the one
+    # llguidance's default slices give.
+    from llguidance import LLMatcher, LLTokenizer
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 9}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}},
+        "notes": {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 25}}},
+        "required": ["name", "tags", "notes"], "additionalProperties": False}
+    text = StructuredOutputs(json=schema).grammar_text()
+    default = LLTokenizer(grammars._tokenizer_json, n_vocab=grammars.vocab_size, eos_token=grammars.eos_token_ids)
+    ours = grammars._ll_tokenizer()
+    words = grammars.words
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        a, b = LLMatcher(default, text, log_level=0), LLMatcher(ours, text, log_level=0)
+        ma, mb = np.empty(words, np.int32), np.empty(words, np.int32)
+        for _ in range(120):
+            a.unsafe_compute_mask_ptr(ma.ctypes.data, ma.nbytes)
+            b.unsafe_compute_mask_ptr(mb.ctypes.data, mb.nbytes)
+            np.testing.assert_array_equal(ma, mb)
+            token = int(rng.choice(allowed(ma, grammars.vocab_size)))
+            assert a.consume_token(token) and b.consume_token(token)
+            if a.is_stopped():
+                break
+
+
 def test_a_steps_masks_computed_together_equal_each_computed_alone(grammars):
     # Matchers of every kind, each advanced by a different number of random allowed tokens (some to the
     # end of their grammar, one refused into its error state); rows without a matcher allow everything.

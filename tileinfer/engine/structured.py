@@ -73,6 +73,14 @@ class StructuredOutputs:
 
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# llguidance's mask computation groups the vocabulary into "slices" (a regex each; a token belongs to the first
+# it matches) and allows a whole slice at once where the grammar's lexer accepts all of it, walking the token
+# trie only for the rest. Its default slices end JSON string contents at 10 and 30 characters, so inside a
+# string with a maxLength and fewer characters left the short string tokens are all walked; slices of 2, 4
+# and 6 characters first let most of them go at once. The masks are the same (tests/test_structured.py).
+_STRING = r'[^"\\\x00-\x1F\x7F]'  # a character of a JSON string's contents (llguidance's own slices' class)
+SHORT_STRING_SLICES = [f"{_STRING}{{1,{n}}}" for n in (2, 4, 6)]
+
 
 class Grammars:
     """The engine's grammar side: the tokenizer as llguidance sees it (built on first use, about a
@@ -92,7 +100,8 @@ class Grammars:
     def _ll_tokenizer(self):
         if self._ll is None:
             from llguidance import LLTokenizer
-            self._ll = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            self._ll = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids,
+                                   slices=SHORT_STRING_SLICES + LLTokenizer.general_slices())
         return self._ll
 
     def _pool(self):
