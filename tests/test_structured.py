@@ -147,7 +147,8 @@ def test_the_short_string_slices_change_no_mask(grammars):
     # llguidance's default slices give.
     from llguidance import LLMatcher, LLTokenizer
     schema = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 9}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}},
+        "name": {"type": "string", "maxLength": 9},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}},
         "notes": {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 25}}},
         "required": ["name", "tags", "notes"], "additionalProperties": False}
     text = StructuredOutputs(json=schema).grammar_text()
