@@ -208,7 +208,8 @@ def _check_serve_arguments(args) -> None:
     if args.max_num_seqs is None:
         args.max_num_seqs = _SERVE_MAX_NUM_SEQS[args.device]
     for option, value in (("--max-num-seqs", args.max_num_seqs), ("--page-size", args.page_size),
-                          ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+                          ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                          ("--tensor-parallel-size", args.tensor_parallel_size)):
         check_count(option, value)
     for option, value in (("--num-pages", args.num_pages), ("--max-waiting", args.max_waiting)):
         if value is not None:
@@ -226,6 +227,10 @@ def _check_serve_arguments(args) -> None:
     if args.load_format == "dummy" and not args.model:
         raise ValueError("--load-format dummy needs --model DIR: a directory with the model's config.json and "
                          "tokenizer (scripts/make_checkpoint.py --config-only writes one)")
+    if args.tensor_parallel_size > 1 and args.device == "cpu":
+        raise ValueError("--tensor-parallel-size splits a model over GPUs; --device cpu runs it whole")
+    if args.tensor_parallel_size > 1 and args.draft_model:
+        raise ValueError("--draft-model (speculative decoding) is not supported with --tensor-parallel-size > 1")
     _check_model_options(args, args.load_format)
 
 
@@ -237,7 +242,8 @@ def _serve_engine_options(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_pages=args.num_pages,
                 kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant,
                 draft_model=args.draft_model,
-                num_draft_tokens=args.num_draft_tokens, load_format=args.load_format, progress=True)
+                num_draft_tokens=args.num_draft_tokens, load_format=args.load_format,
+                tensor_parallel_size=args.tensor_parallel_size, progress=True)
 
 
 def _serve(args) -> int:
@@ -315,6 +321,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the checkpoint's weight files; dummy: random weights made from --model's config.json "
                         "(no weight files needed: benchmarks at sizes whose checkpoints do not fit the disk)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs (ordinals 0..N-1), one process each, over NCCL (1); needs "
+                        "pip install tileinfer[tp]")
     _add_draft_arguments(p)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are "

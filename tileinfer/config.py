@@ -70,6 +70,7 @@ class EngineConfig:
     draft_model: Path | None = None      # a smaller model of the same tokenizer, or a DFlash drafter: speculation
     num_draft_tokens: int | None = None  # proposals a round; None: 4, or a DFlash drafter's block_size - 1
     load_format: str = "auto"            # "auto": the model's weight files; "dummy": weights made from its config
+    tensor_parallel_size: int = 1        # GPUs the model is split over (ordinals device .. device + N - 1), over NCCL
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -80,7 +81,8 @@ class EngineConfig:
         set_(self, "device", "cpu" if kind == "cpu" else f"cuda:{ordinal}")
         if self.num_draft_tokens is None:
             set_(self, "num_draft_tokens", _default_draft_tokens(self.draft_model))
-        for name in ("max_num_seqs", "max_context", "page_size", "max_num_batched_tokens", "num_draft_tokens"):
+        for name in ("max_num_seqs", "max_context", "page_size", "max_num_batched_tokens", "num_draft_tokens",
+                     "tensor_parallel_size"):
             check_count(name, getattr(self, name))
         for name in ("num_pages", "max_tokens"):
             if getattr(self, name) is not None:
@@ -88,6 +90,10 @@ class EngineConfig:
         if self.num_pages is not None and self.max_tokens is not None:
             raise ValueError("give at most one of num_pages or max_tokens (or neither, to size from free memory)")
         check_utilization(self.gpu_memory_utilization)
+        if self.tensor_parallel_size > 1 and kind == "cpu":
+            raise ValueError("tensor_parallel_size > 1 splits a model over GPUs; the CPU runner runs it whole")
+        if self.tensor_parallel_size > 1 and self.draft_model is not None:
+            raise ValueError("speculative decoding (draft_model) is not supported with tensor_parallel_size > 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (the checkpoint's weight files) or 'dummy' (random "
                              f"weights made from its config.json), got {self.load_format!r}")

@@ -25,7 +25,9 @@ from .kv import Sequence
 from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.dflash_config import DFlashConfig
 from .model.forward import check_supported
+from .model.sharding import check_world
 from .runner.startup import Started, start_cpu, start_gpu
+from .runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, tensor_parallel_group
 
 
 def check_checkpoints(config: EngineConfig):
@@ -34,6 +36,8 @@ def check_checkpoints(config: EngineConfig):
     model = load_checkpoint(config.model, config.load_format).config
     if not config.on_cpu:
         check_supported(model, config.model)
+    if config.tensor_parallel_size > 1:
+        check_world(model, config.tensor_parallel_size)
     if config.max_context > model.max_position_embeddings:
         raise ValueError(f"max_context {config.max_context} exceeds the model's {model.max_position_embeddings} "
                          f"positions (max_position_embeddings in config.json)")
@@ -63,20 +67,25 @@ class LLM:
         """model: a Hugging Face Qwen3 checkpoint directory (or Apertus, with device="cpu"); options:
         EngineConfig's fields (max_num_seqs, max_context, page_size, enable_prefix_caching, max_num_batched_tokens,
         gpu_memory_utilization, num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant,
-        async_scheduling, device, progress, draft_model, num_draft_tokens). draft_model may be a draft model's
-        directory or a DFlash drafter's (recognised by its config.json)."""
+        async_scheduling, device, progress, draft_model, num_draft_tokens, load_format, tensor_parallel_size).
+        draft_model may be a draft model's directory or a DFlash drafter's (recognised by its config.json).
+        tensor_parallel_size=N splits the model over N GPUs, one process each (runner/tensor_parallel.py)."""
         self.config = EngineConfig(model=model, **options)
         self.model_config = check_checkpoints(self.config)
         self._closed = False
         self._requests: dict[int, Request] = {}  # queued with add_request
         self._started: Started | None = None
+        self._group: TensorParallelGroup | None = None
         try:
-            self._started = start_cpu(self.config) if self.config.on_cpu else start_gpu(self.config)
+            if self.config.tensor_parallel_size > 1:
+                self._group = tensor_parallel_group(self.config)  # the other ranks' processes, started
+            self._started = start_cpu(self.config) if self.config.on_cpu else start_gpu(self.config, self._group)
         except BaseException:
             self.close()
             raise
         s = self._started
-        self.runner, self.memory_report, self.startup = s.runner, s.memory_report, s.startup
+        self.runner = s.runner if self._group is None else TensorParallelRunner(s.runner, self._group)
+        self.memory_report, self.startup = s.memory_report, s.startup
         self.tokenizer = self.runner.tokenizer
         self.eos_token_ids = set(self.runner.eos_token_ids)
         drafter = make_drafter(s.draft, self.runner, self.config.num_draft_tokens) if s.draft is not None else None
@@ -208,10 +217,14 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        if self._started is not None:
-            for runner in (self._started.draft, self._started.runner):  # a DFlash drafter uses its target's stream
-                if runner is not None:
-                    runner.close()
+        try:
+            if self._started is not None:
+                for runner in (self._started.draft, self._started.runner):  # a DFlash drafter uses its target's stream
+                    if runner is not None:
+                        runner.close()
+        finally:
+            if self._group is not None:
+                self._group.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -210,3 +210,40 @@ def test_each_ranks_real_columns_land_at_its_range(world, buf, stream):
     got = logits.to_host(stream)
     np.testing.assert_array_equal(got[:rows], want)
     assert np.isnan(got[rows]).all(), "copy_columns wrote past the rows"
+
+
+def test_an_engine_over_a_one_rank_group_gives_the_plain_engines_tokens(tiny_checkpoint, comm):
+    """The launcher's path at world size 1 (runner/tensor_parallel.py: the group, start-up's communicator and page
+    agreement, rank 0's mirror; no worker processes at one rank): an Engine over it gives the plain LLM's tokens,
+    greedy and seeded sampling, in batch-invariant mode, prompts in chunks beside decodes."""
+    from tileinfer import LLM, SamplingParams
+    from tileinfer.config import EngineConfig
+    from tileinfer.engine.engine import Engine
+    from tileinfer.runner.startup import start_gpu
+    from tileinfer.runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner
+    options = dict(batch_invariant=True, max_num_seqs=8, max_context=256, num_pages=40, page_size=16,
+                   max_num_batched_tokens=64, progress=False)
+    prompts = prompts_of([45, 2, 9, 33, 70, 130])
+    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)]
+    params = [params[i % 2] for i in range(len(prompts))]
+    with LLM(tiny_checkpoint, **options) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    config = EngineConfig(model=tiny_checkpoint, **options)
+    group = TensorParallelGroup(config)
+    started = start_gpu(config, group)
+    runner = TensorParallelRunner(started.runner, group)
+    try:
+        assert started.runner.tensor_parallel.world == 1 and runner.cache.num_pages == 40
+        engine = Engine(config, runner, runner.tokenizer, runner.eos_token_ids)
+        reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for req in reqs:
+            engine.add(req)
+        for _ in range(200):
+            if not engine.has_unfinished:
+                break
+            engine.step()
+        got = [engine.output(req).token_ids for req in reqs]
+    finally:
+        runner.close()
+    assert got == want

@@ -162,6 +162,8 @@ class Engine:
         req.keep_seq = keep_seq
         req.shares_prompt_with = shares_prompt_with
         if params.structured_outputs is not None:
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError("structured output is not supported with tensor_parallel_size > 1")
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.runner.config.vocab_size, self.eos_token_ids)
             req.matcher = self._grammars.matcher(params.structured_outputs)

@@ -16,6 +16,10 @@ target's, the memory split between them; a DFlash drafter (runner/gpu_dflash.py)
 pages per sequence, and the target captures the hidden states it reads from the warm-up on. The target's logits workspace holds max_num_seqs x (k + 1)
 rows for the verify step.
 
+Under tensor parallelism (runner/tensor_parallel.py) every rank runs start_gpu for its own shards with its
+group: it joins the communicator before its weights load, and after step 3 the ranks take the smallest pool
+any of them has room for, so one block table serves them all.
+
 On the CPU (`start_cpu`) the pool is num_pages / max_tokens, or max_num_seqs sequences of max_context
 capped at runner/cpu.py's DEFAULT_POOL_BYTES. A DFlash drafter (runner/cpu_dflash.py) gets a pool of
 its own of as many pages plus a block's per sequence.
@@ -31,6 +35,7 @@ from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
 from ..graphs import DECODE
 from ..kv import Sequence
 from ..kv import sizing
+from ..model.checkpoint import load_checkpoint
 from ..model.dflash_config import is_dflash_dir
 from .cpu import CPURunner
 from .cpu_dflash import CPUDFlashRunner
@@ -138,25 +143,30 @@ class _Nvml:
         return sizing.nvml_memory(pci_bus_id=self.bus) if self.bus else None
 
 
-def start_gpu(config: EngineConfig) -> Started:
+def start_gpu(config: EngineConfig, group=None) -> Started:
+    """group: this rank's tensor-parallel group (runner/tensor_parallel.py; None on one GPU): the runner loads
+    the rank's shards, and the ranks agree on one pool size."""
     made: list = []  # closed again, last first, if start-up fails half-way
     try:
-        return _start_gpu(config, made)
+        return _start_gpu(config, made, group)
     except BaseException:
         for runner in reversed(made):
             runner.close()
         raise
 
 
-def _start_gpu(config: EngineConfig, made: list) -> Started:
+def _start_gpu(config: EngineConfig, made: list, group) -> Started:
     nvml = _Nvml(config.gpu_ordinal)
     before = nvml.read()
     get_device(config.gpu_ordinal)
     used_ctx = nvml.used()
+    tp = None
+    if group is not None:  # every rank joins the communicator before its weights load
+        tp = group.connect(load_checkpoint(config.model, config.load_format).config.vocab_size)
     alloc0 = allocated_bytes()
     t_start = time.perf_counter()
     runner = _gpu_runner(config, config.model, config.max_num_seqs * config.tokens_per_verify_row,
-                         config.batch_invariant, load_format=config.load_format)
+                         config.batch_invariant, load_format=config.load_format, tensor_parallel=tp)
     made.append(runner)
     runner.use_graphs = config.use_graphs
     workspace_bytes = runner.workspace.nbytes
@@ -177,6 +187,8 @@ def _start_gpu(config: EngineConfig, made: list) -> Started:
 
     warm = _warm_up(config, runner, nvml, alloc0 + weights_bytes + workspace_bytes)
     num_pages, utilization = _pool_pages(config, runner, draft, nvml, warm)
+    if group is not None:
+        num_pages = group.agree_pages(num_pages)  # one block table for every rank's pool
     cache = _allocate_pool(runner, config, num_pages, draft=False)
     runner.attach_cache(cache, max_context=config.max_context, penalty_capacity=_penalty_capacity(config))
     if draft is not None:
@@ -216,10 +228,10 @@ def _attach_draft_pool(config: EngineConfig, draft, num_pages: int, nvml: _Nvml)
 
 
 def _gpu_runner(config: EngineConfig, path, logit_rows: int, batch_invariant: bool, *,
-                load_format: str = "auto") -> GPURunner:
+                load_format: str = "auto", tensor_parallel=None) -> GPURunner:
     return GPURunner(path, device=config.gpu_ordinal, max_batch_tokens=config.max_num_batched_tokens,
                      max_num_seqs=config.max_num_seqs, max_logit_rows=logit_rows, batch_invariant=batch_invariant,
-                     progress=config.progress, load_format=load_format)
+                     progress=config.progress, load_format=load_format, tensor_parallel=tensor_parallel)
 
 
 def _warm_up(config: EngineConfig, runner: GPURunner, nvml: _Nvml, allocated_before: int) -> dict:

@@ -1,0 +1,153 @@
+"""Tensor parallelism's processes and plumbing (runner/tensor_parallel.py) without a GPU: the options checked
+before anything starts, a step's sequences as a worker rebuilds them, the worker's dispatch over a real pipe,
+and rank 0's mirror sending every device call before it runs. The GPU side at world size 1 is
+tests/gpu/test_tensor_parallel.py (and, on two GPUs, the same file's group tests)."""
+from __future__ import annotations
+
+import threading
+from multiprocessing import Pipe
+
+import numpy as np
+import pytest
+
+from tileinfer import LLM, SamplingParams, StructuredOutputs
+from tileinfer.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.kv import BlockManager, Sequence
+from tileinfer.runner.cpu import CPURunner
+from tileinfer.runner.step import SamplingRow
+from tileinfer.runner.tensor_parallel import TensorParallelRunner, WorkerError, _batch, _rows, _serve
+
+
+def test_the_options_are_checked_before_anything_starts(tiny_checkpoint):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(model=tiny_checkpoint, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="the CPU runner runs it whole"):
+        EngineConfig(model=tiny_checkpoint, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineConfig(model=tiny_checkpoint, draft_model=tiny_checkpoint, tensor_parallel_size=2)
+    # the tiny model has 2 KV heads: 3 ranks cannot split its cache (checked from config.json, no GPU touched)
+    with pytest.raises(ValueError, match="does not divide the model's 2 KV heads .* choose one of 1, 2"):
+        LLM(tiny_checkpoint, tensor_parallel_size=3, progress=False)
+
+
+def test_a_steps_sequences_reach_a_worker_as_they_are():
+    manager = BlockManager(num_pages=32, page_size=4)
+    a, b = Sequence(), Sequence()
+    manager.reserve(a, 9)
+    manager.reserve(b, 2)
+    manager.reserve(a, 3)  # a's pages interleave with b's
+    batch = [(a, [5, 6, 7], 9), (b, [1, 2])]  # the second as a pair: its last reserved positions
+    rows = _rows(batch)
+    assert rows == [(12, a.block_table, [5, 6, 7], 9), (2, b.block_table, [1, 2], 0)]
+    rebuilt = _batch(rows)
+    for (seq, ids, start), (orig, want_ids, want_start) in zip(rebuilt, [(a, [5, 6, 7], 9), (b, [1, 2], 0)]):
+        assert (seq.num_positions, seq.block_table, ids, start) == (orig.num_positions, orig.block_table,
+                                                                    want_ids, want_start)
+        # a worker's own manager (no pages of its own taken) computes the same slots from the copy
+        theirs = BlockManager(num_pages=32, page_size=4)
+        np.testing.assert_array_equal(theirs.slots(seq, start, len(ids)), manager.slots(orig, start, len(ids)))
+
+
+class _Recorder:
+    """A runner (and its cache) that records the calls a worker makes."""
+
+    def __init__(self):
+        self.calls = []
+        self.stream = "stream"
+        self.cache = self
+
+    def launch(self, batch, **options):
+        self.calls.append(("launch", _rows(batch), options))
+        return 0
+
+    def verify(self, batch, **options):
+        self.calls.append(("verify", _rows(batch), options))
+
+    def copy_pages(self, copies, stream):
+        self.calls.append(("copy_pages", copies, stream))
+
+    def collect(self, slot, n):
+        self.calls.append(("collect", slot, n))
+        return np.arange(n)
+
+
+def test_a_worker_runs_rank_0s_calls_in_order_until_told_to_close():
+    ours, theirs = Pipe()
+    runner = _Recorder()
+    worker = threading.Thread(target=_serve, args=(theirs, runner))
+    worker.start()
+    rows = [(3, [7], [11], 2)]
+    options = dict(sampling=[SamplingRow(temperature=0.5, seed=3)], sample=True, penalties=None, token_src=[1])
+    ours.send(("copy_pages", [(1, 4)]))
+    ours.send(("launch", rows, options))
+    ours.send(("verify", rows, dict(logits="argmax", graph_width=5)))
+    ours.send(("close",))
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    (sampling,) = runner.calls[1][2].pop("sampling")  # (a SamplingRow compares by identity: its fields here)
+    assert vars(sampling) == vars(options.pop("sampling")[0])
+    assert runner.calls == [("copy_pages", [(1, 4)], "stream"), ("launch", rows, options),
+                            ("verify", rows, dict(logits="argmax", graph_width=5))]
+
+
+class _Group:
+    def __init__(self, log):
+        self.log, self.failed = log, None
+
+    def send(self, message):
+        if self.failed:
+            raise WorkerError(self.failed)
+        self.log.append(("sent",) + message)
+
+
+def test_rank_0_sends_every_device_call_before_it_runs_it():
+    log = []
+    local = _Recorder()
+    local.calls = log
+    manager = BlockManager(num_pages=16, page_size=4, enable_prefix_caching=True)
+    local.manager = manager
+    runner = TensorParallelRunner(local, _Group(log))
+    seq = Sequence()
+    manager.reserve(seq, 5)
+    manager._pending_copies = [(2, 9)]  # what a copy-on-write leaves for the next step
+    assert runner.step([(seq, [4], 4)]) == [0]
+    rows = [(5, seq.block_table, [4], 4)]
+    options = dict(sampling=None, sample=True, penalties=None, token_src=None)
+    assert log == [("sent", "copy_pages", [(2, 9)]), ("copy_pages", [(2, 9)], "stream"),
+                   ("sent", "launch", rows, options), ("launch", rows, options), ("collect", 0, 1)]
+    with pytest.raises(ValueError, match="structured output is not supported with tensor parallelism"):
+        runner.launch([(seq, [4], 4)], masked=[True])
+    with pytest.raises(ValueError, match="not available with tensor parallelism"):
+        runner.extend(seq, [1, 2])
+    runner.group.failed = "tensor-parallel rank 1 failed:\nTraceback ..."
+    with pytest.raises(WorkerError, match="rank 1 failed"):
+        runner.verify([(seq, [4], 4)])
+
+
+def test_structured_output_is_refused_under_tensor_parallelism(tiny_checkpoint):
+    runner = CPURunner(tiny_checkpoint)
+    runner.ensure_cache(64, page_size=16)
+    config = EngineConfig(model=tiny_checkpoint, tensor_parallel_size=2)  # a GPU config: nothing starts here
+    engine = Engine(config, runner, runner.tokenizer, runner.eos_token_ids)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json_object=True))
+    with pytest.raises(ValueError, match="structured output is not supported with tensor_parallel_size > 1"):
+        engine.make_request([1, 2, 3], params)
+
+
+def test_a_worker_that_cannot_start_reports_why(tiny_checkpoint, monkeypatch):
+    # A real worker process (spawned, connected over 127.0.0.1 with the group's key, handed the config), on a
+    # machine where its GPU cannot be opened: rank 0 gets the worker's traceback instead of waiting for it.
+    # (NCCL's id is only passed along here: the worker fails before it would join a communicator.)
+    import tileinfer.cuda.nccl as nccl
+    from tileinfer.runner.tensor_parallel import TensorParallelGroup
+    monkeypatch.setattr(nccl, "unique_id", lambda: bytes(range(128)))
+    config = EngineConfig(model=tiny_checkpoint, device="cuda:7", tensor_parallel_size=2, progress=False)
+    group = TensorParallelGroup(config)
+    try:
+        assert [p.name for p in group.procs] == ["tileinfer-tp-rank1"] and group.conns[0] is not None
+        with pytest.raises(WorkerError, match="(?s)tensor-parallel rank 1 failed:.*Traceback.*start_gpu"):
+            group.agree_pages(10)
+    finally:
+        group.close()
+    assert not group.procs[0].is_alive() and group.procs[0].exitcode == 0

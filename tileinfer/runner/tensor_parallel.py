@@ -1,0 +1,315 @@
+"""Tensor parallelism over NCCL: one process per GPU, rank 0 the engine's.
+
+`LLM(model, tensor_parallel_size=N)` (and `tileinfer serve --tensor-parallel-size N`) starts N - 1 worker
+processes (multiprocessing spawn); rank r runs on GPU ordinal + r. Rank 0 listens on a TCP address
+(127.0.0.1, an ephemeral port, a random key); each worker connects, says its rank and receives the
+EngineConfig and NCCL's unique id. That connection then carries everything rank 0 tells a worker.
+
+Start-up: every rank runs start_gpu (runner/startup.py) for its own shards: its communicator, its weights
+(model/sharding.py's split), the warm-up on its own GPU (the collectives inside run in the same order on
+every rank: it is the same code) and its pool sized from its own NVML free memory. The ranks then agree on
+the smallest page count (`agree_pages`: rank 0 gathers, decides, tells), so one block table serves every
+rank's pool, and every rank captures its decode graphs over that pool.
+
+Steps: the engine drives a `TensorParallelRunner`, rank 0's GPURunner with a mirror. Each call that enqueues
+device work (a launch, a verify step, copy-on-write page copies) is sent to every worker before it runs on
+rank 0, its sequences as (positions, block table); a worker runs the same call on its own runner. The
+scheduler and the block manager live on rank 0 only. Every rank samples the same tokens (the logits are
+gathered whole on every rank, the seeds are the same) and replays its own decode graphs; only rank 0 reads
+the tokens back. A worker that fails sends its error and exits; rank 0 reports it at its next call.
+
+Not under tensor parallelism (refused up front): speculative decoding, structured output, and `extend` /
+`logits` (teacher-forced logits of a prompt). Multi-host needs the workers' address to be reachable from
+other hosts; the code takes an address, but only one host has been tested.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import traceback
+from multiprocessing.connection import Connection, Listener, wait
+
+from ..kv import Sequence
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 300.0  # seconds a worker has to start its interpreter and connect
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed (its traceback is in the message) or went away."""
+
+
+def _rows(batch) -> list[tuple[int, list[int], list[int], int]]:
+    """A step's (sequence, ids[, start]) rows as a worker rebuilds them: (positions, block table, ids, start)."""
+    out = []
+    for item in batch:
+        seq, ids = item[0], list(item[1])
+        start = item[2] if len(item) > 2 else seq.num_positions - len(ids)
+        out.append((seq.num_positions, list(seq.block_table), ids, start))
+    return out
+
+
+def _batch(rows) -> list[tuple[Sequence, list[int], int]]:
+    """The rows back as the runner takes them: each sequence a copy of rank 0's (its pages are the same ids in
+    this rank's pool; no block manager of this rank owns it)."""
+    out = []
+    for positions, table, ids, start in rows:
+        seq = Sequence()
+        seq.num_positions, seq.block_table = positions, table
+        out.append((seq, ids, start))
+    return out
+
+
+def tensor_parallel_group(config) -> "TensorParallelGroup":
+    """The group of config.tensor_parallel_size ranks on GPUs device .. device + N - 1 (checked to be there),
+    its workers started and connected."""
+    from ..cuda.driver import NoDeviceError, device_handle
+    first, world = config.gpu_ordinal, config.tensor_parallel_size
+    try:
+        device_handle(first + world - 1)
+    except NoDeviceError as e:
+        raise ValueError(f"tensor_parallel_size {world} needs GPUs {first}..{first + world - 1} ({e}); give at most "
+                         f"as many as the machine has") from None
+    return TensorParallelGroup(config)
+
+
+class TensorParallelGroup:
+    """Rank 0's side of a group: the workers, a connection to each, the id of the group's communicator."""
+
+    def __init__(self, config, *, host: str = "127.0.0.1"):
+        from ..cuda.nccl import unique_id
+        self.world = config.tensor_parallel_size
+        self.uid = unique_id()
+        self.comm = None
+        self.failed: str | None = None
+        self._authkey = os.urandom(16)
+        self._listener = Listener((host, 0), authkey=self._authkey)
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no CUDA state inherited
+        self.procs = [ctx.Process(target=worker_main, args=(self._listener.address, self._authkey, rank),
+                                  name=f"tileinfer-tp-rank{rank}", daemon=True) for rank in range(1, self.world)]
+        self.conns: list[Connection | None] = [None] * (self.world - 1)
+        try:
+            for p in self.procs:
+                p.start()
+            self._accept()
+            for conn in self.conns:
+                conn.send((config, self.uid))
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept(self) -> None:
+        """Every worker's connection, in rank order (each says its rank first)."""
+        self._listener._listener._socket.settimeout(CONNECT_TIMEOUT)
+        for _ in self.procs:
+            try:
+                conn = self._listener.accept()
+            except TimeoutError:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                raise WorkerError(f"tensor parallelism: not every worker connected within {CONNECT_TIMEOUT:.0f} s"
+                                  + (f" ({', '.join(dead)} exited)" if dead else "")) from None
+            rank = conn.recv()
+            self.conns[rank - 1] = conn
+
+    def connect(self, vocab_size: int):
+        """Rank 0's place in the group (its GPU's context current): the communicator, once every rank joins."""
+        from ..cuda.nccl import Communicator
+        from ..model.sharding import TensorParallel
+        self.comm = Communicator(self.uid, self.world, 0)
+        return TensorParallel(self.comm, 0, self.world, vocab_size)
+
+    def agree_pages(self, pages: int) -> int:
+        """The pool's pages on every rank: the fewest any rank has room for."""
+        theirs = [self._recv(rank) for rank in range(1, self.world)]
+        agreed = min([pages] + theirs)
+        for conn in self.conns:
+            conn.send(agreed)
+        if agreed < pages:
+            log.info("tensor parallelism: %d KV pages on every rank (rank 0 had room for %d)", agreed, pages)
+        return agreed
+
+    def _recv(self, rank: int):
+        try:
+            message = self.conns[rank - 1].recv()
+        except (EOFError, OSError):
+            raise WorkerError(f"tensor-parallel rank {rank} went away during start-up") from None
+        if isinstance(message, tuple) and message and message[0] == "error":
+            raise WorkerError(f"tensor-parallel rank {rank} failed:\n{message[1]}")
+        return message
+
+    def send(self, message) -> None:
+        """`message` to every worker, after checking that none has reported a failure."""
+        self.check()
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send(message)
+            except OSError:
+                self.failed = f"tensor-parallel rank {rank} went away"
+                raise WorkerError(self.failed) from None
+
+    def check(self) -> None:
+        """WorkerError if a worker has failed since start-up (it sends its error and exits)."""
+        if self.failed is None:
+            for conn in wait([c for c in self.conns if c is not None], timeout=0):
+                rank = self.conns.index(conn) + 1
+                try:
+                    message = conn.recv()
+                    self.failed = f"tensor-parallel rank {rank} failed:\n{message[1]}"
+                except (EOFError, OSError):
+                    self.failed = f"tensor-parallel rank {rank} went away"
+        if self.failed is not None:
+            raise WorkerError(self.failed)
+
+    def close(self) -> None:
+        """Tell the workers to stop, wait for them (then end any that hang), close the communicator."""
+        for conn in self.conns:
+            if conn is not None:
+                try:
+                    conn.send(("close",))
+                except OSError:
+                    pass
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.conns = [None] * len(self.conns)
+        self._listener.close()
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
+
+class _WorkerGroup:
+    """A worker's side of the group during start-up (start_gpu's `group`)."""
+
+    def __init__(self, conn: Connection, uid: bytes, rank: int, world: int):
+        self.conn, self.uid, self.rank, self.world = conn, uid, rank, world
+        self.comm = None
+
+    def connect(self, vocab_size: int):
+        from ..cuda.nccl import Communicator
+        from ..model.sharding import TensorParallel
+        self.comm = Communicator(self.uid, self.world, self.rank)
+        return TensorParallel(self.comm, self.rank, self.world, vocab_size)
+
+    def agree_pages(self, pages: int) -> int:
+        self.conn.send(pages)
+        return self.conn.recv()
+
+
+def worker_main(address, authkey: bytes, rank: int) -> None:
+    """A worker process: connect to rank 0, start this rank's runner, then run what rank 0 sends until told to
+    close (or rank 0 goes away). A failure is sent to rank 0 before the process exits."""
+    from multiprocessing.connection import Client
+    conn = Client(address, authkey=authkey)
+    conn.send(rank)
+    started = group = None
+    try:
+        config, uid = conn.recv()
+        config = dataclasses.replace(config, device=f"cuda:{config.gpu_ordinal + rank}", progress=False)
+        from .startup import start_gpu
+        group = _WorkerGroup(conn, uid, rank, config.tensor_parallel_size)
+        started = start_gpu(config, group=group)
+        _serve(conn, started.runner)
+    except (EOFError, KeyboardInterrupt):
+        pass  # rank 0 is gone (or the user interrupted it): nothing to report to
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        if started is not None:
+            started.runner.close()
+        if group is not None and group.comm is not None:
+            group.comm.close()
+        conn.close()
+
+
+def _serve(conn: Connection, runner) -> None:
+    """Run rank 0's calls on this rank's runner, in order."""
+    while True:
+        message = conn.recv()
+        op = message[0]
+        if op == "close":
+            return
+        if op == "launch":
+            runner.launch(_batch(message[1]), **message[2])
+        elif op == "verify":
+            runner.verify(_batch(message[1]), **message[2])
+        elif op == "copy_pages":
+            runner.cache.copy_pages(message[1], runner.stream)
+        else:
+            raise ValueError(f"tensor-parallel worker: unknown call {op!r}")
+
+
+class TensorParallelRunner:
+    """Rank 0's runner for the engine: its GPURunner, with every call that enqueues device work sent to the
+    workers first (the module docstring). Everything else (collect, logits_rows, the cache and its block
+    manager, the configs) is rank 0's runner's own."""
+
+    def __init__(self, runner, group: TensorParallelGroup):
+        self.local = runner
+        self.group = group
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.local.use_graphs
+
+    def _copy_pending_pages(self) -> None:
+        """Copy-on-write page copies the block manager asked for, on every rank, before the step that needs them."""
+        copies = self.local.cache.manager.take_pending_copies()
+        if copies:
+            self.group.send(("copy_pages", copies))
+            self.local.cache.copy_pages(copies, self.local.stream)
+
+    def launch(self, batch, sampling=None, *, sample: bool = True, penalties: list | None = None,
+               masked: list[bool] | None = None, token_src: list[int] | None = None) -> int | None:
+        if masked is not None and any(masked):
+            raise ValueError("structured output is not supported with tensor parallelism")
+        self._copy_pending_pages()
+        options = dict(sampling=sampling, sample=sample, penalties=penalties, token_src=token_src)
+        self.group.send(("launch", _rows(batch), options))
+        return self.local.launch(batch, **options)
+
+    def step(self, batch, sampling=None, *, sample: bool = True, penalties: list | None = None,
+             masked: list[bool] | None = None):
+        slot = self.launch(batch, sampling, sample=sample, penalties=penalties, masked=masked)
+        return self.local.collect(slot, len(batch))
+
+    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None):
+        self._copy_pending_pages()
+        options = dict(logits=logits, graph_width=graph_width)
+        self.group.send(("verify", _rows(batch), options))
+        return self.local.verify(batch, **options)
+
+    def extend(self, *args, **kwargs):
+        raise ValueError("extend (teacher-forced logits of a prompt) is not available with tensor parallelism; "
+                         "generate with the LLM")
+
+    def logits(self, *args, **kwargs):
+        raise ValueError("logits (teacher-forced logits of a prompt) is not available with tensor parallelism")
+
+    def close(self) -> None:
+        """Close rank 0's runner and the group (the workers close theirs)."""
+        try:
+            self.local.close()
+        finally:
+            self.group.close()
+
+    def __enter__(self) -> "TensorParallelRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
