@@ -234,7 +234,7 @@ def test_an_engine_over_a_one_rank_group_gives_the_plain_engines_tokens(tiny_che
     started = start_gpu(config, group)
     runner = TensorParallelRunner(started.runner, group)
     try:
-        assert started.runner.tensor_parallel.world == 1 and runner.cache.num_pages == 40
+        assert started.runner.tensor_parallel.world == 1 and runner.cache.manager.num_pages == 40
         engine = Engine(config, runner, runner.tokenizer, runner.eos_token_ids)
         reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
         for req in reqs:
