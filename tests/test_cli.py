@@ -172,7 +172,7 @@ def test_serve_passes_its_engine_options_to_the_llm(capsys, monkeypatch, micro):
                                       enable_prefix_caching=False, max_num_batched_tokens=256,
                                       gpu_memory_utilization=0.5, num_pages=80, kv_quantize="int8", batch_invariant=False,
                                       draft_model=str(micro), num_draft_tokens=3, load_format="auto",
-                                      tensor_parallel_size=1, progress=True))]
+                                      tensor_parallel_size=1, tensor_parallel_address=None, progress=True))]
     tileinfer.config.EngineConfig(model=micro, **made[0][1])  # every one is a field
 
 

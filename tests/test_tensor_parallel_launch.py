@@ -151,3 +151,40 @@ def test_a_worker_that_cannot_start_reports_why(tiny_checkpoint, monkeypatch):
     finally:
         group.close()
     assert not group.procs[0].is_alive() and group.procs[0].exitcode == 0
+
+
+def test_a_rank_started_by_hand_connects_with_the_shared_key(tiny_checkpoint, monkeypatch):
+    # The multi-host path on one host: rank 0 listens at tensor_parallel_address and starts no worker; rank 1 is
+    # `tileinfer tp-worker` started by hand (before rank 0 listens: it retries), authenticated by the shared key.
+    # Its GPU (cuda:7 here) cannot be opened, so it reports why, as a worker on another host would.
+    import socket
+    import subprocess
+    import sys
+    import tileinfer.cuda.nccl as nccl
+    from tileinfer.runner.tensor_parallel import TensorParallelGroup
+    monkeypatch.setattr(nccl, "unique_id", lambda: bytes(range(128)))
+    monkeypatch.setenv("TILEINFER_TP_KEY", "a shared secret")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = subprocess.Popen([sys.executable, "-m", "tileinfer", "tp-worker", "--address", f"127.0.0.1:{port}",
+                               "--rank", "1", "--device", "cuda:7"], stderr=subprocess.PIPE, text=True)
+    try:
+        config = EngineConfig(model=tiny_checkpoint, tensor_parallel_size=2, progress=False,
+                              tensor_parallel_address=f"127.0.0.1:{port}")
+        group = TensorParallelGroup(config)
+        try:
+            assert group.procs == [] and group.conns[0] is not None
+            with pytest.raises(WorkerError, match="(?s)tensor-parallel rank 1 failed:.*Traceback"):
+                group.agree_pages(10)
+        finally:
+            group.close()
+        assert worker.wait(timeout=60) == 1
+        assert "tensor-parallel rank 1 failed (rank 0 was told)" in worker.stderr.read()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    with pytest.raises(ValueError, match="tensor_parallel_address must be HOST:PORT"):
+        EngineConfig(model=tiny_checkpoint, tensor_parallel_size=2, tensor_parallel_address="nowhere")
+    with pytest.raises(ValueError, match="needs tensor_parallel_size >= 2"):
+        EngineConfig(model=tiny_checkpoint, tensor_parallel_address="127.0.0.1:9")

@@ -243,7 +243,8 @@ def _serve_engine_options(args) -> dict:
                 kv_quantize="int8" if args.kv_int8 else None, batch_invariant=args.batch_invariant,
                 draft_model=args.draft_model,
                 num_draft_tokens=args.num_draft_tokens, load_format=args.load_format,
-                tensor_parallel_size=args.tensor_parallel_size, progress=True)
+                tensor_parallel_size=args.tensor_parallel_size,
+                tensor_parallel_address=args.tensor_parallel_address, progress=True)
 
 
 def _serve(args) -> int:
@@ -324,6 +325,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N GPUs (ordinals 0..N-1), one process each, over NCCL (1); needs "
                         "pip install tileinfer[tp]")
+    p.add_argument("--tensor-parallel-address", default=None, metavar="HOST:PORT",
+                   help="listen there for the other ranks, started by hand with tileinfer tp-worker (other hosts' "
+                        "GPUs; $TILEINFER_TP_KEY the same everywhere) instead of starting them here")
     _add_draft_arguments(p)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are "
@@ -386,7 +390,32 @@ def build_parser() -> argparse.ArgumentParser:
                        description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_arguments(v)
     v.set_defaults(run=_serve)
+    w = sub.add_parser("tp-worker", help="one rank of a tensor-parallel group whose rank 0 listens at --address",
+                       description="Run rank --rank of a tensor-parallel group started by hand (another host's "
+                                   "GPUs): rank 0 is an LLM or `tileinfer serve` given the same address as "
+                                   "tensor_parallel_address; every rank needs the same $TILEINFER_TP_KEY. Returns "
+                                   "when rank 0 closes the group.")
+    w.add_argument("--address", required=True, help="HOST:PORT rank 0 listens on")
+    w.add_argument("--rank", type=int, required=True, help="this process's rank, 1..N-1")
+    w.add_argument("--device", default="cuda", help="this rank's GPU: cuda (GPU 0) or cuda:K")
+    w.set_defaults(run=_tp_worker)
     return parser
+
+
+def _tp_worker(args) -> int:
+    from tileinfer.config import parse_device
+    from tileinfer.runner.tensor_parallel import parse_address, shared_key, worker_main
+    address, key = parse_address(args.address), shared_key()
+    kind, ordinal = parse_device(args.device)
+    if kind != "cuda":
+        raise ValueError(f"--device must be cuda or cuda:K, got {args.device!r}")
+    if args.rank < 1:
+        raise ValueError(f"--rank must be 1..N-1 (rank 0 is the LLM's own process), got {args.rank}")
+    error = worker_main(address, key, args.rank, f"cuda:{ordinal}")
+    if error is not None:
+        print(f"tileinfer: error: tensor-parallel rank {args.rank} failed (rank 0 was told):\n{error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

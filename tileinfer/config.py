@@ -71,6 +71,7 @@ class EngineConfig:
     num_draft_tokens: int | None = None  # proposals a round; None: 4, or a DFlash drafter's block_size - 1
     load_format: str = "auto"            # "auto": the model's weight files; "dummy": weights made from its config
     tensor_parallel_size: int = 1        # GPUs the model is split over (ordinals device .. device + N - 1), over NCCL
+    tensor_parallel_address: str | None = None  # "HOST:PORT": rank 0 listens there for ranks started by hand
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -92,6 +93,12 @@ class EngineConfig:
         check_utilization(self.gpu_memory_utilization)
         if self.tensor_parallel_size > 1 and kind == "cpu":
             raise ValueError("tensor_parallel_size > 1 splits a model over GPUs; the CPU runner runs it whole")
+        if self.tensor_parallel_address is not None:
+            from .runner.tensor_parallel import parse_address
+            parse_address(self.tensor_parallel_address)
+            if self.tensor_parallel_size < 2:
+                raise ValueError("tensor_parallel_address is where the other ranks of a group connect: it needs "
+                                 "tensor_parallel_size >= 2")
         if self.tensor_parallel_size > 1 and self.draft_model is not None:
             raise ValueError("speculative decoding (draft_model) is not supported with tensor_parallel_size > 1")
         if self.load_format not in ("auto", "dummy"):

@@ -67,7 +67,8 @@ class LLM:
         """model: a Hugging Face Qwen3 checkpoint directory (or Apertus, with device="cpu"); options:
         EngineConfig's fields (max_num_seqs, max_context, page_size, enable_prefix_caching, max_num_batched_tokens,
         gpu_memory_utilization, num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant,
-        async_scheduling, device, progress, draft_model, num_draft_tokens, load_format, tensor_parallel_size).
+        async_scheduling, device, progress, draft_model, num_draft_tokens, load_format, tensor_parallel_size,
+        tensor_parallel_address).
         draft_model may be a draft model's directory or a DFlash drafter's (recognised by its config.json).
         tensor_parallel_size=N splits the model over N GPUs, one process each (runner/tensor_parallel.py)."""
         self.config = EngineConfig(model=model, **options)

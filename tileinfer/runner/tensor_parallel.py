@@ -5,6 +5,15 @@ processes (multiprocessing spawn); rank r runs on GPU ordinal + r. Rank 0 listen
 (127.0.0.1, an ephemeral port, a random key); each worker connects, says its rank and receives the
 EngineConfig and NCCL's unique id. That connection then carries everything rank 0 tells a worker.
 
+Across hosts it is the same code with an address every host reaches: `tensor_parallel_address="HOST:PORT"`
+makes rank 0 listen there and start no workers; each other rank is started by hand on its host,
+
+    TILEINFER_TP_KEY=<the same secret everywhere> python -m tileinfer.runner.tensor_parallel \
+        --address HOST:PORT --rank R --device cuda:K
+
+and connects (the key authenticates it; rank 0 needs it in its environment too). NCCL then finds its own
+way between the hosts from the unique id.
+
 Start-up: every rank runs start_gpu (runner/startup.py) for its own shards: its communicator, its weights
 (model/sharding.py's split), the warm-up on its own GPU (the collectives inside run in the same order on
 every rank: it is the same code) and its pool sized from its own NVML free memory. The ranks then agree on
@@ -19,8 +28,7 @@ gathered whole on every rank, the seeds are the same) and replays its own decode
 the tokens back. A worker that fails sends its error and exits; rank 0 reports it at its next call.
 
 Not under tensor parallelism (refused up front): speculative decoding, structured output, and `extend` /
-`logits` (teacher-forced logits of a prompt). Multi-host needs the workers' address to be reachable from
-other hosts; the code takes an address, but only one host has been tested.
+`logits` (teacher-forced logits of a prompt).
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection, Listener, wait
 
@@ -36,6 +45,7 @@ from ..kv import Sequence
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 300.0  # seconds a worker has to start its interpreter and connect
+KEY_ENV = "TILEINFER_TP_KEY"  # the shared secret of a group whose ranks are started by hand (hex or text)
 
 
 class WorkerError(RuntimeError):
@@ -68,8 +78,9 @@ def tensor_parallel_group(config) -> "TensorParallelGroup":
     its workers started and connected."""
     from ..cuda.driver import NoDeviceError, device_handle
     first, world = config.gpu_ordinal, config.tensor_parallel_size
+    last = first if config.tensor_parallel_address else first + world - 1  # (by hand: the others are elsewhere)
     try:
-        device_handle(first + world - 1)
+        device_handle(last)
     except NoDeviceError as e:
         raise ValueError(f"tensor_parallel_size {world} needs GPUs {first}..{first + world - 1} ({e}); give at most "
                          f"as many as the machine has") from None
@@ -79,18 +90,24 @@ def tensor_parallel_group(config) -> "TensorParallelGroup":
 class TensorParallelGroup:
     """Rank 0's side of a group: the workers, a connection to each, the id of the group's communicator."""
 
-    def __init__(self, config, *, host: str = "127.0.0.1"):
+    def __init__(self, config):
         from ..cuda.nccl import unique_id
         self.world = config.tensor_parallel_size
         self.uid = unique_id()
         self.comm = None
         self.failed: str | None = None
-        self._authkey = os.urandom(16)
-        self._listener = Listener((host, 0), authkey=self._authkey)
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no CUDA state inherited
-        self.procs = [ctx.Process(target=worker_main, args=(self._listener.address, self._authkey, rank),
-                                  name=f"tileinfer-tp-rank{rank}", daemon=True) for rank in range(1, self.world)]
+        self.procs = []
         self.conns: list[Connection | None] = [None] * (self.world - 1)
+        if config.tensor_parallel_address:  # the other ranks are started by hand and connect here
+            host, port = parse_address(config.tensor_parallel_address)
+            self._authkey = shared_key()
+            self._listener = Listener((host, port), authkey=self._authkey)
+        else:
+            self._authkey = os.urandom(16)
+            self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no CUDA state inherited
+            self.procs = [ctx.Process(target=worker_main, args=(self._listener.address, self._authkey, rank),
+                                      name=f"tileinfer-tp-rank{rank}", daemon=True) for rank in range(1, self.world)]
         try:
             for p in self.procs:
                 p.start()
@@ -103,8 +120,8 @@ class TensorParallelGroup:
 
     def _accept(self) -> None:
         """Every worker's connection, in rank order (each says its rank first)."""
-        self._listener._listener._socket.settimeout(CONNECT_TIMEOUT)
-        for _ in self.procs:
+        self._listener._listener._socket.settimeout(CONNECT_TIMEOUT)  # (multiprocessing's listening socket)
+        for _ in range(self.world - 1):
             try:
                 conn = self._listener.accept()
             except TimeoutError:
@@ -112,6 +129,10 @@ class TensorParallelGroup:
                 raise WorkerError(f"tensor parallelism: not every worker connected within {CONNECT_TIMEOUT:.0f} s"
                                   + (f" ({', '.join(dead)} exited)" if dead else "")) from None
             rank = conn.recv()
+            if not (isinstance(rank, int) and 1 <= rank < self.world) or self.conns[rank - 1] is not None:
+                conn.close()
+                raise WorkerError(f"tensor parallelism: a worker connected as rank {rank!r}; a group of "
+                                  f"{self.world} takes ranks 1..{self.world - 1}, each once")
             self.conns[rank - 1] = conn
 
     def connect(self, vocab_size: int):
@@ -205,16 +226,48 @@ class _WorkerGroup:
         return self.conn.recv()
 
 
-def worker_main(address, authkey: bytes, rank: int) -> None:
-    """A worker process: connect to rank 0, start this rank's runner, then run what rank 0 sends until told to
-    close (or rank 0 goes away). A failure is sent to rank 0 before the process exits."""
+def parse_address(address: str) -> tuple[str, int]:
+    """("host", port) from "HOST:PORT"; ValueError naming the problem."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) < 65536:
+        raise ValueError(f"tensor_parallel_address must be HOST:PORT (a port in 1..65535 every rank's host "
+                         f"reaches), got {address!r}")
+    return host, int(port)
+
+
+def shared_key() -> bytes:
+    """The group's key when its ranks are started by hand: $TILEINFER_TP_KEY, the same on every host."""
+    key = os.environ.get(KEY_ENV, "")
+    if not key:
+        raise ValueError(f"a tensor-parallel group started by hand needs a shared secret: set {KEY_ENV} to the "
+                         f"same value for rank 0 and every worker")
+    return key.encode()
+
+
+def _connect(address, authkey: bytes) -> Connection:
+    """A connection to rank 0, retried while nothing listens there yet (a worker started by hand may come first)."""
     from multiprocessing.connection import Client
-    conn = Client(address, authkey=authkey)
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def worker_main(address, authkey: bytes, rank: int, device: str | None = None) -> str | None:
+    """A worker process: connect to rank 0, start this rank's runner (on `device`, or GPU ordinal + rank of rank
+    0's), then run what rank 0 sends until told to close (or rank 0 goes away). A failure is sent to rank 0
+    before the process exits, and returned (its traceback); None after a normal close."""
+    error = None
+    conn = _connect(address, authkey)
     conn.send(rank)
     started = group = None
     try:
         config, uid = conn.recv()
-        config = dataclasses.replace(config, device=f"cuda:{config.gpu_ordinal + rank}", progress=False)
+        config = dataclasses.replace(config, device=device or f"cuda:{config.gpu_ordinal + rank}", progress=False)
         from .startup import start_gpu
         group = _WorkerGroup(conn, uid, rank, config.tensor_parallel_size)
         started = start_gpu(config, group=group)
@@ -222,8 +275,9 @@ def worker_main(address, authkey: bytes, rank: int) -> None:
     except (EOFError, KeyboardInterrupt):
         pass  # rank 0 is gone (or the user interrupted it): nothing to report to
     except BaseException:
+        error = traceback.format_exc()
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", error))
         except OSError:
             pass
     finally:
@@ -232,6 +286,7 @@ def worker_main(address, authkey: bytes, rank: int) -> None:
         if group is not None and group.comm is not None:
             group.comm.close()
         conn.close()
+    return error
 
 
 def _serve(conn: Connection, runner) -> None:
@@ -313,3 +368,4 @@ class TensorParallelRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
