@@ -229,6 +229,12 @@ def _check_serve_arguments(args) -> None:
                          "tokenizer (scripts/make_checkpoint.py --config-only writes one)")
     if args.tensor_parallel_size > 1 and args.device == "cpu":
         raise ValueError("--tensor-parallel-size splits a model over GPUs; --device cpu runs it whole")
+    if args.tensor_parallel_address is not None:
+        from tileinfer.runner.tensor_parallel import parse_address
+        parse_address(args.tensor_parallel_address)
+        if args.tensor_parallel_size < 2:
+            raise ValueError("--tensor-parallel-address is where the other ranks connect: it needs "
+                             "--tensor-parallel-size 2 or more")
     if args.tensor_parallel_size > 1 and args.draft_model:
         raise ValueError("--draft-model (speculative decoding) is not supported with --tensor-parallel-size > 1")
     _check_model_options(args, args.load_format)
