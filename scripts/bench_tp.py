@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Tensor parallelism's decode speed on the GPUs of one machine: a preset at each --tp size and batch size.
+
+    python3 scripts/bench_tp.py --preset qwen3-32b --tp 1,2 --batches 1,64
+    python3 scripts/bench_tp.py --preset apertus-70b --tp 2 --batches 1          # does not fit one H200
+
+Each case loads a config-only directory of the preset (config.json and the tokenizer files, written here as
+scripts/make_checkpoint.py --config-only writes them) with load_format="dummy" (random weights of its shapes,
+made as they load), as LLM(tensor_parallel_size=N): B requests of a --context-token prompt decode --new tokens
+together (bench_engine.batch_decode: tokens/s over the steps in which all B decode). The roofline of a step:
+every weight once (the embedding once, as the LM head) and each request's cache, split over the N GPUs, each
+reading at 4.3 TB/s. Batch 1's speed-up of TP N over TP 1 is the issue's figure (goal: at least 1.6x at TP 2).
+Prints a markdown table; writes bench_tp.json to $OUT (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import kv_bytes, weight_bytes  # noqa: E402
+from bench_engine import batch_decode  # noqa: E402
+
+from tileinfer import LLM  # noqa: E402
+from tileinfer.model.config import PRESETS  # noqa: E402
+from tileinfer.model.synthetic import checkpoints_dir, write_text_files  # noqa: E402
+
+HBM_TBS = 4.3  # an H200's measured read bandwidth (docs/benchmarks.md, Rooflines)
+
+
+def config_dir(preset: str) -> Path:
+    """The preset's config-only directory (written on first use)."""
+    out = checkpoints_dir() / f"{preset}-config"
+    if not (out / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_files(PRESETS[preset], out)
+    return out
+
+
+def case(path: Path, cfg, tp: int, batch: int, context: int, new: int, device: str = "cuda") -> dict:
+    with LLM(path, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batch, 1), device=device,
+             max_context=context + new + 16, progress=False) as llm:
+        r = batch_decode(llm, batch, context, new)
+    positions = context + new // 2  # the mean position of the timed tokens
+    step_bytes = weight_bytes(cfg) + batch * kv_bytes(cfg, positions)
+    roofline = batch / (step_bytes / (tp * HBM_TBS * 1e12))
+    return dict(tp=tp, batch=batch, context=context, new=new, tok_s=r["decode_tok_s"], ms_per_step=r["ms_per_step"],
+                roofline_tok_s=roofline, of_roofline=r["decode_tok_s"] / roofline)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-32b", choices=sorted(PRESETS))
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes, e.g. 1,2")
+    ap.add_argument("--batches", default="1,64", help="batch sizes, e.g. 1,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the script (TP 1)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args()
+    cfg = PRESETS[args.preset]
+    path = config_dir(args.preset)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for tp in (int(t) for t in args.tp.split(",")):
+            row = case(path, cfg, tp, batch, args.context, args.new, args.device)
+            rows.append(row)
+            print(f"{args.preset} TP {tp}, batch {batch}: {row['tok_s']:,.1f} tok/s, {row['ms_per_step']:.3f} ms a step, "
+                  f"{100 * row['of_roofline']:.1f}% of {row['roofline_tok_s']:,.1f}", flush=True)
+    base = {r["batch"]: r["tok_s"] for r in rows if r["tp"] == 1}
+    print(f"\n| {args.preset} | batch | tok/s | % of roofline | over TP 1 |\n|---|---|---|---|---|")
+    for r in rows:
+        over = f"{r['tok_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+        print(f"| TP {r['tp']} | {r['batch']} | {r['tok_s']:,.1f} | {100 * r['of_roofline']:.1f}% | {over} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_tp.json").write_text(json.dumps(dict(preset=args.preset, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
