@@ -203,7 +203,7 @@ _SERVE_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
 def _check_serve_arguments(args) -> None:
     """The serve command line, checked without the GPU and before anything loads."""
     import math
-    from tileinfer.config import check_count
+    from tileinfer.config import check_count, check_tensor_parallel
     from tileinfer.kv.sizing import check_utilization
     if args.max_num_seqs is None:
         args.max_num_seqs = _SERVE_MAX_NUM_SEQS[args.device]
@@ -227,16 +227,8 @@ def _check_serve_arguments(args) -> None:
     if args.load_format == "dummy" and not args.model:
         raise ValueError("--load-format dummy needs --model DIR: a directory with the model's config.json and "
                          "tokenizer (scripts/make_checkpoint.py --config-only writes one)")
-    if args.tensor_parallel_size > 1 and args.device == "cpu":
-        raise ValueError("--tensor-parallel-size splits a model over GPUs; --device cpu runs it whole")
-    if args.tensor_parallel_address is not None:
-        from tileinfer.runner.tensor_parallel import parse_address
-        parse_address(args.tensor_parallel_address)
-        if args.tensor_parallel_size < 2:
-            raise ValueError("--tensor-parallel-address is where the other ranks connect: it needs "
-                             "--tensor-parallel-size 2 or more")
-    if args.tensor_parallel_size > 1 and args.draft_model:
-        raise ValueError("--draft-model (speculative decoding) is not supported with --tensor-parallel-size > 1")
+    check_tensor_parallel(args.tensor_parallel_size, args.tensor_parallel_address, cpu=args.device == "cpu",
+                          speculative=bool(args.draft_model), option=lambda name: "--" + name.replace("_", "-"))
     _check_model_options(args, args.load_format)
 
 

@@ -36,6 +36,22 @@ def parse_device(device) -> tuple[str, int]:
                      f"slow, exact), got {device!r}")
 
 
+def check_tensor_parallel(size: int, address: str | None, *, cpu: bool, speculative: bool, option=str) -> None:
+    """ValueError unless a group of `size` ranks (and `address`, where ranks started by hand connect) can run
+    with these options; option(name) is how the caller spells an option (the CLI: --tensor-parallel-size)."""
+    if size > 1 and cpu:
+        raise ValueError(f"{option('tensor_parallel_size')} > 1 splits a model over GPUs; the CPU runner runs it whole")
+    if address is not None:
+        from .runner.tensor_parallel import parse_address
+        parse_address(address)
+        if size < 2:
+            raise ValueError(f"{option('tensor_parallel_address')} is where the other ranks of a group connect: it "
+                             f"needs {option('tensor_parallel_size')} >= 2")
+    if size > 1 and speculative:
+        raise ValueError(f"speculative decoding ({option('draft_model')}) is not supported with "
+                         f"{option('tensor_parallel_size')} > 1")
+
+
 def _default_draft_tokens(draft_model: Path | None) -> int:
     """A round's proposals when none are asked for: a DFlash drafter's block_size - 1 (all it drafts in one
     forward), else 4. A draft directory that cannot be read gets 4 here; opening it says what is wrong."""
@@ -91,16 +107,8 @@ class EngineConfig:
         if self.num_pages is not None and self.max_tokens is not None:
             raise ValueError("give at most one of num_pages or max_tokens (or neither, to size from free memory)")
         check_utilization(self.gpu_memory_utilization)
-        if self.tensor_parallel_size > 1 and kind == "cpu":
-            raise ValueError("tensor_parallel_size > 1 splits a model over GPUs; the CPU runner runs it whole")
-        if self.tensor_parallel_address is not None:
-            from .runner.tensor_parallel import parse_address
-            parse_address(self.tensor_parallel_address)
-            if self.tensor_parallel_size < 2:
-                raise ValueError("tensor_parallel_address is where the other ranks of a group connect: it needs "
-                                 "tensor_parallel_size >= 2")
-        if self.tensor_parallel_size > 1 and self.draft_model is not None:
-            raise ValueError("speculative decoding (draft_model) is not supported with tensor_parallel_size > 1")
+        check_tensor_parallel(self.tensor_parallel_size, self.tensor_parallel_address, cpu=kind == "cpu",
+                              speculative=self.draft_model is not None)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (the checkpoint's weight files) or 'dummy' (random "
                              f"weights made from its config.json), got {self.load_format!r}")
