@@ -59,6 +59,24 @@ def test_each_rank_reads_its_shards_with_the_vocabulary_padded(small_checkpoint,
         np.testing.assert_array_equal(np.concatenate(rows), whole)  # the real rows cover the vocabulary once
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_of_dummy_weights_reads_what_a_rank_of_the_written_checkpoint_reads(small_checkpoint, world, tmp_path):
+    # load_format="dummy" (the generator's weights for seed 0, made as read; a rank makes only the rows it holds)
+    # against the same weights written to disk: every rank's every tensor the same.
+    from tileinfer.model.checkpoint import DummyCheckpoint
+    from tileinfer.model.synthetic import write_text_files
+    config = small_checkpoint.config
+    written = tmp_path / "written"
+    write_checkpoint(config, written, seed=DummyCheckpoint.SEED, progress=False)
+    (tmp_path / "dummy").mkdir()
+    write_text_files(config, tmp_path / "dummy")
+    disk, dummy = Checkpoint.open(written), DummyCheckpoint.open(tmp_path / "dummy")
+    for rank in range(world):
+        a, b = ShardedCheckpoint(disk, rank, world), ShardedCheckpoint(dummy, rank, world)
+        for name in expected_tensors(config):
+            np.testing.assert_array_equal(a.read(name), b.read(name), err_msg=f"rank {rank}: {name}")
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_each_rank_holds_its_local_shapes_and_bytes(small_checkpoint, world):
     ckpt, config = small_checkpoint, small_checkpoint.config

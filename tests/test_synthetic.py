@@ -236,3 +236,18 @@ def test_dummy_load_format_makes_the_written_weights_from_config_alone(tmp_path,
         assert got == llm.generate(["The weights of this model"], params)[0].token_ids
     with pytest.raises(ValueError, match="load_format must be"):
         LLM(out, device="cpu", load_format="random")
+
+
+def test_a_tensors_rows_are_the_whole_tensors_rows_whatever_the_threads(monkeypatch):
+    # load_format="dummy" makes a tensor-parallel rank's rows only (the chunks that hold them, on threads): the
+    # same values as the whole tensor's rows, across chunk boundaries, with one thread or several.
+    monkeypatch.setattr(synthetic, "CHUNK_ELEMENTS", 1000)
+    name, shape = "model.layers.1.mlp.gate_proj.weight", (96, 64)  # 6,144 elements: 7 chunks
+    whole = synthetic.synthetic_tensor(MICRO, 3, name, shape, workers=1)
+    np.testing.assert_array_equal(whole, synthetic.synthetic_tensor(MICRO, 3, name, shape, workers=4))
+    for rows in [(0, 96), (0, 15), (15, 16), (31, 47), (47, 96), (95, 96), (40, 40)]:
+        part = synthetic.synthetic_tensor(MICRO, 3, name, shape, rows=rows, workers=3)
+        assert part.shape == (rows[1] - rows[0], 64)
+        np.testing.assert_array_equal(part, whole[rows[0]:rows[1]])
+    with pytest.raises(ValueError, match="rows"):
+        synthetic.synthetic_tensor(MICRO, 3, name, shape, rows=(90, 97))

@@ -158,12 +158,15 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensors.values())
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as bfloat16 (zero-copy when stored as BF16; F16/F32 rounded to nearest even)."""
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor as bfloat16, or its rows [start, stop) of the first axis (a tensor-parallel rank's part):
+        zero-copy when stored as BF16; F16/F32 rounded to nearest even."""
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
         array = self._files[info.path].read(name)
+        if rows is not None:
+            array = array[rows[0]:rows[1]]
         if info.dtype == "BF16":
             return array
         if not self._converted:
@@ -198,12 +201,12 @@ class DummyCheckpoint(Checkpoint):
                    for name, shape in expected_tensors(config).items()}
         return cls(path, config, tensors, _eos_token_ids(path), _chat_template(path), {})
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         from tileinfer.model.synthetic import synthetic_tensor  # synthetic.py imports this module
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
-        return synthetic_tensor(self.config, self.SEED, name, info.shape)
+        return synthetic_tensor(self.config, self.SEED, name, info.shape, rows=rows)
 
 
 def _open_weights(path: Path) -> tuple[dict[Path, SafetensorsFile], dict[str, TensorInfo]]:

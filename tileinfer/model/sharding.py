@@ -80,16 +80,26 @@ def local_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
                                intermediate_size=config.intermediate_size // world, vocab_size=stop - start)
 
 
+def shard_rows(config: ModelConfig, name: str, shape: tuple[int, ...], rank: int, world: int
+               ) -> tuple[int, int] | None:
+    """The rows [start, stop) that are rank `rank`'s slice of the weight `name` of `shape`, where the slice is rows
+    (the vocabulary tensors and the column-parallel linears); None where it is not."""
+    if name in VOCAB_TENSORS:
+        return vocab_range(config.vocab_size, rank, world)
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # whole heads / rows (check_world)
+        per = shape[0] // world
+        return rank * per, (rank + 1) * per
+    return None
+
+
 def shard_tensor(config: ModelConfig, name: str, tensor: np.ndarray, rank: int, world: int) -> np.ndarray:
     """Rank `rank`'s slice of the weight `name` (Hugging Face names, [out, in] linears); a view where the
     slice is rows, a copy where it is columns (row-parallel products)."""
-    if name in VOCAB_TENSORS:
-        start, stop = vocab_range(config.vocab_size, rank, world)
-        return tensor[start:stop]
+    rows = shard_rows(config, name, tensor.shape, rank, world)
+    if rows is not None:
+        return tensor[rows[0]:rows[1]]
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
-    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # whole heads / rows (check_world)
-        per = tensor.shape[0] // world
-        return tensor[rank * per:(rank + 1) * per]
     if leaf in ("o_proj", "down_proj"):
         per = tensor.shape[1] // world
         return np.ascontiguousarray(tensor[:, rank * per:(rank + 1) * per])
@@ -159,7 +169,12 @@ class ShardedCheckpoint:
         self.config = dataclasses.replace(local_config(full, rank, world), vocab_size=self.vocab_rows)
 
     def read(self, name: str) -> np.ndarray:
-        tensor = shard_tensor(self.full_config, name, self.checkpoint.read(name), self.rank, self.world)
+        shape = self.checkpoint.tensors[name].shape
+        rows = shard_rows(self.full_config, name, shape, self.rank, self.world)
+        if rows is not None:  # only the rank's rows are read (or, dummy weights, made)
+            tensor = self.checkpoint.read(name, rows)
+        else:
+            tensor = shard_tensor(self.full_config, name, self.checkpoint.read(name), self.rank, self.world)
         if name not in VOCAB_TENSORS or tensor.shape[0] == self.vocab_rows:
             return tensor
         padded = np.zeros((self.vocab_rows, *tensor.shape[1:]), tensor.dtype)  # [vocab_part, hidden]

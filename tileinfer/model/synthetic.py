@@ -104,11 +104,29 @@ def generate_chunk(config: ModelConfig, seed: int, name: str, index: int, size: 
     return values.astype(BF16)                      # round to nearest even
 
 
-def synthetic_tensor(config: ModelConfig, seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Tensor `name` whole, bf16 of `shape`: what write_checkpoint writes for it (load_format="dummy" reads it)."""
+def synthetic_tensor(config: ModelConfig, seed: int, name: str, shape: tuple[int, ...],
+                     rows: tuple[int, int] | None = None, workers: int | None = None) -> np.ndarray:
+    """Tensor `name`, bf16 of `shape`, or its rows [start, stop) of the first axis: what write_checkpoint writes
+    for it (load_format="dummy" reads it, a tensor-parallel rank only its rows). Only the chunks holding those
+    rows are generated, on `workers` threads (default: every core; numpy's generators let go of the GIL)."""
     numel = math.prod(shape)
-    return np.concatenate([generate_chunk(config, seed, name, index, size)
-                           for index, size in _chunk_sizes(numel)]).reshape(shape)
+    start, stop = (0, shape[0]) if rows is None else rows
+    if not 0 <= start <= stop <= shape[0]:
+        raise ValueError(f"rows {rows} of a tensor of {shape[0]} rows")
+    row = numel // shape[0] if shape[0] else 0
+    first, last = start * row, stop * row  # the elements asked for
+    chunks = [(i, n) for i, n in _chunk_sizes(numel) if i * CHUNK_ELEMENTS < last and (i * CHUNK_ELEMENTS + n) > first]
+    if not chunks:
+        return np.zeros((stop - start, *shape[1:]), BF16)
+    make = functools.partial(generate_chunk, config, seed, name)
+    if len(chunks) == 1:
+        parts = [make(*chunks[0])]
+    else:
+        with ThreadPoolExecutor(min(workers or os.cpu_count() or 1, len(chunks))) as pool:
+            parts = list(pool.map(lambda chunk: make(*chunk), chunks))
+    flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    offset = chunks[0][0] * CHUNK_ELEMENTS
+    return flat[first - offset:last - offset].reshape((stop - start, *shape[1:]))
 
 
 def outlier_channels(config: ModelConfig, seed: int) -> np.ndarray:
