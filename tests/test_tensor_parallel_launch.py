@@ -95,9 +95,15 @@ class _Group:
     def __init__(self, log):
         self.log, self.failed = log, None
 
-    def send(self, message):
+    def watch(self):
+        pass
+
+    def check(self):
         if self.failed:
             raise WorkerError(self.failed)
+
+    def send(self, message):
+        self.check()
         self.log.append(("sent",) + message)
 
 
@@ -188,3 +194,36 @@ def test_a_rank_started_by_hand_connects_with_the_shared_key(tiny_checkpoint, mo
         EngineConfig(model=tiny_checkpoint, tensor_parallel_size=2, tensor_parallel_address="nowhere")
     with pytest.raises(ValueError, match="needs tensor_parallel_size >= 2"):
         EngineConfig(model=tiny_checkpoint, tensor_parallel_address="127.0.0.1:9")
+
+
+def test_a_worker_lost_after_start_up_stops_rank_0_instead_of_letting_it_hang(tiny_checkpoint, monkeypatch):
+    # Rank 0's watch thread sees a worker's failure the moment it arrives, marks the group failed and aborts the
+    # communicator (so no collective waits for the lost rank); reading a step's tokens then raises instead of
+    # returning what an aborted step computed. (The worker here fails when it opens its GPU; a worker failing
+    # later reports the same way.)
+    import tileinfer.cuda.nccl as nccl
+    from tileinfer.runner.tensor_parallel import TensorParallelGroup
+    monkeypatch.setattr(nccl, "unique_id", lambda: bytes(range(128)))
+    group = TensorParallelGroup(EngineConfig(model=tiny_checkpoint, device="cuda:7", tensor_parallel_size=2,
+                                             progress=False))
+
+    class Comm:
+        aborted = 0
+
+        def abort(self):
+            Comm.aborted += 1
+
+        def close(self):
+            pass
+    group.comm = Comm()
+    try:
+        runner = TensorParallelRunner(_Recorder(), group)  # its group starts watching
+        group._watcher.join(timeout=120)
+        assert Comm.aborted == 1 and group.failed.startswith("tensor-parallel rank 1 failed:")
+        with pytest.raises(WorkerError, match="rank 1 failed"):
+            runner.collect(0, 1)
+        with pytest.raises(WorkerError, match="rank 1 failed"):
+            runner.launch([], sample=False)
+    finally:
+        group.close()
+    assert Comm.aborted == 1

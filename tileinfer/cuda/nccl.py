@@ -93,6 +93,13 @@ class Communicator:
                              f"{part.dtype} {part.shape}")
         _bindings().all_gather(part.ptr, whole.ptr, n, _data_type(part.dtype), self._comm, int(stream.handle))
 
+    def abort(self) -> None:
+        """Abort the communicator from any thread: collectives waiting for a rank that is gone return instead of
+        waiting forever (what they computed is garbage; the group cannot be used again). Idempotent."""
+        if self._comm is not None:
+            comm, self._comm = self._comm, None
+            _bindings().comm_abort(comm)
+
     def close(self) -> None:
         """Free the communicator (after the work enqueued with it has finished). Idempotent."""
         if self._comm is not None:

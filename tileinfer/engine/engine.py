@@ -39,6 +39,7 @@ from ..config import EngineConfig
 from ..cuda import CudaError
 from ..kv import BlockManager
 from ..runner.step import SamplingRow
+from ..runner.tensor_parallel import WorkerError
 from .detokenize import IncrementalDetokenizer
 from .outputs import EngineStats, RequestOutput
 from .params import SamplingParams
@@ -231,7 +232,7 @@ class Engine:
         start = time.perf_counter()
         try:
             events = self._speculative_step() if self.drafter is not None else self._pipelined_step()
-        except CudaError as e:
+        except (CudaError, WorkerError) as e:  # (a tensor-parallel rank lost: the group was aborted)
             self.broken = str(e)
             if "OUT_OF_MEMORY" in str(e):
                 raise MemoryError(f"the GPU ran out of memory during a step ({e}); another process probably took "

@@ -25,7 +25,10 @@ device work (a launch, a verify step, copy-on-write page copies) is sent to ever
 rank 0, its sequences as (positions, block table); a worker runs the same call on its own runner. The
 scheduler and the block manager live on rank 0 only. Every rank samples the same tokens (the logits are
 gathered whole on every rank, the seeds are the same) and replays its own decode graphs; only rank 0 reads
-the tokens back. A worker that fails sends its error and exits; rank 0 reports it at its next call.
+the tokens back. A worker that fails sends its error and exits; a thread of rank 0 (`watch`) sees that (or
+the connection closing) at once, aborts rank 0's communicator so that no collective waits forever for the
+lost rank, and rank 0's next call (reading a step's tokens included) raises WorkerError with the worker's
+traceback: the engine stops rather than hang or return what an aborted step computed.
 
 Not under tensor parallelism (refused up front): speculative decoding, structured output, and `extend` /
 `logits` (teacher-forced logits of a prompt).
@@ -36,6 +39,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, Listener, wait
@@ -96,6 +100,8 @@ class TensorParallelGroup:
         self.uid = unique_id()
         self.comm = None
         self.failed: str | None = None
+        self._closing = False
+        self._watcher: threading.Thread | None = None
         self.procs = []
         self.conns: list[Connection | None] = [None] * (self.world - 1)
         if config.tensor_parallel_address:  # the other ranks are started by hand and connect here
@@ -168,24 +174,44 @@ class TensorParallelGroup:
             try:
                 conn.send(message)
             except OSError:
-                self.failed = f"tensor-parallel rank {rank} went away"
+                self._fail(f"tensor-parallel rank {rank} went away")
                 raise WorkerError(self.failed) from None
 
     def check(self) -> None:
-        """WorkerError if a worker has failed since start-up (it sends its error and exits)."""
-        if self.failed is None:
-            for conn in wait([c for c in self.conns if c is not None], timeout=0):
-                rank = self.conns.index(conn) + 1
-                try:
-                    message = conn.recv()
-                    self.failed = f"tensor-parallel rank {rank} failed:\n{message[1]}"
-                except (EOFError, OSError):
-                    self.failed = f"tensor-parallel rank {rank} went away"
+        """WorkerError if a worker has failed since start-up (`watch` notes it)."""
         if self.failed is not None:
             raise WorkerError(self.failed)
 
+    def watch(self) -> None:
+        """After start-up: a thread that waits for any worker to report a failure or go away (a worker says
+        nothing else until it is told to close), then marks the group failed and aborts the communicator."""
+        conns = [c for c in self.conns if c is not None]
+        if conns:
+            self._watcher = threading.Thread(target=self._watch, args=(conns,), name="tileinfer-tp-watch", daemon=True)
+            self._watcher.start()
+
+    def _watch(self, conns: list[Connection]) -> None:
+        ready = wait(conns)
+        if self._closing:
+            return
+        conn = ready[0]
+        rank = self.conns.index(conn) + 1
+        try:
+            message = conn.recv()
+            self._fail(f"tensor-parallel rank {rank} failed:\n{message[1]}")
+        except (EOFError, OSError):
+            self._fail(f"tensor-parallel rank {rank} went away")
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            log.error("%s; aborting the tensor-parallel group", why)
+            if self.comm is not None:
+                self.comm.abort()  # rank 0's collectives stop waiting for the lost rank
+
     def close(self) -> None:
         """Tell the workers to stop, wait for them (then end any that hang), close the communicator."""
+        self._closing = True
         for conn in self.conns:
             if conn is not None:
                 try:
@@ -203,6 +229,8 @@ class TensorParallelGroup:
                 conn.close()
         self.conns = [None] * len(self.conns)
         self._listener.close()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
         if self.comm is not None:
             self.comm.close()
             self.comm = None
@@ -314,6 +342,7 @@ class TensorParallelRunner:
     def __init__(self, runner, group: TensorParallelGroup):
         self.local = runner
         self.group = group
+        group.watch()
 
     def __getattr__(self, name):
         return getattr(self.local, name)
@@ -333,21 +362,31 @@ class TensorParallelRunner:
                masked: list[bool] | None = None, token_src: list[int] | None = None) -> int | None:
         if masked is not None and any(masked):
             raise ValueError("structured output is not supported with tensor parallelism")
+        self.group.check()  # (before the block manager hands over its page copies)
         self._copy_pending_pages()
         options = dict(sampling=sampling, sample=sample, penalties=penalties, token_src=token_src)
         self.group.send(("launch", _rows(batch), options))
         return self.local.launch(batch, **options)
 
+    def collect(self, slot: int | None, n: int):
+        """Rank 0's tokens of a launched step, unless a worker failed meanwhile (the step was then aborted)."""
+        out = self.local.collect(slot, n)
+        self.group.check()
+        return out
+
     def step(self, batch, sampling=None, *, sample: bool = True, penalties: list | None = None,
              masked: list[bool] | None = None):
         slot = self.launch(batch, sampling, sample=sample, penalties=penalties, masked=masked)
-        return self.local.collect(slot, len(batch))
+        return self.collect(slot, len(batch))
 
     def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None):
+        self.group.check()
         self._copy_pending_pages()
         options = dict(logits=logits, graph_width=graph_width)
         self.group.send(("verify", _rows(batch), options))
-        return self.local.verify(batch, **options)
+        out = self.local.verify(batch, **options)
+        self.group.check()
+        return out
 
     def extend(self, *args, **kwargs):
         raise ValueError("extend (teacher-forced logits of a prompt) is not available with tensor parallelism; "
