@@ -8,8 +8,7 @@ EngineConfig and NCCL's unique id. That connection then carries everything rank 
 Across hosts it is the same code with an address every host reaches: `tensor_parallel_address="HOST:PORT"`
 makes rank 0 listen there and start no workers; each other rank is started by hand on its host,
 
-    TILEINFER_TP_KEY=<the same secret everywhere> python -m tileinfer.runner.tensor_parallel \
-        --address HOST:PORT --rank R --device cuda:K
+    TILEINFER_TP_KEY=<the same secret everywhere> tileinfer tp-worker --address HOST:PORT --rank R --device cuda:K
 
 and connects (the key authenticates it; rank 0 needs it in its environment too). NCCL then finds its own
 way between the hosts from the unique id.
@@ -49,7 +48,7 @@ from ..kv import Sequence
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 300.0  # seconds a worker has to start its interpreter and connect
-KEY_ENV = "TILEINFER_TP_KEY"  # the shared secret of a group whose ranks are started by hand (hex or text)
+KEY_ENV = "TILEINFER_TP_KEY"  # the shared secret of a group whose ranks are started by hand
 
 
 class WorkerError(RuntimeError):
