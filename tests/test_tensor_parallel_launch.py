@@ -95,9 +95,6 @@ class _Group:
     def __init__(self, log):
         self.log, self.failed = log, None
 
-    def watch(self):
-        pass
-
     def check(self):
         if self.failed:
             raise WorkerError(self.failed)
@@ -196,34 +193,44 @@ def test_a_rank_started_by_hand_connects_with_the_shared_key(tiny_checkpoint, mo
         EngineConfig(model=tiny_checkpoint, tensor_parallel_address="127.0.0.1:9")
 
 
-def test_a_worker_lost_after_start_up_stops_rank_0_instead_of_letting_it_hang(tiny_checkpoint, monkeypatch):
-    # Rank 0's watch thread sees a worker's failure the moment it arrives, marks the group failed and aborts the
-    # communicator (so no collective waits for the lost rank); reading a step's tokens then raises instead of
-    # returning what an aborted step computed. (The worker here fails when it opens its GPU; a worker failing
-    # later reports the same way.)
+def test_a_failed_worker_stops_rank_0_instead_of_letting_it_wait(tiny_checkpoint, monkeypatch):
+    # Rank 0's watch thread reads a worker's failure the moment it arrives: the group is failed from then on, so
+    # rank 0 does not join a communicator the worker will never join, and reading a step's tokens or launching
+    # one raises instead of waiting. (The worker fails when it opens its GPU; a later failure reports the same
+    # way.)
     import tileinfer.cuda.nccl as nccl
     from tileinfer.runner.tensor_parallel import TensorParallelGroup
     monkeypatch.setattr(nccl, "unique_id", lambda: bytes(range(128)))
     group = TensorParallelGroup(EngineConfig(model=tiny_checkpoint, device="cuda:7", tensor_parallel_size=2,
                                              progress=False))
-
-    class Comm:
-        aborted = 0
-
-        def abort(self):
-            Comm.aborted += 1
-
-        def close(self):
-            pass
-    group.comm = Comm()
     try:
-        runner = TensorParallelRunner(_Recorder(), group)  # its group starts watching
-        group._watcher.join(timeout=120)
-        assert Comm.aborted == 1 and group.failed.startswith("tensor-parallel rank 1 failed:")
+        group._watcher.join(timeout=120)  # the worker reported, then closed its connection
+        assert group.failed.startswith("tensor-parallel rank 1 failed:") and "NoDeviceError" in group.failed
+        with pytest.raises(WorkerError, match="rank 1 failed"):
+            group.connect(151936)
+        runner = TensorParallelRunner(_Recorder(), group)
         with pytest.raises(WorkerError, match="rank 1 failed"):
             runner.collect(0, 1)
         with pytest.raises(WorkerError, match="rank 1 failed"):
             runner.launch([], sample=False)
     finally:
         group.close()
-    assert Comm.aborted == 1
+
+
+def test_a_failure_aborts_the_communicator_once():
+    # What lets rank 0's collectives return when a rank is lost mid-step: the first failure aborts the
+    # communicator (from the watch thread), later ones only stand.
+    from tileinfer.runner.tensor_parallel import TensorParallelGroup
+
+    class Comm:
+        aborted = 0
+
+        def abort(self):
+            Comm.aborted += 1
+    group = TensorParallelGroup.__new__(TensorParallelGroup)
+    group.failed, group.comm = None, Comm()
+    group._fail("tensor-parallel rank 2 went away")
+    group._fail("tensor-parallel rank 3 went away")
+    assert Comm.aborted == 1 and group.failed == "tensor-parallel rank 2 went away"
+    with pytest.raises(WorkerError, match="rank 2 went away"):
+        group.check()

@@ -27,7 +27,10 @@ gathered whole on every rank, the seeds are the same) and replays its own decode
 the tokens back. A worker that fails sends its error and exits; a thread of rank 0 (`watch`) sees that (or
 the connection closing) at once, aborts rank 0's communicator so that no collective waits forever for the
 lost rank, and rank 0's next call (reading a step's tokens included) raises WorkerError with the worker's
-traceback: the engine stops rather than hang or return what an aborted step computed.
+traceback: the engine stops rather than hang or return what an aborted step computed. The thread watches from
+the moment the workers connect, so a worker that fails during start-up (its weights do not fit, say) stops
+rank 0's start-up too; only one that fails before it joins the communicator leaves rank 0 waiting there
+(NCCL's initialisation cannot be aborted before it returns).
 
 Not under tensor parallelism (refused up front): speculative decoding, structured output, and `extend` /
 `logits` (teacher-forced logits of a prompt).
@@ -38,6 +41,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import queue
 import threading
 import time
 import traceback
@@ -101,6 +105,7 @@ class TensorParallelGroup:
         self.failed: str | None = None
         self._closing = False
         self._watcher: threading.Thread | None = None
+        self._pages: queue.Queue = queue.Queue()  # (rank, pages) from the workers' start-ups (the watch puts them)
         self.procs = []
         self.conns: list[Connection | None] = [None] * (self.world - 1)
         if config.tensor_parallel_address:  # the other ranks are started by hand and connect here
@@ -119,6 +124,7 @@ class TensorParallelGroup:
             self._accept()
             for conn in self.conns:
                 conn.send((config, self.uid))
+            self._watch_workers()
         except BaseException:
             self.close()
             raise
@@ -141,30 +147,28 @@ class TensorParallelGroup:
             self.conns[rank - 1] = conn
 
     def connect(self, vocab_size: int):
-        """Rank 0's place in the group (its GPU's context current): the communicator, once every rank joins."""
+        """Rank 0's place in the group (its GPU's context current): the communicator, once every rank joins
+        (WorkerError at once if a worker has failed already: it would never join)."""
         from ..cuda.nccl import Communicator
         from ..model.sharding import TensorParallel
+        self.check()
         self.comm = Communicator(self.uid, self.world, 0)
         return TensorParallel(self.comm, 0, self.world, vocab_size)
 
     def agree_pages(self, pages: int) -> int:
-        """The pool's pages on every rank: the fewest any rank has room for."""
-        theirs = [self._recv(rank) for rank in range(1, self.world)]
+        """The pool's pages on every rank: the fewest any rank has room for (WorkerError if a worker fails first)."""
+        theirs = []
+        while len(theirs) < self.world - 1:
+            self.check()
+            try:
+                theirs.append(self._pages.get(timeout=0.2)[1])
+            except queue.Empty:
+                pass
         agreed = min([pages] + theirs)
-        for conn in self.conns:
-            conn.send(agreed)
+        self.send(("pages", agreed))
         if agreed < pages:
             log.info("tensor parallelism: %d KV pages on every rank (rank 0 had room for %d)", agreed, pages)
         return agreed
-
-    def _recv(self, rank: int):
-        try:
-            message = self.conns[rank - 1].recv()
-        except (EOFError, OSError):
-            raise WorkerError(f"tensor-parallel rank {rank} went away during start-up") from None
-        if isinstance(message, tuple) and message and message[0] == "error":
-            raise WorkerError(f"tensor-parallel rank {rank} failed:\n{message[1]}")
-        return message
 
     def send(self, message) -> None:
         """`message` to every worker, after checking that none has reported a failure."""
@@ -177,29 +181,34 @@ class TensorParallelGroup:
                 raise WorkerError(self.failed) from None
 
     def check(self) -> None:
-        """WorkerError if a worker has failed since start-up (`watch` notes it)."""
+        """WorkerError if a worker has failed (the watch notes it)."""
         if self.failed is not None:
             raise WorkerError(self.failed)
 
-    def watch(self) -> None:
-        """After start-up: a thread that waits for any worker to report a failure or go away (a worker says
-        nothing else until it is told to close), then marks the group failed and aborts the communicator."""
+    def _watch_workers(self) -> None:
+        """A thread that reads what the workers say: their pool sizes during start-up, then nothing until they are
+        told to close; a failure report or a closed connection marks the group failed and aborts the
+        communicator."""
         conns = [c for c in self.conns if c is not None]
         if conns:
             self._watcher = threading.Thread(target=self._watch, args=(conns,), name="tileinfer-tp-watch", daemon=True)
             self._watcher.start()
 
     def _watch(self, conns: list[Connection]) -> None:
-        ready = wait(conns)
-        if self._closing:
-            return
-        conn = ready[0]
-        rank = self.conns.index(conn) + 1
-        try:
-            message = conn.recv()
-            self._fail(f"tensor-parallel rank {rank} failed:\n{message[1]}")
-        except (EOFError, OSError):
-            self._fail(f"tensor-parallel rank {rank} went away")
+        while conns and not self._closing:
+            for conn in wait(conns):
+                rank = self.conns.index(conn) + 1 if conn in self.conns else 0
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    conns.remove(conn)
+                    if not self._closing:
+                        self._fail(f"tensor-parallel rank {rank} went away")
+                    continue
+                if message[0] == "pages":
+                    self._pages.put((rank, message[1]))
+                else:  # ("error", traceback)
+                    self._fail(f"tensor-parallel rank {rank} failed:\n{message[1]}")
 
     def _fail(self, why: str) -> None:
         if self.failed is None:
@@ -249,8 +258,8 @@ class _WorkerGroup:
         return TensorParallel(self.comm, self.rank, self.world, vocab_size)
 
     def agree_pages(self, pages: int) -> int:
-        self.conn.send(pages)
-        return self.conn.recv()
+        self.conn.send(("pages", pages))
+        return self.conn.recv()[1]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -341,7 +350,6 @@ class TensorParallelRunner:
     def __init__(self, runner, group: TensorParallelGroup):
         self.local = runner
         self.group = group
-        group.watch()
 
     def __getattr__(self, name):
         return getattr(self.local, name)
