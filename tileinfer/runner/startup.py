@@ -35,7 +35,7 @@ from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
 from ..graphs import DECODE
 from ..kv import Sequence
 from ..kv import sizing
-from ..model.checkpoint import load_checkpoint
+from ..model.config import read_config
 from ..model.dflash_config import is_dflash_dir
 from .cpu import CPURunner
 from .cpu_dflash import CPUDFlashRunner
@@ -162,7 +162,7 @@ def _start_gpu(config: EngineConfig, made: list, group) -> Started:
     used_ctx = nvml.used()
     tp = None
     if group is not None:  # every rank joins the communicator before its weights load
-        tp = group.connect(load_checkpoint(config.model, config.load_format).config.vocab_size)
+        tp = group.connect(read_config(config.model / "config.json").vocab_size)  # (the runner loads the rest)
     alloc0 = allocated_bytes()
     t_start = time.perf_counter()
     runner = _gpu_runner(config, config.model, config.max_num_seqs * config.tokens_per_verify_row,

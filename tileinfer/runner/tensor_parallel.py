@@ -189,19 +189,19 @@ class TensorParallelGroup:
         """A thread that reads what the workers say: their pool sizes during start-up, then nothing until they are
         told to close; a failure report or a closed connection marks the group failed and aborts the
         communicator."""
-        conns = [c for c in self.conns if c is not None]
-        if conns:
-            self._watcher = threading.Thread(target=self._watch, args=(conns,), name="tileinfer-tp-watch", daemon=True)
+        ranks = {conn: rank for rank, conn in enumerate(self.conns, 1)}
+        if ranks:
+            self._watcher = threading.Thread(target=self._watch, args=(ranks,), name="tileinfer-tp-watch", daemon=True)
             self._watcher.start()
 
-    def _watch(self, conns: list[Connection]) -> None:
-        while conns and not self._closing:
-            for conn in wait(conns):
-                rank = self.conns.index(conn) + 1 if conn in self.conns else 0
+    def _watch(self, ranks: dict[Connection, int]) -> None:
+        while ranks and not self._closing:
+            for conn in wait(list(ranks)):
+                rank = ranks[conn]
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    conns.remove(conn)
+                    del ranks[conn]
                     if not self._closing:
                         self._fail(f"tensor-parallel rank {rank} went away")
                     continue
@@ -353,10 +353,6 @@ class TensorParallelRunner:
 
     def __getattr__(self, name):
         return getattr(self.local, name)
-
-    @property
-    def use_graphs(self) -> bool:
-        return self.local.use_graphs
 
     def _copy_pending_pages(self) -> None:
         """Copy-on-write page copies the block manager asked for, on every rank, before the step that needs them."""
