@@ -91,6 +91,7 @@ def test_python_dash_m_is_the_same_cli():
     (["--num-draft-tokens", "0"], "--num-draft-tokens must be an integer >= 1, got 0"),
     (["--model", "/nonexistent/dir"], "--model /nonexistent/dir: no such checkpoint directory"),
     (["--draft-model", "/nonexistent/dir"], "--draft-model /nonexistent/dir: no such checkpoint directory"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1, got 0"),
 ])
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_bad_arguments_get_their_own_error(capsys, no_gpu_calls, command, argv, message, device):
@@ -136,6 +137,38 @@ def test_device_cpu_is_passed_through_without_asking_for_a_gpu(capsys, no_gpu_ca
     rc, err = run_cli(capsys, command, *prompt, "--device", "cpu", "--model", str(micro))
     assert rc == 1 and "fake load_model called" in err, err
     assert no_gpu_calls == [(micro, {"device": "cpu", "progress": True})]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu"], "--tensor-parallel-size > 1 splits a model over GPUs; the CPU runner runs it whole"),
+    (["--draft-model", "DRAFT"], "speculative decoding (--draft-model) is not supported with --tensor-parallel-size > 1"),
+])
+def test_tensor_parallel_generate_and_chat_check_their_options_first(capsys, no_gpu_calls, micro, command, argv,
+                                                                     message):
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    argv = [str(micro) if a == "DRAFT" else a for a in argv]
+    rc, err = run_cli(capsys, command, *prompt, "--model", str(micro), "--tensor-parallel-size", "2", *argv)
+    assert rc == 1 and message in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_tensor_parallel_generate_and_chat_run_an_llm_over_the_gpus(capsys, monkeypatch, micro, command):
+    """With --tensor-parallel-size N > 1, generate and chat make an LLM over N GPUs (what it runs the one request
+    with: generate() and ChatSession take an idle LLM), with --max-context and --kv-int8 as its options."""
+    made = []
+
+    def fake_llm(path, **options):
+        made.append((path, options))
+        raise RuntimeError("fake LLM")
+    monkeypatch.setattr("tileinfer.cuda.get_device", lambda *a, **k: None)
+    monkeypatch.setattr(tileinfer, "LLM", fake_llm)
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    rc, err = run_cli(capsys, command, *prompt, "--model", str(micro), "--tensor-parallel-size", "4", "--kv-int8",
+                      "--max-context", "1000")
+    assert rc == 1 and "fake LLM" in err, err
+    assert made == [(micro, dict(tensor_parallel_size=4, max_num_seqs=1, max_context=1000, kv_quantize="int8",
+                                 progress=True))]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -106,6 +106,22 @@ def test_generate_and_logits_on_a_cpu_model(tiny_checkpoint, reference):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_generate_over_an_idle_llm_runs_in_its_engine(tiny_checkpoint, reference):
+    """generate() takes an idle LLM (the CLI's way with tensor parallelism): its engine and pool run the request;
+    the options an LLM takes at creation are refused here, and so is a prompt past its max_context."""
+    prompt = prompts_of([21], seed=7)[0]
+    with cpu_llm(tiny_checkpoint, max_context=64) as llm:
+        result = tileinfer.generate(llm, prompt, max_new_tokens=5, stop_at_eos=False)
+        assert result.token_ids == reference.greedy(prompt, 5) and result.finish_reason == "length"
+        assert result.prompt_token_ids == prompt and not llm.has_unfinished_requests()
+        manager = llm.runner.cache.manager
+        assert manager.num_free_pages == manager.num_pages  # nothing held
+        with pytest.raises(ValueError, match=r"pass kv_quantize, num_draft_tokens to LLM\(...\) instead"):
+            tileinfer.generate(llm, prompt, max_new_tokens=5, kv_quantize="int8", num_draft_tokens=2)
+        with pytest.raises(ValueError, match="max_context"):
+            tileinfer.generate(llm, prompt, max_new_tokens=60)
+
+
 def test_chat_reuses_its_prefix_and_says_what_it_computed(tiny_checkpoint):
     with cpu_llm(tiny_checkpoint, max_context=512) as llm:
         chat = tileinfer.ChatSession(llm, max_context=512, system="Be brief.")

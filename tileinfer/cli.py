@@ -66,7 +66,11 @@ def _check_checkpoint(option: str, path: str | None, *, draft: bool = False, loa
 def _check_arguments(args):
     """Everything the command line says, checked without the GPU: sampling, counts, the checkpoints.
     Returns the SamplingParams."""
+    from tileinfer.config import check_count, check_tensor_parallel
     sampling = _sampling(args)
+    check_count("--tensor-parallel-size", args.tensor_parallel_size)
+    check_tensor_parallel(args.tensor_parallel_size, None, cpu=args.device == "cpu",
+                          speculative=bool(args.draft_model), option=lambda name: "--" + name.replace("_", "-"))
     _check_model_options(args)
     return sampling
 
@@ -87,11 +91,22 @@ def _check_model_options(args, load_format: str = "auto") -> None:
 
 
 def _load(args):
+    """The model of generate and chat: loaded for one sequence, or with --tensor-parallel-size N > 1 an LLM over N
+    GPUs (its pool sized from free memory, --kv-int8 its cache) that runs the one request."""
     import tileinfer
     if args.device == "cuda":
         from tileinfer.cuda import get_device
         get_device()  # no GPU: say so before writing a synthetic checkpoint
+    if args.tensor_parallel_size > 1:
+        return tileinfer.LLM(_model_path(args), tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1,
+                             max_context=args.max_context, kv_quantize="int8" if args.kv_int8 else None,
+                             progress=True)
     return tileinfer.load_model(_model_path(args), device=args.device, progress=True)
+
+
+def _own_cache(args) -> str | None:
+    """kv_quantize for generate() and ChatSession: --kv-int8's, unless the model is an LLM (it has its cache)."""
+    return "int8" if args.kv_int8 and args.tensor_parallel_size == 1 else None
 
 
 def _generate(args) -> int:
@@ -115,8 +130,9 @@ def _generate(args) -> int:
         try:
             result = tileinfer.generate(model, args.prompt, max_new_tokens=sp.max_tokens,
                                         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                                        seed=sp.seed, on_token=show, kv_quantize="int8" if args.kv_int8 else None,
-                                        draft_model=draft, num_draft_tokens=args.num_draft_tokens)
+                                        seed=sp.seed, on_token=show, kv_quantize=_own_cache(args),
+                                        draft_model=draft,
+                                        num_draft_tokens=args.num_draft_tokens if draft is not None else None)
         finally:
             if draft is not None:
                 draft.close()
@@ -185,7 +201,7 @@ def _chat(args) -> int:
         try:
             session = ChatSession(model, max_context=args.max_context, system=args.system,
                                   on_overflow="drop_oldest" if args.drop_oldest else "error",
-                                  kv_quantize="int8" if args.kv_int8 else None, draft_model=draft,
+                                  kv_quantize=_own_cache(args), draft_model=draft,
                                   num_draft_tokens=args.num_draft_tokens)
             sampling = dict(max_tokens=sp.max_tokens, temperature=sp.temperature, top_k=sp.top_k,
                             top_p=sp.top_p, seed=sp.seed, enable_thinking=False if args.no_think else None)
@@ -356,6 +372,9 @@ def _add_model_and_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> 
     _add_draft_arguments(p)
     p.add_argument("--max-context", type=int, default=4096,
                    help="positions the prompt and the reply (chat: the conversation) may use (4096)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs (ordinals 0..N-1), one process each, over NCCL (1); needs "
+                        "pip install tileinfer[tp]")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -20,6 +20,7 @@ from .engine.engine import Engine
 from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED
 from .engine.speculative import OracleDraft, SpecStats, default_draft_tokens, make_drafter
+from .llm import LLM
 from .model.dflash_config import is_dflash_dir
 from .runner.cpu import CPURunner
 from .runner.cpu_dflash import CPUDFlashRunner
@@ -104,8 +105,10 @@ def generate(model, prompt: str | list[int], *, max_new_tokens: int, temperature
              kv_smoothing: bool = True, draft_model=None, num_draft_tokens: int | None = None) -> GenerationResult:
     """Continue `prompt` (text, or token ids) by up to `max_new_tokens` tokens, stopping at EOS.
 
-    model: a loaded runner (`load_model`). The KV cache is sized for the prompt plus the budget;
-    kv_quantize="int8" makes it an INT8 cache (keys smoothed unless kv_smoothing=False). temperature 0
+    model: a loaded runner (`load_model`), whose KV cache is sized for the prompt plus the budget
+    (kv_quantize="int8" makes it an INT8 cache, keys smoothed unless kv_smoothing=False); or an idle `LLM`,
+    whose engine and pool run the request (its cache, draft model and tensor parallelism are the LLM's own:
+    pass them when creating it, not here). temperature 0
     is greedy; otherwise sampling is seeded (a fresh random seed when `seed` is None) and reproducible
     for a seed. `on_token(token_id)` is called with each new token as soon as it is read back.
 
@@ -118,18 +121,23 @@ def generate(model, prompt: str | list[int], *, max_new_tokens: int, temperature
                             seed=seed, ignore_eos=not stop_at_eos)
     if isinstance(prompt, str) and not prompt:
         raise ValueError("prompt is empty: give some text or token ids")
-    ids = model.encode(prompt) if isinstance(prompt, str) else model.validate_ids(prompt)
-    num_draft_tokens = draft_tokens(draft_model, num_draft_tokens)
-    extra = num_draft_tokens + 1 if draft_model is not None else 0  # a verify step feeds k + 1 positions
-    total = len(ids) + max_new_tokens + extra
-    limit = model.config.max_position_embeddings
-    if total > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens})"
-                         f"{' + num_draft_tokens + 1' if extra else ''} = {total} exceeds the model's context of "
-                         f"{limit} positions; shorten the prompt or lower max_new_tokens")
-    engine = engine_over(model, total, kv_quantize=kv_quantize, kv_smoothing=kv_smoothing, draft=draft_model,
-                         num_draft_tokens=num_draft_tokens)
-    req = engine.make_request(ids, params)
+    if isinstance(model, LLM):
+        engine = _llm_engine(model, kv_quantize=kv_quantize, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
+        ids, _ = engine.prompt_ids(prompt)
+        req = engine.make_request(ids, params)  # checks the prompt and max_new_tokens fit the LLM's max_context
+    else:
+        ids = model.encode(prompt) if isinstance(prompt, str) else model.validate_ids(prompt)
+        num_draft_tokens = draft_tokens(draft_model, num_draft_tokens)
+        extra = num_draft_tokens + 1 if draft_model is not None else 0  # a verify step feeds k + 1 positions
+        total = len(ids) + max_new_tokens + extra
+        limit = model.config.max_position_embeddings
+        if total > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens})"
+                             f"{' + num_draft_tokens + 1' if extra else ''} = {total} exceeds the model's context of "
+                             f"{limit} positions; shorten the prompt or lower max_new_tokens")
+        engine = engine_over(model, total, kv_quantize=kv_quantize, kv_smoothing=kv_smoothing, draft=draft_model,
+                             num_draft_tokens=num_draft_tokens)
+        req = engine.make_request(ids, params)
     start = time.perf_counter()
     engine.add(req)
     try:
@@ -147,3 +155,16 @@ def generate(model, prompt: str | list[int], *, max_new_tokens: int, temperature
     return GenerationResult(token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason,
                             prompt_token_ids=ids, prefill_seconds=first - start,
                             decode_seconds=(req.finish_time or first) - first, speculation=out.speculation)
+
+
+def _llm_engine(llm: LLM, *, kv_quantize, draft_model, num_draft_tokens) -> Engine:
+    """An idle LLM's engine for generate(); ValueError for the options an LLM takes when it is created."""
+    given = [name for name, value in (("kv_quantize", kv_quantize), ("draft_model", draft_model),
+                                      ("num_draft_tokens", num_draft_tokens)) if value is not None]
+    if given:
+        raise ValueError(f"generate() over an LLM runs with the LLM's own cache and draft model: pass "
+                         f"{', '.join(given)} to LLM(...) instead")
+    llm._check_open()
+    if llm.has_unfinished_requests():
+        raise RuntimeError("the LLM has requests in flight; finish them before calling generate() on it")
+    return llm.engine

@@ -282,3 +282,23 @@ def test_ranks_on_several_gpus_give_one_gpus_tokens(tiny_checkpoint, device, wor
             common = sorted(lg.keys() & lw.keys())  # (the third most likely may differ at a near tie)
             assert token in common
             np.testing.assert_allclose([lg[t] for t in common], [lw[t] for t in common], atol=0.05)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_cli_runs_generate_and_chat_over_the_gpus(tiny_checkpoint, device, command):
+    """`tileinfer generate|chat --tensor-parallel-size 2`: on one GPU the group's check names what is missing
+    (exit 1, one line); with two it answers (the ranks' tokens against one GPU's: test_ranks_on_several_gpus_...)."""
+    import subprocess
+    import sys
+    pytest.importorskip("nccl.bindings.nccl", reason="nccl4py is not installed (pip install tileinfer[tp])")
+    args = ["generate", "--prompt", "Hello there"] if command == "generate" else ["chat"]
+    run = [sys.executable, "-m", "tileinfer", *args, "--model", str(tiny_checkpoint), "--max-new-tokens", "8",
+           "--max-context", "256"]
+    stdin = "Hello there\n/exit\n" if command == "chat" else None
+    split = subprocess.run([*run, "--tensor-parallel-size", "2"], input=stdin, capture_output=True, text=True,
+                           timeout=300)
+    if _gpus() < 2:
+        assert split.returncode == 1 and "tensor_parallel_size 2 needs GPUs 0..1" in split.stderr, split.stderr
+        return
+    assert split.returncode == 0 and split.stdout.strip(), split.stderr
+    assert "tok/s" in split.stderr
