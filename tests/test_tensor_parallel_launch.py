@@ -234,3 +234,38 @@ def test_a_failure_aborts_the_communicator_once():
     assert Comm.aborted == 1 and group.failed == "tensor-parallel rank 2 went away"
     with pytest.raises(WorkerError, match="rank 2 went away"):
         group.check()
+
+
+def test_rank_0_stops_waiting_in_nccls_initialisation_when_a_worker_fails(monkeypatch):
+    # NCCL's initialisation waits for every rank and cannot be aborted before it returns: join_communicator runs it
+    # on a thread of its own and raises as soon as the group is failed, leaving that thread behind. A stand-in
+    # communicator whose initialisation waits (for a rank that never comes, here: an event) shows it, on the CPU.
+    import tileinfer.cuda.driver as cuda_driver
+    import tileinfer.cuda.nccl as nccl
+    from tileinfer.runner.tensor_parallel import join_communicator
+    release, entered = threading.Event(), threading.Event()
+    made = []
+
+    class Waiting:
+        def __init__(self, uid, world, rank):
+            entered.set()
+            release.wait(60)
+            made.append((uid, world, rank))
+
+    monkeypatch.setattr(cuda_driver, "call", lambda fn, *args: None)  # (the context calls)
+    monkeypatch.setattr(nccl, "Communicator", Waiting)
+    failure = []
+    threading.Timer(0.3, lambda: failure.append("tensor-parallel rank 1 failed:\nboom")).start()
+    with pytest.raises(WorkerError, match=r"rank 1 failed:\nboom\n\(rank 0 stopped waiting for it in NCCL's"):
+        join_communicator(b"u", 2, 0, lambda: failure[0] if failure else None, poll=0.01)
+    assert entered.is_set() and not made  # it gave up while the initialisation still waited
+    release.set()
+    # every rank joined: the communicator; a failed initialisation: its own error
+    assert isinstance(join_communicator(b"u", 2, 0, lambda: None), Waiting) and made[-1] == (b"u", 2, 0)
+
+    class Refused:
+        def __init__(self, uid, world, rank):
+            raise RuntimeError("NCCL error: invalid usage")
+    monkeypatch.setattr(nccl, "Communicator", Refused)
+    with pytest.raises(RuntimeError, match="invalid usage"):
+        join_communicator(b"u", 2, 0, lambda: None)

@@ -302,3 +302,32 @@ def test_the_cli_runs_generate_and_chat_over_the_gpus(tiny_checkpoint, device, c
         return
     assert split.returncode == 0 and split.stdout.strip(), split.stderr
     assert "tok/s" in split.stderr
+
+
+def test_rank_0_stops_waiting_in_nccls_initialisation_for_a_failed_worker(device):
+    """Real NCCL, a group of 2 whose rank 1 never joins: join_communicator raises WorkerError once the group is
+    failed instead of waiting in ncclCommInitRank forever. In a process of its own: the initialisation's thread
+    stays behind, waiting, until that process exits."""
+    import subprocess
+    import sys
+    pytest.importorskip("nccl.bindings.nccl", reason="nccl4py is not installed (pip install tileinfer[tp])")
+    script = """if True:
+        import time
+        from tileinfer.cuda import get_device
+        from tileinfer.cuda.nccl import unique_id
+        from tileinfer.runner.tensor_parallel import WorkerError, join_communicator
+        get_device()
+        start = time.monotonic()
+        try:
+            join_communicator(unique_id(), 2, 0, lambda: "rank 1 failed" if time.monotonic() > start + 2 else None)
+        except WorkerError as e:
+            print("raised after %.1f s: %s" % (time.monotonic() - start, str(e).splitlines()[-1]), flush=True)
+        comm = join_communicator(unique_id(), 1, 0, lambda: None)  # a group that is all here joins
+        print("joined a group of", comm.world_size, flush=True)
+        comm.close()
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("raised after ") and "(rank 0 stopped waiting for it in NCCL's" in lines[0], done.stdout
+    assert float(lines[0].split()[2]) < 10 and lines[1] == "joined a group of 1"

@@ -29,8 +29,8 @@ the connection closing) at once, aborts rank 0's communicator so that no collect
 lost rank, and rank 0's next call (reading a step's tokens included) raises WorkerError with the worker's
 traceback: the engine stops rather than hang or return what an aborted step computed. The thread watches from
 the moment the workers connect, so a worker that fails during start-up (its weights do not fit, say) stops
-rank 0's start-up too; only one that fails before it joins the communicator leaves rank 0 waiting there
-(NCCL's initialisation cannot be aborted before it returns).
+rank 0's start-up too, even while rank 0 waits inside NCCL's initialisation for a worker that will never join
+(`join_communicator`: that call cannot be aborted, so it runs on a thread of its own, which is left behind).
 
 Not under tensor parallelism (refused up front): speculative decoding, structured output, and `extend` /
 `logits` (teacher-forced logits of a prompt).
@@ -149,10 +149,9 @@ class TensorParallelGroup:
     def connect(self, vocab_size: int):
         """Rank 0's place in the group (its GPU's context current): the communicator, once every rank joins
         (WorkerError at once if a worker has failed already: it would never join)."""
-        from ..cuda.nccl import Communicator
         from ..model.sharding import TensorParallel
         self.check()
-        self.comm = Communicator(self.uid, self.world, 0)
+        self.comm = join_communicator(self.uid, self.world, 0, lambda: self.failed)
         return TensorParallel(self.comm, 0, self.world, vocab_size)
 
     def agree_pages(self, pages: int) -> int:
@@ -242,6 +241,37 @@ class TensorParallelGroup:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+
+
+def join_communicator(uid: bytes, world: int, rank: int, failed, poll: float = 0.05):
+    """This rank's Communicator (this thread's CUDA context current), or WorkerError as soon as failed() names a
+    failure: NCCL's initialisation waits for every rank and cannot be aborted before it returns, so it runs on a
+    thread of its own while this one watches; a thread whose rank will never come stays behind, waiting (a
+    daemon: it does not keep the process alive)."""
+    from cuda.bindings import driver
+
+    from ..cuda.driver import call
+    from ..cuda.nccl import Communicator
+    context = call(driver.cuCtxGetCurrent)
+    result: dict = {}
+
+    def init() -> None:
+        try:
+            call(driver.cuCtxSetCurrent, context)  # NCCL takes the calling thread's device
+            result["comm"] = Communicator(uid, world, rank)
+        except BaseException as e:  # handed to the waiting thread
+            result["error"] = e
+
+    thread = threading.Thread(target=init, name=f"tileinfer-nccl-init-rank{rank}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        why = failed()
+        if why is not None:
+            raise WorkerError(f"{why}\n(rank {rank} stopped waiting for it in NCCL's initialisation)")
+        thread.join(poll)
+    if "error" in result:
+        raise result["error"]
+    return result["comm"]
 
 
 class _WorkerGroup:
