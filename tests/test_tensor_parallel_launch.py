@@ -269,3 +269,33 @@ def test_rank_0_stops_waiting_in_nccls_initialisation_when_a_worker_fails(monkey
     monkeypatch.setattr(nccl, "Communicator", Refused)
     with pytest.raises(RuntimeError, match="invalid usage"):
         join_communicator(b"u", 2, 0, lambda: None)
+
+
+def test_a_worker_stops_waiting_in_nccls_initialisation_when_rank_0_goes_away(monkeypatch):
+    # The worker's side: its connection to rank 0 closing (rank 0 died before joining) ends the wait, and so does
+    # a message waiting on it (rank 0 sends nothing before every rank has joined but "close", when its own
+    # start-up failed); the peek takes nothing from the connection.
+    import tileinfer.cuda.driver as cuda_driver
+    import tileinfer.cuda.nccl as nccl
+    from tileinfer.runner.tensor_parallel import _WorkerGroup
+    release = threading.Event()
+
+    class Waiting:
+        def __init__(self, uid, world, rank):
+            release.wait(60)
+
+    monkeypatch.setattr(cuda_driver, "call", lambda fn, *args: None)
+    monkeypatch.setattr(nccl, "Communicator", Waiting)
+    rank0, worker = Pipe()
+    group = _WorkerGroup(worker, b"u", 1, 2)
+    assert group._rank0_gone() is None
+    rank0.send(("close",))
+    assert group._rank0_gone() == "rank 0 closed the group" and worker.recv() == ("close",)  # message untouched
+    assert group._rank0_gone() is None
+    threading.Timer(0.3, rank0.close).start()
+    try:
+        with pytest.raises(WorkerError, match=r"rank 0 went away\n\(rank 1 stopped waiting for it in NCCL's"):
+            group.connect(151936)
+    finally:
+        release.set()
+        worker.close()

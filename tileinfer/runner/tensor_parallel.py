@@ -30,7 +30,8 @@ lost rank, and rank 0's next call (reading a step's tokens included) raises Work
 traceback: the engine stops rather than hang or return what an aborted step computed. The thread watches from
 the moment the workers connect, so a worker that fails during start-up (its weights do not fit, say) stops
 rank 0's start-up too, even while rank 0 waits inside NCCL's initialisation for a worker that will never join
-(`join_communicator`: that call cannot be aborted, so it runs on a thread of its own, which is left behind).
+(`join_communicator`: that call cannot be aborted, so it runs on a thread of its own, which is left behind);
+a worker likewise stops waiting there when its connection to rank 0 closes.
 
 Not under tensor parallelism (refused up front): speculative decoding, structured output, and `extend` /
 `logits` (teacher-forced logits of a prompt).
@@ -42,6 +43,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -282,10 +284,23 @@ class _WorkerGroup:
         self.comm = None
 
     def connect(self, vocab_size: int):
-        from ..cuda.nccl import Communicator
+        """This rank's place in the group: the communicator, or WorkerError if rank 0 goes away first."""
         from ..model.sharding import TensorParallel
-        self.comm = Communicator(self.uid, self.world, self.rank)
+        self.comm = join_communicator(self.uid, self.world, self.rank, self._rank0_gone)
         return TensorParallel(self.comm, self.rank, self.world, vocab_size)
+
+    def _rank0_gone(self) -> str | None:
+        """Why this worker should stop waiting for rank 0 to join, else None: its connection has closed, or
+        carries a message (rank 0 sends none before every rank has joined, but for "close" when its own start-up
+        failed). Peeks at the socket without taking anything from it."""
+        with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            try:
+                pending = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return None
+            except OSError as e:
+                return f"rank 0's connection failed ({e})"
+        return "rank 0 closed the group" if pending else "rank 0 went away"
 
     def agree_pages(self, pages: int) -> int:
         self.conn.send(("pages", pages))
