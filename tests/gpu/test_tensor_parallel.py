@@ -331,3 +331,40 @@ def test_rank_0_stops_waiting_in_nccls_initialisation_for_a_failed_worker(device
     lines = done.stdout.splitlines()
     assert lines[0].startswith("raised after ") and "(rank 0 stopped waiting for it in NCCL's" in lines[0], done.stdout
     assert float(lines[0].split()[2]) < 10 and lines[1] == "joined a group of 1"
+
+
+def test_a_rank_started_by_hand_on_one_gpu_gets_rank_0_an_error_not_a_wait(tiny_checkpoint, device, tmp_path):
+    """The hand-started path on real NCCL: rank 0 (an LLM listening at tensor_parallel_address) and a `tileinfer
+    tp-worker` connect, authenticate and start up. Both on the one GPU here, which NCCL refuses for two ranks of
+    a communicator: the LLM raises (NCCL's error or the worker's report) instead of waiting. In a process of its
+    own, bounded."""
+    import socket
+    import subprocess
+    import sys
+    pytest.importorskip("nccl.bindings.nccl", reason="nccl4py is not installed (pip install tileinfer[tp])")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = f"""if True:
+        import os, subprocess, sys, time
+        os.environ["TILEINFER_TP_KEY"] = "test-key"
+        from tileinfer import LLM
+        worker = subprocess.Popen([sys.executable, "-m", "tileinfer", "tp-worker", "--address", "127.0.0.1:{port}",
+                                   "--rank", "1", "--device", "cuda:0"], stderr=subprocess.PIPE, text=True)
+        start = time.monotonic()
+        try:
+            LLM({str(tiny_checkpoint)!r}, tensor_parallel_size=2, tensor_parallel_address="127.0.0.1:{port}",
+                max_num_seqs=2, max_context=256, num_pages=16, progress=False)
+            print("started", flush=True)
+        except Exception as e:
+            print("raised after %.0f s: %s" % (time.monotonic() - start, type(e).__name__), flush=True)
+        worker.wait(timeout=60)
+        print("worker exit", worker.returncode, flush=True)
+        print(worker.stderr.read()[-2000:], file=sys.stderr)
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("raised after "), done.stdout + done.stderr[-3000:]
+    assert lines[1] == "worker exit 1" and "tensor-parallel rank 1 failed" in done.stderr, done.stderr[-3000:]
