@@ -251,3 +251,15 @@ def test_a_tensors_rows_are_the_whole_tensors_rows_whatever_the_threads(monkeypa
         np.testing.assert_array_equal(part, whole[rows[0]:rows[1]])
     with pytest.raises(ValueError, match="rows"):
         synthetic.synthetic_tensor(MICRO, 3, name, shape, rows=(90, 97))
+
+
+def test_time_dummy_weights_makes_a_ranks_weights_and_says_how_fast():
+    # scripts/time_dummy_weights.py: what load_format="dummy" costs a rank's start-up on the host's cores.
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "scripts" / "time_dummy_weights.py"
+    done = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--world", "2", "--rank", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("tiny, rank 1 of 2: ") and "GB of dummy bf16 weights made in" in done.stdout
