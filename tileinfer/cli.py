@@ -63,6 +63,11 @@ def _check_checkpoint(option: str, path: str | None, *, draft: bool = False, loa
         raise ValueError(f"{option}: {e}") from None
 
 
+def _flag(name: str) -> str:
+    """An EngineConfig field as the command line spells it: tensor_parallel_size -> --tensor-parallel-size."""
+    return "--" + name.replace("_", "-")
+
+
 def _check_arguments(args):
     """Everything the command line says, checked without the GPU: sampling, counts, the checkpoints.
     Returns the SamplingParams."""
@@ -70,7 +75,7 @@ def _check_arguments(args):
     sampling = _sampling(args)
     check_count("--tensor-parallel-size", args.tensor_parallel_size)
     check_tensor_parallel(args.tensor_parallel_size, None, cpu=args.device == "cpu",
-                          speculative=bool(args.draft_model), option=lambda name: "--" + name.replace("_", "-"))
+                          speculative=bool(args.draft_model), option=_flag)
     _check_model_options(args)
     return sampling
 
@@ -244,7 +249,7 @@ def _check_serve_arguments(args) -> None:
         raise ValueError("--load-format dummy needs --model DIR: a directory with the model's config.json and "
                          "tokenizer (scripts/make_checkpoint.py --config-only writes one)")
     check_tensor_parallel(args.tensor_parallel_size, args.tensor_parallel_address, cpu=args.device == "cpu",
-                          speculative=bool(args.draft_model), option=lambda name: "--" + name.replace("_", "-"))
+                          speculative=bool(args.draft_model), option=_flag)
     _check_model_options(args, args.load_format)
 
 

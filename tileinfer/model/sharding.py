@@ -80,14 +80,18 @@ def local_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
                                intermediate_size=config.intermediate_size // world, vocab_size=stop - start)
 
 
+def _leaf(name: str) -> str | None:
+    """The module a weight belongs to ("q_proj" of "model.layers.0.self_attn.q_proj.weight"); None for a non-weight."""
+    return name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
+
+
 def shard_rows(config: ModelConfig, name: str, shape: tuple[int, ...], rank: int, world: int
                ) -> tuple[int, int] | None:
     """The rows [start, stop) that are rank `rank`'s slice of the weight `name` of `shape`, where the slice is rows
     (the vocabulary tensors and the column-parallel linears); None where it is not."""
     if name in VOCAB_TENSORS:
         return vocab_range(config.vocab_size, rank, world)
-    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
-    if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # whole heads / rows (check_world)
+    if _leaf(name) in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # whole heads / rows (check_world)
         per = shape[0] // world
         return rank * per, (rank + 1) * per
     return None
@@ -99,8 +103,7 @@ def shard_tensor(config: ModelConfig, name: str, tensor: np.ndarray, rank: int, 
     rows = shard_rows(config, name, tensor.shape, rank, world)
     if rows is not None:
         return tensor[rows[0]:rows[1]]
-    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else None
-    if leaf in ("o_proj", "down_proj"):
+    if _leaf(name) in ("o_proj", "down_proj"):
         per = tensor.shape[1] // world
         return np.ascontiguousarray(tensor[:, rank * per:(rank + 1) * per])
     return tensor  # norms, q_norm / k_norm, xIELU's scalars: whole on every rank
