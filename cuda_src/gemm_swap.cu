@@ -62,8 +62,11 @@
 // scales row m's sums by r_m before the epilogue: x W^T scaled by r_m is rmsnorm(r) W^T, up to where the
 // bf16 rounding falls (before the 1 / rms here, after it in the rmsnorm kernel).
 //
-// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi, act), the producer ..._np(..., epi, next_w, next_x,
-// ss_out) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps, act): grid (KS, tiles), block 128 * WG,
+// Kernels gemm_swap_b{B}_w{WG}_c{KS}(x, W, out, M, N, K, epi, act, cap, cap_stride), the producer ..._np(..., epi,
+// next_w, next_x, ss_out, cap, cap_stride) and the consumer ..._nc(..., epi, ss_in, ss_tiles, eps, act): cap and
+// cap_stride (EPI_RESIDUAL; null and 0 for no capture): each new residual row m is also written at cap +
+// m * cap_stride (floats; 16-byte aligned), a layer's hidden states for a drafter (tileinfer/model/forward.py,
+// Capture) from the kernel that produces them. Grid (KS, tiles), block 128 * WG,
 // dynamic shared memory Cfg<B, WG>::SMEM (tileinfer/kernels/linear.py, swap_smem: the same numbers);
 // tiles = ceil(N / TR), or ceil((N / 2) / (TR / 2)) for SILU_MUL. `epi` is a kernel argument (16
 // kernels a norm role, not 64; only WG = 1 is built, see the end of the file). The deep builds
@@ -177,7 +180,7 @@ __device__ __forceinline__ bool swap_weight_row(int r, int tile, int N, bool sil
 
 // Store 4 consecutive output columns n .. n + 3 of row m (n % 4 == 0, N % 8 == 0: all in range or none).
 __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, int m, int n, float4 v,
-                                       const float *__restrict__ act) {
+                                       const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {
     const size_t at = (size_t)m * N + n;
     if (epi == EPI_BF16 || epi == EPI_XIELU) {
         if (epi == EPI_XIELU) {
@@ -189,6 +192,7 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
         float4 *o = reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at);
         const float4 r = *o;
         *o = make_float4(r.x + v.x, r.y + v.y, r.z + v.z, r.w + v.w);
+        if (cap) *reinterpret_cast<float4 *>(cap + (size_t)m * cap_stride + n) = *o;
     } else {
         *reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at) = v;
     }
@@ -211,7 +215,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                                            void *__restrict__ out, int M, int N, int K, int epi,
                                            const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x,
                                            float *__restrict__ ss_out, const float *__restrict__ ss_in,
-                                           int ss_tiles, float eps, const float *__restrict__ act) {
+                                           int ss_tiles, float eps, const float *__restrict__ act,
+                                           float *__restrict__ cap, int cap_stride) {
     using C = Cfg<B, WG, DEEP>;
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -369,6 +374,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                 const float4 old = *o;
                 const float4 r = make_float4(old.x + v.x, old.y + v.y, old.z + v.z, old.w + v.w);
                 *o = r;
+                if (cap) *reinterpret_cast<float4 *>(cap + (size_t)m * cap_stride + n) = r;
                 const uint2 w = *reinterpret_cast<const uint2 *>(next_w + n);
                 *reinterpret_cast<uint2 *>(next_x + (size_t)m * N + n) =
                         make_uint2(pack_bf16x2(r.x * bf16lo(w.x), r.y * bf16hi(w.x)),
@@ -399,7 +405,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                 const int n = tile * TR + 4 * q;
                 if (n >= N) continue;
                 const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
-                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v, act);
+                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v, act, cap, cap_stride);
             }
         }
     }
@@ -409,7 +415,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 #else
 template <int B, int WG, int KS, int NORM, bool DEEP>
 __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int, const bf16 *,
-                                           bf16 *, float *, const float *, int, float, const float *) {
+                                           bf16 *, float *, const float *, int, float, const float *, float *, int) {
     pdl_start();
     __trap();
 }
@@ -419,20 +425,22 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
 #define SWAP_KERNEL(TAG, B, WG, DEEP, KS, CLUSTER)                                                          \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS(       \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int epi, const float *__restrict__ act) {                                                      \
-        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f, act); \
+            int epi, const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {             \
+        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f, act, \
+                                               cap, cap_stride);                                            \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_np(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out) {   \
+            int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out,   \
+            float *__restrict__ cap, int cap_stride) {                                                      \
         swap_block<B, WG, KS, NORM_PRODUCER, DEEP>(x, W, out, M, N, K, epi, next_w, next_x, ss_out, nullptr, 0, 0.f, \
-                                                   nullptr);                                                \
+                                                   nullptr, cap, cap_stride);                               \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_nc(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ ss_in, int ss_tiles, float eps, const float *__restrict__ act) { \
         swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps, \
-                                                   act);                                                    \
+                                                   act, nullptr, 0);                                        \
     }
 // Each width's splits in two halves, KS = 1, 2 and KS = 4, 8 (6 kernels each).
 #define SWAP_SPLITS_1_2(TAG, B, WG, DEEP)                                                                   \

@@ -41,8 +41,11 @@
 // accumulator column c (gate) and BN/2 + c (up) sit in the same thread (d[4 j + e] and
 // d[4 (j + BN/16) + e]). Gate rows past I read up rows (inside W): those outputs are not stored.
 //
-// Kernel arguments: (A, W, out, M, N, K, tmA, tmW, act); act: xIELU's parameters for EPI_XIELU (common.cuh;
-// Apertus' up projection), ignored (null) by the other epilogues; tmA, tmW: CUtensorMaps (128 bytes, by value,
+// Kernel arguments: (A, W, out, M, N, K, tmA, tmW, act, cap, cap_stride); act: xIELU's parameters for EPI_XIELU
+// (common.cuh; Apertus' up projection), ignored (null) by the other epilogues; cap, cap_stride (EPI_RESIDUAL;
+// null and 0 for none): each new residual row m is also written at cap + m * cap_stride (floats, 8-byte
+// aligned), a layer's hidden states for a drafter (tileinfer/model/forward.py, Capture) from the kernel that
+// produces them; tmA, tmW: CUtensorMaps (128 bytes, by value,
 // __grid_constant__) of A ([M, K], box 64 x 128) and W ([N, K], box 64 x BN/2), bf16, 128-byte
 // swizzle, zero out-of-bounds fill, made by cuTensorMapEncodeTiled on the host (tileinfer/cuda/tensormap.py).
 // A and W themselves are not read (the maps hold the addresses). Launch: grid (min(tiles, SMs)),
@@ -96,6 +99,12 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, E
 
 // A CUtensorMap: 128 opaque bytes, 64-byte aligned.
 struct __align__(64) TmaDesc { unsigned long long opaque[16]; };
+
+// Where the residual epilogue also writes its rows (the kernel arguments cap, cap_stride; ptr null: nowhere).
+struct Capture {
+    float *ptr;
+    int stride;
+};
 
 // ----------------------------------------------------------------------------- tile order
 // Tile t -> (row tile mt, column tile nt): groups of GROUP_M row tiles; within a group the row tile
@@ -152,7 +161,7 @@ template <int EPI>
 // EPI_XIELU reads its parameters here, pair by pair (from L1), rather than holding them in registers across
 // the epilogue's loops.
 __device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int row, int col, float2 v,
-                                           const float *__restrict__ act) {
+                                           const float *__restrict__ act, Capture cap) {
     const size_t at = (size_t)row * N + col;
     if (EPI == EPI_BF16 || EPI == EPI_XIELU) {
         if (EPI == EPI_XIELU) {
@@ -164,6 +173,7 @@ __device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int ro
         float2 *o = reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at);
         const float2 r = *o;
         *o = make_float2(r.x + v.x, r.y + v.y);
+        if (cap.ptr) *reinterpret_cast<float2 *>(cap.ptr + (size_t)row * cap.stride + col) = *o;
     } else {
         *reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at) = v;
     }
@@ -189,7 +199,8 @@ template <> struct Wgmma<256> {
 // blocks (SILU_MUL: 8-output blocks, gate block u with its up block u + BN / 16), all rows.
 template <int EPI, int BN, int KS>
 __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *__restrict__ out, u32 base, int M,
-                                               int N, int mt, int nt, int c, int rank, const float *__restrict__ act) {
+                                               int N, int mt, int nt, int c, int rank, const float *__restrict__ act,
+                                               Capture cap) {
     constexpr int PAIRS = BN / 4;                   // float2 pairs a thread: pair p = (d[2p], d[2p + 1])
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     constexpr int U = SILU ? BN / 16 : BN / 8;      // column blocks of the tile
@@ -251,7 +262,7 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
                             pack_bf16x2(gt.x / (1.f + __expf(-gt.x)) * up.x, gt.y / (1.f + __expf(-gt.y)) * up.y);
                 } else {
                     const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
-                    if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act);
+                    if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act, cap);
                 }
             }
         }
@@ -262,7 +273,7 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
 // ----------------------------------------------------------------------------- the kernel body
 template <int EPI, int BN, int KS>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
-                                        int M, int N, int K, const float *__restrict__ act) {
+                                        int M, int N, int K, const float *__restrict__ act, Capture cap) {
     constexpr int WBOX = BN / 2;                      // rows of one W box
     constexpr int TILE_B = BN * BK * 2;               // bytes of one stage's W tile
     constexpr int STAGES = SMEM_TILES / (TILE_A + TILE_B);
@@ -369,7 +380,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         fence_regs(d);
         if (KS == 1 && lane == 0) mbar_arrive(empty + 8 * prev);
         if constexpr (KS > 1) {
-            split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank, act);
+            split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank, act, cap);
             continue;  // the last (only) tile of this block
         }
 
@@ -401,7 +412,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                 for (int h = 0; h < 2; ++h) {
                     const int row = row_base + 8 * h;
                     if (row >= M || col >= N) continue;
-                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), act);
+                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), act, cap);
                 }
             }
         }
@@ -412,22 +423,23 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #undef TILE_STRIDE
 #else
 template <int EPI, int BN, int KS>
-__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, const float *) {
+__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, const float *, Capture) {
     __trap();
 }
 #endif
 
 // ============================================================================= kernels
-// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tmA, tmW, act); grid
+// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tmA, tmW, act, cap,
+// cap_stride); grid
 // (min(tiles, SMs)) with tiles = ceil(M / 128) * ceil(N / BN) (SILU_MUL: ceil(N / 2 / (BN / 2))),
 // block (384), dynamic shared memory SMEM_BYTES. A and W are the matrices tmA and tmW describe.
 #define GEMM_KERNEL(NAME, EPI, BN)                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW,                       \
-            const float *__restrict__ act) {                                                                \
+            const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, act);                                                  \
+        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, act, Capture{cap, cap_stride});                        \
     }
 // Compiled in four parts (10 kernels each), at once: these unsplit builds, then each split below.
 #define KERNEL_PARTS 4
@@ -452,9 +464,9 @@ GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
     extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(KS, 1, 1) NAME(               \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW,                       \
-            const float *__restrict__ act) {                                                                \
+            const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K, act);                                                 \
+        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K, act, Capture{cap, cap_stride});                       \
     }
 #define GEMM_SPLITS(KS)                                                                                     \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e0, 0, 256, KS)                                                      \

@@ -121,7 +121,8 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
                                           int pair, int kpart, int ksplit, float (*partial)[M][2],
                                           const float *__restrict__ act,
                                           unsigned long long *__restrict__ best = nullptr,
-                                          unsigned long long *keys = nullptr) {
+                                          unsigned long long *keys = nullptr, float *__restrict__ cap = nullptr,
+                                          int cap_stride = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_out = EPI == EPI_SILU_MUL ? N / 2 : N;
     int r0, r1;
@@ -235,8 +236,14 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
             if (has_r1) o[r1] = f32_to_bf16(EPI == EPI_XIELU ? xielu(acc1[m], a) : acc1[m]);
         } else if (EPI == EPI_RESIDUAL) {
             float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
-            o[r0] = old0[m] + acc0[m];
-            if (has_r1) o[r1] = old1[m] + acc1[m];
+            const float v0 = old0[m] + acc0[m], v1 = old1[m] + acc1[m];
+            o[r0] = v0;
+            if (has_r1) o[r1] = v1;
+            if (cap) {  // the new residual also into the capture rows (see the kernels' comment)
+                float *h = cap + (size_t)m * cap_stride;
+                h[r0] = v0;
+                if (has_r1) h[r1] = v1;
+            }
         } else if (EPI == EPI_F32) {
             float *o = reinterpret_cast<float *>(out) + (size_t)m * N;
             o[r0] = acc0[m];
@@ -254,15 +261,18 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
 // other epilogues ignore it: null).
 // gemv_pipe_m1_*: the same with the pipelined loop (PIPE above), at batch 1, for the epilogues
 // without a norm before them: residual (o_proj, down_proj) and f32 (the LM head).
+// cap, cap_stride (EPI_RESIDUAL; null and 0 otherwise, or for no capture): the new residual row m is also
+// written at cap + m * cap_stride (floats), N of them: a layer's hidden states captured for a drafter
+// (tileinfer/model/forward.py, Capture) by the kernel that produces them.
 #define GEMV_KERNEL(NAME, M, EPI, PIPE)                                                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                            \
         NAME(const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int N, int K, \
-             int ksplit, const float *__restrict__ act) {                                               \
+             int ksplit, const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {      \
         __shared__ float partial[WARPS][M][2];                                                          \
         const int warp = threadIdx.x >> 5;                                                              \
         gemv_rows<M, EPI, false, PIPE>(x, nullptr, nullptr, 0.f, nullptr, nullptr, W, out, N, K,        \
                                        (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial, \
-                                       act);                                                            \
+                                       act, nullptr, nullptr, cap, cap_stride);                         \
     }
 #define GEMV_ALL_EPI(M)                                                                                  \
     GEMV_KERNEL(gemv_m##M##_e0, M, 0, false) GEMV_KERNEL(gemv_m##M##_e1, M, 1, false)                   \

@@ -23,7 +23,7 @@ holds validation (the arguments' shapes and dtypes) and the launches.
 """
 from functools import cache
 
-from ..cuda import F32, I32, DeviceArray, get_device, kernel
+from ..cuda import F32, I32, U64, DeviceArray, get_device, kernel
 from ..cuda.tensormap import bf16_tensor_map
 from ._check import BF16, FLOAT32, UINT64, expect
 from .rmsnorm import rmsnorm
@@ -61,6 +61,22 @@ def check_product(fn: str, M: int, K: int, w: DeviceArray, out: DeviceArray, epi
     if K % 8 or N % 8:
         raise ValueError(f"{fn}: K and N must be multiples of 8 (16-byte rows), got K={K}, N={N}")
     return N
+
+
+def capture_args(M: int, N: int, epilogue: str, capture: tuple[DeviceArray, int] | None) -> list:
+    """The kernels' (cap, cap_stride) arguments: capture = (states [>= M, S] float32, column), the residual
+    epilogue also writing row m's N new values at states[m, column:column + N]; (null, 0) without one."""
+    if capture is None:
+        return [None, I32(0)]
+    states, column = capture
+    if epilogue != "residual":
+        raise ValueError(f"linear: capture needs the residual epilogue, got {epilogue!r}")
+    expect("capture", states, (None, None), FLOAT32)
+    rows, width = states.shape
+    if rows < M or not 0 <= column <= width - N or column % 4 or width % 4:
+        raise ValueError(f"linear: capture of {M} x {N} at column {column} does not fit states {states.shape} "
+                         "(columns and row width multiples of 4)")
+    return [U64(states.ptr + 4 * column), I32(width)]  # the address of states[0, column], the row width
 
 
 def check_path_options(path: str, head_keys, norm_out, row_norm) -> None:
@@ -133,14 +149,16 @@ def _tma_plan(M: int, N: int, K: int, silu: bool, sms: int) -> tuple[int, int]:
 
 
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
-         split: int | None = None, blocks: int | None = None, act: DeviceArray | None = None) -> None:
+         split: int | None = None, blocks: int | None = None, act: DeviceArray | None = None,
+         capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
     of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256)
     forces its tile width, `blocks` caps its grid (tests: many tiles a block). `split` (2-4 blocks per
     tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one; by default
-    tma_plan decides. `act`: the parameters of the "xielu" epilogue."""
+    tma_plan decides. `act`: the parameters of the "xielu" epilogue; `capture`: as linear's."""
     M, K = x.shape
     N = w.shape[0]
+    cap = capture_args(M, N, epilogue, capture)
     if M == 0:
         return
     silu = epilogue == "silu_mul"
@@ -160,11 +178,12 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     kernel("gemm_tma.cu", tma_kernel_name(width, split, epilogue)).launch(
         (grid,), (TMA_THREADS,),
         [x, w, out, I32(M), I32(N), I32(K), bf16_tensor_map(x.ptr, M, K, TMA_BM),
-         bf16_tensor_map(w.ptr, N, K, width // 2), act], stream, smem=TMA_SMEM)
+         bf16_tensor_map(w.ptr, N, K, width // 2), act, *cap], stream, smem=TMA_SMEM)
 
 
 def launch_gemv(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, ksplit: int | None,
-                pipe: bool | None, head_keys: DeviceArray | None, act: DeviceArray | None = None) -> None:
+                pipe: bool | None, head_keys: DeviceArray | None, act: DeviceArray | None = None,
+                capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemv" path of `linear` (shapes already checked): gemv.cu, and with head_keys its ARGMAX build."""
     M, K = x.shape
     N = w.shape[0]
@@ -178,22 +197,27 @@ def launch_gemv(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str,
     args = [x, w, out, I32(N), I32(K), I32(ksplit)]
     if argmax:
         expect("head_keys", head_keys, grid, UINT64)
+        if capture is not None:
+            raise ValueError("linear: head_keys and capture do not go together (the LM head has no residual)")
         args.append(head_keys)
     else:
-        args.append(act)
+        args += [act, *capture_args(M, N, epilogue, capture)]
     kernel("gemv.cu", gemv_kernel_name(M, epilogue, pipe, argmax)).launch(grid, (GEMV_WARPS * 32,), args, stream)
 
 
 def launch_swap(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, ksplit: int | None,
-                norm_out, row_norm, act: DeviceArray | None = None) -> None:
+                norm_out, row_norm, act: DeviceArray | None = None,
+                capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "swap" path of `linear` (shapes already checked): gemm_swap.cu, its plain, producer or consumer build."""
     M, K = x.shape
     N = w.shape[0]
     cfg = swap_config(M, N, K, epilogue, ksplit=ksplit, sms=get_device().info.num_sms)
     norm_args, suffix = swap_norm_args(M, N, K, epilogue, norm_out, row_norm)
+    cap = capture_args(M, N, epilogue, capture)
     if M == 0:
         return
-    act_arg = [] if norm_out is not None else [act]  # the producer build (residual only) takes none
+    # The producer build (residual only) takes no act, the consumer (never residual) no capture.
+    act_arg = cap if norm_out is not None else [act] if row_norm is not None else [act, *cap]
     kernel("gemm_swap.cu", cfg.kernel_name + suffix).launch(
         cfg.grid, (SWAP_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(EPILOGUES[epilogue]), *norm_args, *act_arg],
         stream, smem=cfg.smem)
@@ -202,7 +226,8 @@ def launch_swap(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str,
 def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, force: str | None = None,
            ksplit: int | None = None, pipe: bool | None = None, head_keys: DeviceArray | None = None,
            norm_out: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None,
-           row_norm: tuple[DeviceArray, float] | None = None, act: DeviceArray | None = None) -> None:
+           row_norm: tuple[DeviceArray, float] | None = None, act: DeviceArray | None = None,
+           capture: tuple[DeviceArray, int] | None = None) -> None:
     """out <- epilogue(x @ w.T). `force` ("gemm", "gemv" or "swap") and `ksplit` override the choices: for
     the GEMV the warps per row pair, for the swap-AB GEMM the blocks per cluster splitting K (1, 2, 4 or
     8); `pipe` the batch-1 GEMV's loop (gemv_pipe). head_keys (the LM head at batch 1: one row, the f32
@@ -214,22 +239,28 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
     and each row's sums of squares a tile; row_norm = (ss [M, norm_tiles(K)], eps), with x = such a
     next_x, scales row m of the result by 1 / sqrt(sum(ss[m]) / K + eps) before the epilogue.
 
-    act: the parameters of the "xielu" epilogue (xIELU's [a_p, a_n, beta, eps], float32 on the device)."""
+    act: the parameters of the "xielu" epilogue (xIELU's [a_p, a_n, beta, eps], float32 on the device).
+
+    capture = (states [>= M, S] float32, column), residual epilogue only: the kernel that adds the product into
+    the residual stream also writes each new row m at states[m, column:column + N] (every path; a layer's hidden
+    states for a drafter, model/forward.py)."""
     M, K = x.shape
     expect("x", x, (M, K), BF16)
     N = check_product("linear", M, K, w, out, epilogue, act)
     path = force or default_path(M, N)
     check_path_options(path, head_keys, norm_out, row_norm)
     if path == "gemv":
-        launch_gemv(x, w, out, epilogue, stream, ksplit=ksplit, pipe=pipe, head_keys=head_keys, act=act)
+        launch_gemv(x, w, out, epilogue, stream, ksplit=ksplit, pipe=pipe, head_keys=head_keys, act=act,
+                    capture=capture)
     elif path == "swap":
-        launch_swap(x, w, out, epilogue, stream, ksplit=ksplit, norm_out=norm_out, row_norm=row_norm, act=act)
+        launch_swap(x, w, out, epilogue, stream, ksplit=ksplit, norm_out=norm_out, row_norm=row_norm, act=act,
+                    capture=capture)
     elif force:
         # The batch-invariant mode forces every product here: one tile width and no split whatever M is,
         # so that a row's sums never depend on the rows beside it.
-        gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0], split=1, act=act)
+        gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0], split=1, act=act, capture=capture)
     else:
-        gemm(x, w, out, epilogue, stream, act=act)
+        gemm(x, w, out, epilogue, stream, act=act, capture=capture)
 
 
 def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,

@@ -31,10 +31,11 @@ any launch (so a decode graph holds them):
 No step norms in the residual products' epilogue under tp (they need the summed residual), and no LM head
 keys (sampling scans the gathered logits).
 
-Hidden-state capture (`capture`, for a DFlash drafter beside the model, runner/gpu_dflash.py): after each
-captured layer the step's residual rows are copied into that layer's columns of a capture buffer (one 2-D
-copy, a graph node like any launch); a captured last layer is final-normed first (transformers'
-hidden_states[num_layers]), into a bf16 buffer of its own. The drafter reads the rows of every position the
+Hidden-state capture (`capture`, for a DFlash drafter beside the model, runner/gpu_dflash.py): a captured
+layer's down product, which adds the MLP's output into the residual stream, also writes the new residual rows
+into that layer's columns of a capture buffer (its epilogue's `capture`, kernels/linear.py): no launch of its
+own. A captured last layer is final-normed (transformers' hidden_states[num_layers]) into a bf16 buffer of its
+own by an RMSNorm launch. The drafter reads the rows of every position the
 step computed.
 """
 from __future__ import annotations
@@ -174,6 +175,8 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, inputs: 
     By default each matrix product picks its kernel by row count and attention its shape by
     query rows; batch_invariant runs every product on the tensor-core GEMM and attention in its
     prefill shape, so a token's results do not depend on the step around it (runner/gpu.py)."""
+    if capture is not None and tp is not None:
+        raise ValueError("forward: hidden-state capture is for one GPU (a rank's residual is a partial sum)")
     v = _views(weights.config, ws, inputs, shape, num_splits, batch_invariant, tp)
     if not embedded:
         K.resolve_tokens(inputs.tokens.rows(0, v.n), inputs.token_src.rows(0, v.n), inputs.sampled, stream)
@@ -181,11 +184,13 @@ def forward(weights: DeviceWeights, ws: Workspace, cache: PagedKVCache, inputs: 
                     first=0 if tp is None else tp.vocab_start)
     _all_reduce(v, stream)  # each rank embedded the tokens of its vocabulary range (zero rows elsewhere)
     layers = weights.layers
+    c = weights.config
     for i, lw in enumerate(layers):
-        _attention_block(weights.config, lw, i, cache, inputs, shape, v, num_splits, batch_invariant, stream)
-        _mlp_block(weights.config, lw, layers[i + 1] if i + 1 < len(layers) else None, v, stream)
-        if capture is not None and i in capture.layers:
-            _capture(weights, capture, i, v, stream)
+        _attention_block(c, lw, i, cache, inputs, shape, v, num_splits, batch_invariant, stream)
+        _mlp_block(c, lw, layers[i + 1] if i + 1 < len(layers) else None, v, stream,
+                   capture=_capture_columns(c, capture, i, v))
+    if capture is not None and capture.last is not None:
+        K.rmsnorm(v.resid, weights.final_norm, capture.last.rows(0, v.n), c.rms_norm_eps, stream)
     return _lm_head(weights, ws, inputs, v, all_logits, batch_invariant, stream)
 
 
@@ -247,31 +252,28 @@ def _attention_block(c, lw, i: int, cache: PagedKVCache, inputs: StepInputs, sha
         _all_reduce(v, stream)
 
 
-def _mlp_block(c, lw, next_layer, v: _Views, stream) -> None:
+def _mlp_block(c, lw, next_layer, v: _Views, stream, capture: tuple[DeviceArray, int] | None = None) -> None:
     """resid += down(act(norm(resid) @ w_up^T)): silu(gate) * up for Qwen3, xielu(up) for Apertus; with
     epi_norm the down product also writes the next layer's normed input and row statistics (none after the
-    last layer)."""
+    last layer). capture: where the down product also writes the new residual rows (linear's capture)."""
     eps = c.rms_norm_eps
     epilogue = MLP_EPILOGUES[c.mlp]
     if v.epi_norm:
         K.linear(v.x, lw.w_up, v.act, epilogue, stream, row_norm=(v.ss_post, eps), act=lw.act)
         K.linear(v.act, lw.w_down, v.resid, "residual", stream,
-                 norm_out=None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input))
+                 norm_out=None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input), capture=capture)
         return
     K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_up, v.act, epilogue, stream, force=v.force, act=lw.act)
-    K.linear(v.act, lw.w_down, v.resid, v.partial, stream, force=v.force)
+    K.linear(v.act, lw.w_down, v.resid, v.partial, stream, force=v.force, capture=capture)
     _all_reduce(v, stream)
 
 
-def _capture(weights: DeviceWeights, capture: Capture, i: int, v: _Views, stream) -> None:
-    """Layer i's output rows into its place in the capture buffers (forward's `capture`). The last layer's is
-    final-normed straight into `capture.last`."""
-    c = weights.config
-    if i == c.num_hidden_layers - 1:
-        K.rmsnorm(v.resid, weights.final_norm, capture.last.rows(0, v.n), c.rms_norm_eps, stream)
-        return
-    j = capture.layers.index(i)
-    copy_columns(capture.states.rows(0, v.n), j * c.hidden_size, v.resid, 0, c.hidden_size, stream)
+def _capture_columns(c, capture: Capture | None, i: int, v: _Views) -> tuple[DeviceArray, int] | None:
+    """Where layer i's down product writes its output rows (linear's capture): its column block of
+    capture.states, or None (not captured there; the last layer's goes final-normed into capture.last)."""
+    if capture is None or i not in capture.layers or i == c.num_hidden_layers - 1:
+        return None
+    return capture.states.rows(0, v.n), capture.layers.index(i) * c.hidden_size
 
 
 def _all_reduce(v: _Views, stream) -> None:
