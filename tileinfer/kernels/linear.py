@@ -216,10 +216,14 @@ def launch_swap(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str,
     cap = capture_args(M, N, epilogue, capture)
     if M == 0:
         return
-    # The producer build (residual only) takes no act, the consumer (never residual) no capture.
-    act_arg = cap if norm_out is not None else [act] if row_norm is not None else [act, *cap]
+    if norm_out is not None:
+        tail = cap           # the producer build (residual only) takes no act
+    elif row_norm is not None:
+        tail = [act]         # the consumer build (never residual) takes no capture
+    else:
+        tail = [act, *cap]
     kernel("gemm_swap.cu", cfg.kernel_name + suffix).launch(
-        cfg.grid, (SWAP_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(EPILOGUES[epilogue]), *norm_args, *act_arg],
+        cfg.grid, (SWAP_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(EPILOGUES[epilogue]), *norm_args, *tail],
         stream, smem=cfg.smem)
 
 

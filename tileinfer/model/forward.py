@@ -35,8 +35,7 @@ Hidden-state capture (`capture`, for a DFlash drafter beside the model, runner/g
 layer's down product, which adds the MLP's output into the residual stream, also writes the new residual rows
 into that layer's columns of a capture buffer (its epilogue's `capture`, kernels/linear.py): no launch of its
 own. A captured last layer is final-normed (transformers' hidden_states[num_layers]) into a bf16 buffer of its
-own by an RMSNorm launch. The drafter reads the rows of every position the
-step computed.
+own by an RMSNorm launch. The drafter reads the rows of every position the step computed.
 """
 from __future__ import annotations
 
