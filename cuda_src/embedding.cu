@@ -1,4 +1,5 @@
-// Token embedding lookup: out[i, :] = table[tokens[i] - first, :] as float32 (the residual stream).
+// Token embedding lookup: out[i, :] = table[tokens[i] - first, :] as float32 (the residual stream); and the
+// rows a DFlash drafter's context pass starts from, gathered from its target's captured hidden states.
 //
 // `first` is the vocabulary id of the table's row 0: 0 for a whole table; under tensor parallelism a rank's
 // slice of the vocabulary (tileinfer/model/sharding.py), whose rows for the tokens outside it are zeros and
@@ -78,4 +79,29 @@ extern "C" __global__ void fetch_step(const uint4 *__restrict__ src, uint4 *__re
                        resolved(v.z, s.z, j + 2, ntok, sampled), resolved(v.w, s.w, j + 3, ntok, sampled));
     }
     dst[i] = v;
+}
+
+// A DFlash drafter's context rows from the target's captured hidden states (tileinfer/model/forward.py
+// Capture), without a trip through the host: out[i, :] = states[src[i], :] rounded to bf16 (round to nearest
+// even, as the host would), except columns last_col..last_col + hidden - 1, which are last[src[i], :] when
+// `last` is given (the target's final-normed last layer, bf16 already); zeros where src[i] < 0 (padding).
+// grid (n), block (128). width, hidden and last_col multiples of 8.
+extern "C" __global__ void gather_states(const int *__restrict__ src, const float *__restrict__ states,
+                                         const bf16 *__restrict__ last, int last_col, int hidden,
+                                         bf16 *__restrict__ out, int width) {
+    pdl_start();
+    const int s = src[blockIdx.x];
+    bf16 *dst = out + (size_t)blockIdx.x * width;
+    for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+        vec16 v{};
+        if (s >= 0 && last != nullptr && c >= last_col && c < last_col + hidden) {
+            v = ld16(last + (size_t)s * hidden + (c - last_col));
+        } else if (s >= 0) {
+            const float4 a = *reinterpret_cast<const float4 *>(states + (size_t)s * width + c);
+            const float4 b = *reinterpret_cast<const float4 *>(states + (size_t)s * width + c + 4);
+            const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            v = pack8(f);
+        }
+        st16(dst + c, v);
+    }
 }

@@ -24,11 +24,10 @@ and prints the speedup expected at acceptance rates 0.6 and 0.8 from those measu
     speedup           S = E t_decode / T
 
 With a DFlash drafter (--draft dflash-*, written beside the target as a synthetic checkpoint) one forward
-drafts all k tokens, so t_draft is one draft (the new context of an accepted round, ACCEPTED_CONTEXT
-positions, and the block of k + 1 tokens, wall time with the hidden states' upload, median of --repeats);
-t_states is reading the verify step's captured hidden states back; a round is T = t_draft + t_verify +
-t_states, and at an acceptance length L (tokens per target step) the expected speedup is L t_decode / T,
-printed for L = 3, 5, 7. Its random weights are accepted about never, so generate() with it measures a
+drafts all k tokens, so t_draft is one draft after a verify step: the context pass over ACCEPTED_CONTEXT of
+its positions (their hidden states read where the verify step left them on the GPU) and the block of k + 1
+tokens (wall time, median of --repeats); a round is T = t_draft + t_verify, and at an acceptance length L
+(tokens per target step) the expected speedup is L t_decode / T, printed for L = 3, 5, 7. Its random weights are accepted about never, so generate() with it measures a
 round's whole cost too (decode seconds per target step).
 
 Writes bench_speculative.json to $OUT or --out.
@@ -49,7 +48,7 @@ import tileinfer
 from tileinfer.kv import Sequence
 from tileinfer.model.dflash_config import DFLASH_PRESETS
 from tileinfer.model.synthetic import cached_checkpoint, checkpoints_dir, write_checkpoint
-from tileinfer.runner.base import DraftRow
+from tileinfer.runner.base import ContextRow, DraftRow
 from tileinfer.runner.gpu_dflash import GPUDFlashRunner
 
 ACCEPTED_CONTEXT = 4  # new context positions a DFlash draft takes after a round (accepted drafts + 1)
@@ -116,46 +115,39 @@ def dflash_checkpoint(name: str) -> Path:
 
 
 def dflash_costs(target, path: Path, prompt: list[int], k: int, new: int, repeats: int) -> dict:
-    """A DFlash round's parts on the target (bound to the drafter here): one draft (ACCEPTED_CONTEXT new
-    context positions, then the k + 1 block; wall seconds, median), the captured states' read-back after a
-    verify step of k + 1 tokens, and generate()'s decode seconds per target step with this drafter."""
+    """A DFlash round's parts on the target (bound to the drafter here): one draft after a verify step of k + 1
+    tokens (the context pass over ACCEPTED_CONTEXT of its positions, then the block of k + 1; wall seconds,
+    median), and generate()'s decode seconds per target step with this drafter."""
     drafter = GPUDFlashRunner(path, max_num_seqs=1)
     try:
         drafter.bind_target(target)
         cfg = drafter.config
-        rng = np.random.default_rng(0)
         n = len(prompt)
         drafter.ensure_cache(n + 2 * (ACCEPTED_CONTEXT + k + 1))
         manager, seq = drafter.cache.manager, Sequence()
         block = [int(prompt[-1])] + [cfg.mask_token_id] * k
-        states = rng.standard_normal((n + ACCEPTED_CONTEXT, cfg.feature_size)).astype(np.float32)
-        manager.reserve(seq, n + k + 1)  # the prompt's context, once
-        drafter.draft([DraftRow(seq, states[:n], np.arange(n), block, n)])
-        manager.truncate(seq, n)
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            manager.reserve(seq, ACCEPTED_CONTEXT + k + 1)
-            drafter.draft([DraftRow(seq, states[n:], np.arange(n, n + ACCEPTED_CONTEXT), block,
-                                    n + ACCEPTED_CONTEXT)])
-            times.append(time.perf_counter() - start)
-            manager.truncate(seq, n)
-        manager.release(seq)
         cache, tseq = target.ensure_cache(n + k + 1), Sequence()
-        target.extend(tseq, prompt, logits="none")
-        read = []
+        target.extend(tseq, prompt, chunk=n, logits="none")
+        manager.reserve(seq, n)  # the prompt's context, once
+        drafter.add_context([ContextRow(seq, 0, np.arange(n), 0)])
+        times = []
         for _ in range(repeats + 1):
             cache.manager.reserve(tseq, k + 1)
             target.verify([(tseq, prompt[-(k + 1):], n)], logits="argmax", graph_width=k + 1)
             start = time.perf_counter()
-            target.last_features
-            read.append(time.perf_counter() - start)
+            manager.reserve(seq, ACCEPTED_CONTEXT)
+            drafter.add_context([ContextRow(seq, n, np.arange(n, n + ACCEPTED_CONTEXT), 0)])
+            manager.reserve(seq, k + 1)
+            drafter.draft([DraftRow(seq, block, n + ACCEPTED_CONTEXT)])
+            times.append(time.perf_counter() - start)
+            manager.truncate(seq, n)
             cache.manager.truncate(tseq, n)
+        manager.release(seq)
         cache.manager.release(tseq)
         r = tileinfer.generate(target, prompt, max_new_tokens=new, stop_at_eos=False, draft_model=drafter,
                                num_draft_tokens=k)
         s = r.speculation
-        return dict(t_draft_ms=1e3 * statistics.median(times[1:]), t_states_ms=1e3 * statistics.median(read[1:]),
+        return dict(t_draft_ms=1e3 * statistics.median(times[1:]),
                     round_ms=1e3 * r.decode_seconds / max(s.target_steps, 1), tokens_per_target_step=s.tokens_per_target_step)
     finally:
         drafter.close()
@@ -228,10 +220,10 @@ def main() -> None:
                    oracle_tokens_per_step=oracle.speculation.tokens_per_target_step)
         if dflash:
             row["dflash"] = d = dflash_costs(target, dflash_checkpoint(args.draft), prompt, k, args.new, args.repeats)
-            t_round = (d["t_draft_ms"] + d["t_states_ms"]) / 1e3 + t_verify
+            t_round = d["t_draft_ms"] / 1e3 + t_verify
             row["expected_speedup"] = {str(L): L * t_decode / t_round for L in (3, 5, 7)}
             print(f"{args.draft}: draft {d['t_draft_ms']:.3f} ms ({ACCEPTED_CONTEXT} new context positions, a block "
-                  f"of {k + 1}), hidden states read back {d['t_states_ms']:.3f} ms, round {1e3 * t_round:.3f} ms "
+                  f"of {k + 1}), round {1e3 * t_round:.3f} ms "
                   f"from its parts; generate() with it: {d['round_ms']:.3f} ms per target step "
                   f"({d['tokens_per_target_step']:.2f} tokens a step)")
     if not dflash:

@@ -11,9 +11,10 @@ import tileinfer
 from tileinfer import LLM, SamplingParams
 from tileinfer.kv import Sequence
 from tileinfer.model.checkpoint import Checkpoint
+from tileinfer.model.forward import BF16
 from tileinfer.model.dflash_reference import DFlashReference
 from tileinfer.model.reference import ReferenceModel
-from tileinfer.runner.base import DraftRow
+from tileinfer.runner.base import ContextRow, DraftRow
 from tileinfer.runner.cpu import CPURunner
 
 pytestmark = pytest.mark.gpu
@@ -126,33 +127,48 @@ def torch_dflash(checkpoint: Checkpoint, embed: np.ndarray, lm_head: np.ndarray,
 
 def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash_tiny_checkpoint):
     # Three rounds on one drafter sequence (each attends to the earlier rounds' cached context), two requests in
-    # the later rounds' calls, contexts at gappy target positions; rows 1..k of each block's logits. The first
-    # round's context (100 entries) goes eagerly before a graphed block, the others' inside the draft's graph.
+    # the later rounds' calls, contexts at gappy target positions; rows 1..k of each block's logits. Each round's
+    # context is the states the target just computed for random tokens, read where the target left them on the
+    # GPU: the first round's (100 entries) eagerly, the later rounds' in the context graph.
     target, drafter = pair
     ref_target, ref = references
     checkpoint = Checkpoint.open_draft(dflash_tiny_checkpoint)
-    cfg, manager = drafter.config, drafter.cache.manager
+    manager = drafter.cache.manager
+    target.ensure_cache(512)
     rng = np.random.default_rng(7)
-    F = cfg.feature_size
     seqs, caches, history = [Sequence(), Sequence()], [ref.new_cache(), ref.new_cache()], [[], []]
-    for rnd, (m, k) in enumerate([(100, 3), (37, 7), (5, 15)]):
-        rows, wants = [], []
-        for r in range(2 if rnd else 1):
+    for rnd, (m, k) in enumerate([(100, 3), (30, 7), (5, 15)]):
+        n_req = 2 if rnd else 1
+        scratch = Sequence()
+        target.extend(scratch, rng.integers(0, 151643, n_req * m).tolist(), chunk=n_req * m, logits="none")
+        assert target.captured_on_device == (0, n_req * m)
+        states = target.last_features
+        contexts, blocks, wants = [], [], []
+        for r in range(n_req):
             pos = np.sort(rng.choice(np.arange(400 * rnd + 10 * r, 400 * rnd + 10 * r + 3 * m), m, replace=False))
-            feats = rng.standard_normal((m, F)).astype(np.float32) * 2
+            entry = seqs[r].num_positions
+            manager.reserve(seqs[r], m)
+            contexts.append(ContextRow(seqs[r], entry, pos, r * m))
+            history[r].append((states[r * m:(r + 1) * m], pos))
+        drafter.add_context(contexts)
+        # the context pass's input: the target's states, rounded to bf16 on the GPU as the host rounds them
+        gathered = drafter.features.rows(0, n_req * m).to_host(drafter.stream)
+        assert np.array_equal(gathered.view(np.uint16), states.astype(BF16).view(np.uint16))
+        target.cache.manager.release(scratch)
+        for r in range(n_req):
+            feats, pos = history[r][-1]
             start = int(pos[-1]) + 3
             block = ref.block(int(rng.integers(0, 151643)), k)
-            manager.reserve(seqs[r], m + k + 1)
-            rows.append(DraftRow(seqs[r], feats, pos, block, start))
+            manager.reserve(seqs[r], k + 1)
+            blocks.append(DraftRow(seqs[r], block, start))
             cache = caches[r]
             entry = cache.append_positions(np.concatenate([pos, start + np.arange(k + 1)]))
             wants.append(ref.forward(feats, pos, block, start, cache, entry))
             cache.truncate(entry + m)
-            history[r].append((feats, pos))
-        drafts = drafter.draft(rows)
-        logits = drafter.workspace.logits.rows(0, sum(len(r.block) for r in rows)).to_host(drafter.stream)
+        drafts = drafter.draft(blocks)
+        logits = drafter.workspace.logits.rows(0, sum(len(r.block) for r in blocks)).to_host(drafter.stream)
         at = 0
-        for r, (row, want, got_ids) in enumerate(zip(rows, wants, drafts)):
+        for r, (row, want, got_ids) in enumerate(zip(blocks, wants, drafts)):
             got = logits[at + 1: at + len(row.block)]
             at += len(row.block)
             assert got_ids == got.argmax(axis=1).tolist()
@@ -165,6 +181,18 @@ def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash
     for s in seqs:
         manager.release(s)
     assert manager.num_free_pages == manager.num_pages
+
+
+def test_context_rows_must_be_the_targets_last_step(pair):
+    target, drafter = pair
+    target.ensure_cache(512)
+    scratch, seq = Sequence(), Sequence()
+    target.extend(scratch, list(range(1, 9)), logits="none")
+    drafter.cache.manager.reserve(seq, 4)
+    with pytest.raises(ValueError, match=r"rows 6\.\.9 of the target's last step, whose rows 0\.\.7 are on the device"):
+        drafter.add_context([ContextRow(seq, 0, np.arange(4), 6)])
+    drafter.cache.manager.release(seq)
+    target.cache.manager.release(scratch)
 
 
 def test_greedy_dflash_equals_plain_greedy(pair):

@@ -279,7 +279,7 @@ class Engine:
             self._publish_masks(step)
             events += self._finish(step)
             if self._feeds_drafter:
-                self._feed_drafter(plain, self.runner.last_features)
+                self._feed_drafter(plain)
         spec = [r for r, s in zip(rows, speculates) if s]
         if spec:
             events += self._verify(spec)
@@ -289,14 +289,15 @@ class Engine:
         self._check_progress(bool(rows), events)
         return events
 
-    def _feed_drafter(self, rows: list[ScheduledRow], features: np.ndarray) -> None:
-        """A DFlash drafter's context: the target's states at every position these rows computed (in the
-        step's row order), for the requests that speculate."""
-        at = 0
+    def _feed_drafter(self, rows: list[ScheduledRow]) -> None:
+        """A DFlash drafter's context: every position these rows computed (the step's rows, in order), for the
+        requests that speculate."""
+        items, at = [], 0
         for r in rows:
             if r.request.spec is not None:
-                self.drafter.add_context(r.request.request_id, r.start, features[at:at + r.count])
+                items.append((r.request.request_id, r.start, at, r.count))
             at += r.count
+        self.drafter.add_context(items)
 
     def _check_progress(self, ran: bool, events: list) -> None:
         """A step that ran nothing and returned nothing while requests wait would loop forever."""
@@ -517,7 +518,7 @@ class Engine:
         greedy = all(not r.request.params.temperature > 0 for r in rows)
         width = self.config.num_draft_tokens + 1 if self.runner.use_graphs else None
         out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width)
-        features = self.runner.last_features if self._feeds_drafter else None
+        context = [] if self._feeds_drafter else None
         self.scheduler.update(rows)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)
@@ -527,13 +528,16 @@ class Engine:
             at += len(props) + 1
             if not greedy and not r.request.params.temperature > 0:
                 p_rows = p_rows.argmax(axis=1)
-            row_features = None if features is None else features[at - len(props) - 1:at]
-            events += self._accept_round(r, props, p_rows, row_features)
+            events += self._accept_round(r, props, p_rows, context, at - len(props) - 1)
+        if context:
+            self.drafter.add_context(context)
         return events
 
-    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows, features=None) -> list[Event]:
-        """features: with a DFlash drafter, the target's states at the round's positions (the last
-        committed token's, then the proposals'): those of the positions kept become its context."""
+    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows, context: list | None = None,
+                      row: int = 0) -> list[Event]:
+        """context: with a DFlash drafter, where the round's kept positions go as its next context, (request
+        id, first position, its row in the verify step, count): the last committed token's and the accepted
+        proposals' (the verify step computed them in rows row, row + 1, ...)."""
         req = r.request
         emitted, accepted = accept(props, p_rows, req.params, req.spec_rng)
         st = req.spec
@@ -556,8 +560,8 @@ class Engine:
                 break
         if req.status != FINISHED:
             self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
-            if features is not None:
-                self.drafter.add_context(req.request_id, r.start, features[:1 + accepted])
+            if context is not None:
+                context.append((req.request_id, r.start, row, 1 + accepted))
             self.drafter.rollback(req.request_id, req.token_ids)
         return events
 

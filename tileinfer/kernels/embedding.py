@@ -1,4 +1,4 @@
-"""Launcher for cuda_src/embedding.cu.
+"""Launchers for cuda_src/embedding.cu.
 
 `first` is the vocabulary id of the table's row 0: 0 for the whole vocabulary; a rank's vocab_start under
 tensor parallelism (model/sharding.py), whose table holds its part of the vocabulary only."""
@@ -64,6 +64,29 @@ def fetch_step(src: DeviceArray, dst: DeviceArray, tokens: DeviceArray, token_sr
         (-(-n16 // 256) + rows,), (256,),
         [src, dst, I32(n16), I32(tok0), I32(ntok), I32(delta), sampled, table, out, I32(dim), I32(vocab), I32(first)],
         stream)
+
+
+def gather_states(src: DeviceArray, states: DeviceArray, last: DeviceArray | None, last_col: int,
+                  out: DeviceArray, stream) -> None:
+    """out[i] = states[src[i]] as bf16 (zeros where src[i] < 0); with `last` [rows, hidden] bf16, columns
+    last_col..last_col + hidden - 1 of out[i] come from last[src[i]] instead. src int32 [n], states float32
+    [rows, width], out bf16 [n, width]. The caller keeps src within states' rows."""
+    n = src.shape[0]
+    expect("src", src, (n,), INT32)
+    rows, width = states.shape
+    expect("states", states, (rows, width), FLOAT32)
+    expect("out", out, (n, width), BF16)
+    hidden = 0
+    if last is not None:
+        hidden = last.shape[1]
+        expect("last", last, (rows, hidden), BF16)
+        if last_col % 8 or not 0 <= last_col <= width - hidden:
+            raise ValueError(f"gather_states: last_col {last_col} must be a multiple of 8 in [0, {width - hidden}]")
+    if width % 8 or hidden % 8:
+        raise ValueError(f"gather_states: widths must be multiples of 8, got {width} and {hidden}")
+    if n:
+        kernel("embedding.cu", "gather_states").launch(
+            (n,), (128,), [src, states, last, I32(last_col), I32(hidden), out, I32(width)], stream)
 
 
 def _check_table(table: DeviceArray, out: DeviceArray, rows: int, name: str) -> tuple[int, int]:

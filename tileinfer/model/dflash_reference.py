@@ -9,7 +9,8 @@ through the target):
   per layer, pre-norm, x = input_layernorm(h):
            q = rope(q_norm(q_proj(x)))                               at the block's positions
            k = rope(k_norm(k_proj([c; x]))), v = v_proj([c; x])      at the context's, then the block's positions
-           the new keys and values join the drafter's cache; every query of the block reads every entry
+           (the context's rows and the block's go through k_proj/v_proj apart: `write_context`, then the
+           block); the new keys and values join the drafter's cache; every query of the block reads every entry
            (earlier context, new context, the whole block): no causal mask
            h += o_proj(attention); h += mlp(post_attention_layernorm(h))     (Qwen3's gated SiLU MLP)
   drafts   argmax over the target's LM head of norm(h) at block rows 1..k: row j is the token AT position
@@ -74,42 +75,61 @@ class DFlashReference:
         features = np.asarray(features, np.float32).reshape(-1, self.config.feature_size)
         return rms_norm(features @ self.fc.T, self.hidden_norm, self.config.decoder.rms_norm_eps)
 
+    def write_context(self, features: np.ndarray, positions, cache, entry: int) -> None:
+        """The context entries of `features` [m, feature_size] at target `positions` [m]: every layer's keys
+        and values of c = hidden_norm(fc(features)), written at entries entry..entry+m-1 of `cache` (the caller
+        has made room). A draft forward writes its new context this way before its block; the engine writes
+        each context as it arrives (engine/dflash.py)."""
+        positions = np.asarray(positions, np.int64)
+        c = self.context(features)
+        if len(c) != len(positions):
+            raise ValueError(f"{len(c)} context features for {len(positions)} context positions")
+        if not len(c):
+            return
+        for index, layer in enumerate(self.layers):
+            cache.write(index, entry, *self._keys_values(layer, c, positions))
+
     def forward(self, features: np.ndarray, context_positions, block_ids, start: int, cache, entry: int = 0
                 ) -> np.ndarray:
-        """The logits of block rows 1..k [k, vocab] (row j predicts the token at position start + j).
+        """The logits of block rows 1..k [k, vocab] (row j predicts the token AT position start + j).
 
-        features [m, feature_size] at context_positions [m] (m may be 0); block_ids [k + 1] at positions
-        start..start+k. `cache` has `write(layer, entry, k, v)` and `read(layer) -> (keys, values, positions)`
-        (a ReferenceCache, or the CPU runner's view of a paged cache); the caller has made room for the m
-        context entries and then the k + 1 block entries at `entry`, and cuts the block's off afterwards."""
+        features [m, feature_size] at context_positions [m] (m may be 0: the context is in the cache already);
+        block_ids [k + 1] at positions start..start+k. `cache` has `write(layer, entry, k, v)` and
+        `read(layer) -> (keys, values, positions)` (a ReferenceCache, or the CPU runner's view of a paged cache);
+        the caller has made room for the m context entries and then the k + 1 block entries at `entry`, and
+        cuts the block's off afterwards."""
         if self.embed is None:
             raise RuntimeError("bind_target() first: a DFlash drafter embeds and decodes with its target's weights")
         ids = np.asarray(block_ids, np.int64)
         if ids.ndim != 1 or len(ids) < 2:
             raise ValueError(f"a block is the last committed token and at least one mask, got {len(ids)} token(s)")
+        m = len(context_positions)
+        self.write_context(features, context_positions, cache, entry)
         block_positions = start + np.arange(len(ids))
-        kv_positions = np.concatenate([np.asarray(context_positions, np.int64), block_positions])
-        c = self.context(features)
-        if len(c) != len(kv_positions) - len(ids):
-            raise ValueError(f"{len(c)} context features for {len(kv_positions) - len(ids)} context positions")
         eps = self.config.decoder.rms_norm_eps
         h = self.embed[ids]  # [k + 1, hidden]
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
-            h = h + self._attention(layer, index, x, c, block_positions, kv_positions, cache, entry)
+            h = h + self._attention(layer, index, x, block_positions, cache, entry + m)
             h = h + layer.mlp(rms_norm(h, layer.post_norm, eps), lambda t: t)
         return rms_norm(h[1:], self.norm, eps) @ self.lm_head.T
 
-    def _attention(self, layer, index: int, x: np.ndarray, c: np.ndarray, block_positions: np.ndarray,
-                   kv_positions: np.ndarray, cache, entry: int) -> np.ndarray:
+    def _keys_values(self, layer, x: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A layer's keys (k_norm, then RoPE at `positions`) and values of rows x [n, hidden]."""
         d = self.config.decoder
-        n, both = len(x), np.concatenate([c, x])  # [m + k + 1, hidden]: context, then block
+        k = (x @ layer.k_proj.T).reshape(len(x), d.num_key_value_heads, d.head_dim)
+        v = (x @ layer.v_proj.T).reshape(len(x), d.num_key_value_heads, d.head_dim)
+        return apply_rope(rms_norm(k, layer.k_norm, d.rms_norm_eps), positions, self.inv_freq), v
+
+    def _attention(self, layer, index: int, x: np.ndarray, block_positions: np.ndarray, cache, entry: int
+                   ) -> np.ndarray:
+        """The block's attention: its keys and values join the cache at `entry` (after the context's), and
+        every query reads every entry (no mask)."""
+        d = self.config.decoder
+        n = len(x)
         q = (x @ layer.q_proj.T).reshape(n, d.num_attention_heads, d.head_dim)
-        k = (both @ layer.k_proj.T).reshape(len(both), d.num_key_value_heads, d.head_dim)
-        v = (both @ layer.v_proj.T).reshape(len(both), d.num_key_value_heads, d.head_dim)
         q = apply_rope(rms_norm(q, layer.q_norm, d.rms_norm_eps), block_positions, self.inv_freq)
-        k = apply_rope(rms_norm(k, layer.k_norm, d.rms_norm_eps), kv_positions, self.inv_freq)
-        cache.write(index, entry, k, v)
+        cache.write(index, entry, *self._keys_values(layer, x, block_positions))
         keys, values, _ = cache.read(index)
         return block_attention(q, keys, values).reshape(n, d.q_size) @ layer.o_proj.T
 

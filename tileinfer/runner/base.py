@@ -96,19 +96,28 @@ def checked_masks(masks: list | None, vocab_size: int) -> np.ndarray | None:
 
 
 @dataclass(slots=True)
-class DraftRow:
-    """One request's DFlash draft step. Its drafter sequence has room reserved, at its end, for the m new
-    context entries and then the k + 1 block entries."""
+class ContextRow:
+    """One request's new DFlash context: m entries of its drafter sequence, from `entry` on (reserved), for the
+    target positions `positions`, whose hidden states are rows row..row+m-1 of the target's last step (its
+    captured states: runner/gpu.py capture_hidden_states, runner/cpu.py likewise)."""
     seq: Sequence
-    features: np.ndarray           # [m, feature_size] the target's states at the new context positions
-    context_positions: np.ndarray  # [m] int64, ascending
+    entry: int
+    positions: np.ndarray  # [m] int64, ascending
+    row: int
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """One request's DFlash draft step: its drafter sequence holds its context, then room reserved for the
+    block (the last committed token and k masks, at positions start..start+k)."""
+    seq: Sequence
     block: list[int]               # the last committed token and k mask tokens
     start: int                     # the last committed token's position (the block's first)
 
     @property
     def entry(self) -> int:
-        """The first of the row's reserved entries (its new context's, then its block's): they end the sequence."""
-        n = len(self.context_positions) + len(self.block)
+        """The block's first entry: the block's reserved entries end the sequence."""
+        n = len(self.block)
         if self.seq.num_positions < n:
             raise ValueError(f"draft: a row needs {n} entries reserved, its sequence has {self.seq.num_positions}")
         return self.seq.num_positions - n

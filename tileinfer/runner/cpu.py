@@ -81,16 +81,19 @@ class NumpyPagedCache:
 
 
 class _SequenceView:
-    """One sequence's rows of a step, as ReferenceModel's layers read a cache: writes go to the step's
-    slots, reads gather positions 0..end-1 through the block table."""
+    """One sequence's entries start..start+n-1 of a step, as ReferenceModel's layers read a cache: a write at
+    `at` goes to the slots of entries start + at, ..., reads gather positions 0..end-1 through the block
+    table."""
 
     def __init__(self, cache: NumpyPagedCache, seq: Sequence, start: int, n: int):
         self.cache, self.seq, self.end = cache, seq, start + n
         self.slots = cache.manager.slots(seq, start, n).astype(np.int64)
         self.smoothing = cache.smoothing
 
-    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.cache.write(layer, self.slots, k, v)
+    def write(self, layer: int, at: int, k: np.ndarray, v: np.ndarray) -> None:
+        if not 0 <= at <= len(self.slots) - len(k):
+            raise ValueError(f"a write of {len(k)} entries at {at} of a view of {len(self.slots)}")
+        self.cache.write(layer, self.slots[at:at + len(k)], k, v)
 
     def read(self, layer: int):
         keys, values = self.cache.gather(layer, self.seq.block_table, self.end)

@@ -4,8 +4,9 @@ cache of its own.
 The cache is the seed's second sequence: per layer, keys and values [num_pages, kv_heads, page_size,
 head_dim] with a BlockManager of its own, laid out as the target's (runner/cpu.py NumpyPagedCache). A
 request's drafter sequence holds one entry per context position (the keys and values every drafter
-layer derives from the target's features there); a draft step appends the new context and the block
-after them, attends over all of it without a mask, and the caller truncates the block away again.
+layer derives from the target's features there, written by `add_context` as the target computes them);
+a draft step appends the block after them, attends over all of it without a mask, and the caller
+truncates the block away again.
 Entries are in the order the context arrived; their RoPE positions are the target's positions, which
 the attention does not need beyond the keys themselves (nothing is masked).
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..kv.paged_cache import cdiv
 from ..model.checkpoint import Checkpoint
 from ..model.dflash_config import DFlashConfig
 from ..model.dflash_reference import DFlashReference
-from .base import DraftRow
+from .base import ContextRow, DraftRow
 from .cpu import CPURunner, NumpyPagedCache, _SequenceView
 
 
@@ -32,6 +35,7 @@ class CPUDFlashRunner:
         self.model = DFlashReference.from_checkpoint(self.checkpoint)
         self.max_num_seqs = max_num_seqs
         self.cache: NumpyPagedCache | None = None
+        self.target: CPURunner | None = None
 
     def bind_target(self, target: CPURunner) -> None:
         """Draft for `target` (a CPURunner; ValueError if this drafter does not fit it)."""
@@ -39,6 +43,7 @@ class CPUDFlashRunner:
             raise ValueError("a DFlash drafter loaded for the CPU (device='cpu') drafts for a CPU model; load it "
                              "with device='cuda' to draft for a GPU model")
         self.model.bind_target(target.reference)
+        self.target = target
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, *, num_pages: int, page_size: int = 64) -> NumpyPagedCache:
@@ -55,14 +60,28 @@ class CPUDFlashRunner:
         return self.cache
 
     # ------------------------------------------------------------------ drafting
+    def add_context(self, rows: list[ContextRow]) -> None:
+        """Each row's context entries, written now from the target's states at its rows of the target's
+        last step (`last_features`)."""
+        if not rows:
+            return
+        features = self.target.last_features
+        for row in rows:
+            m = len(row.positions)
+            if row.row < 0 or row.row + m > len(features):
+                raise ValueError(f"add_context: rows {row.row}..{row.row + m - 1} of a step of {len(features)}")
+            view = _SequenceView(self.cache, row.seq, row.entry, m)
+            self.model.write_context(features[row.row:row.row + m], row.positions, view, 0)
+
     def draft(self, rows: list[DraftRow]) -> list[list[int]]:
-        """Each row's k drafts (the argmax of block rows 1..k). The rows' new context and block entries are
-        written into the pool; the caller truncates each sequence back to its context afterwards."""
+        """Each row's k drafts (the argmax of block rows 1..k). The block's entries are written into the pool;
+        the caller truncates each sequence back to its context afterwards."""
         out = []
         for row in rows:
             entry = row.entry
-            view = _SequenceView(self.cache, row.seq, entry, row.seq.num_positions - entry)
-            logits = self.model.forward(row.features, row.context_positions, row.block, row.start, view, entry)
+            view = _SequenceView(self.cache, row.seq, entry, len(row.block))
+            logits = self.model.forward(np.zeros((0, self.config.feature_size), np.float32), np.zeros(0, np.int64),
+                                        row.block, row.start, view, 0)
             out.append([int(t) for t in logits.argmax(axis=1)])
         return out
 

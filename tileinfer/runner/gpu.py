@@ -174,6 +174,13 @@ class GPURunner(CheckpointRunner):
             raise RuntimeError("no hidden states are captured: call capture_hidden_states(layer_ids) first")
         return np.concatenate([*self._captured, self._read_capture(self._captured_rows)])
 
+    @property
+    def captured_on_device(self) -> tuple[int, int]:
+        """(first, n): rows first..first+n-1 of the last launch, verify or extend are in rows 0..n-1 of the
+        capture buffers (an extend's earlier chunks only in host copies), where a DFlash drafter on this
+        GPU reads them (runner/gpu_dflash.py add_context)."""
+        return sum(len(part) for part in self._captured), self._captured_rows
+
     def _read_capture(self, n: int) -> np.ndarray:
         """Rows [0, n) of the capture buffers to the host, in layer order."""
         cap, hidden = self.capture, self.config.hidden_size

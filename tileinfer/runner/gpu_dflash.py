@@ -1,24 +1,23 @@
 """A DFlash drafter on the GPU: its layers beside its target's (whose embedding and LM head it borrows), a
-paged KV pool of its own, and the target's kernels.
+paged KV pool of its own, and the target's kernels. Two passes, on the target's stream:
 
-A draft (`draft(rows)`, one DraftRow per request from engine/dflash.py) runs two passes on the target's
-stream:
-  context  the rows' new context entries: the target's captured states at the positions it computed since
-           the last draft (runner/gpu.py capture_hidden_states), as bf16; c = rmsnorm(fc(f), hidden_norm),
-           then for every layer qkv = c @ W_qkv and attn_input, which stores the k-normed, RoPE'd keys and the
-           values at the entries' slots (RoPE at the target's positions; the queries it computes are not
-           used). c does not depend on the layer, so the context needs no layer-by-layer pass.
-  block    every row's last committed token and k masks at positions start..start+k through forward(), the
-           target's own step: each block token is a one-token pseudo-sequence that shares its row's block
-           table and attends to all of the row's entries (context, then the whole block, which the layer's
-           attn_input has written before its attention reads it). A one-token query has no causal mask, so
-           the block attends non-causally, as DFlash's does. The LM head gives every block token's logits;
-           their argmax on the GPU, rows 1..k of each block, are the drafts.
-A round's draft (new context of at most CONTEXT_GRAPH_TOKENS entries, blocks of at most DRAFT_TOKENS tokens in
-all) is one graph, replayed per (context rows rounded up to CONTEXT_GRAPH_STEP, block tokens): its inputs are
-rows of the step buffers, uploaded before the replay, so only those shapes pick the graph. A longer context (a
-prompt's) goes first, eagerly, in chunks of CONTEXT_TOKENS entries; then the blocks, in groups of at most
-DRAFT_TOKENS tokens, each a graph of no context rows. With the target's graphs off (use_graphs) all is eager.
+  context  `add_context(rows)`, right after the target step that computed those positions: the target's
+           captured states there (runner/gpu.py capture_hidden_states), gathered as bf16 from where the
+           step left them on the device (gather_states: they never cross to the host); c = rmsnorm(fc(f),
+           hidden_norm), then for every layer qkv = c @ W_qkv and attn_input, which stores the k-normed,
+           RoPE'd keys and the values at the entries' slots (RoPE at the target's positions; the queries it
+           computes are not used). c does not depend on the layer, so the context needs no layer-by-layer pass.
+  block    `draft(rows)`: every row's last committed token and k masks at positions start..start+k through
+           forward(), the target's own step: each block token is a one-token pseudo-sequence that shares its
+           row's block table and attends to all of the row's entries (context, then the whole block, which
+           the layer's attn_input has written before its attention reads it). A one-token query has no causal
+           mask, so the block attends non-causally, as DFlash's does. The LM head gives every block token's
+           logits; their argmax on the GPU, rows 1..k of each block, are the drafts.
+A context of at most CONTEXT_GRAPH_TOKENS entries (a round's: k + 1 a request) is one graph, replayed per
+row count rounded up to CONTEXT_GRAPH_STEP; a longer one (a prompt's) goes eagerly in chunks of
+CONTEXT_TOKENS. Blocks go in groups of at most DRAFT_TOKENS tokens, one graph per group's token count. Their
+inputs are rows of the step buffers (and the context's source rows), uploaded before the replay, so only
+those counts pick the graph. With the target's graphs off (use_graphs) all is eager.
 """
 from __future__ import annotations
 
@@ -36,13 +35,13 @@ from ..model.dflash_config import DFlashConfig
 from ..model.forward import BF16, Workspace, check_supported, forward
 from ..model.inputs import StepShape
 from ..model.weights import DeviceWeights
-from .base import DraftRow
+from .base import ContextRow, DraftRow
 from .gpu import GPURunner
 from .step import StepBuffers, prepare_step
 
 CONTEXT_TOKENS = 512       # context entries a chunk of the context pass takes (its workspace rows)
 DRAFT_TOKENS = 128         # block tokens a group of the block pass takes (its logits rows)
-CONTEXT_GRAPH_TOKENS = 64  # at most this much new context goes through a draft's graph (a round's: k + 1 a row)
+CONTEXT_GRAPH_TOKENS = 64  # at most this much new context goes through a graph (a round's: k + 1 a row)
 CONTEXT_GRAPH_STEP = 16    # the graphed context pass's rows are rounded up to a multiple of this
 
 
@@ -101,7 +100,9 @@ class GPUDFlashRunner:
         self.workspace = Workspace(c, max_tokens=max(CONTEXT_TOKENS, self.draft_tokens),
                                    max_logit_rows=self.draft_tokens, max_decode_rows=self.draft_tokens, max_splits=1)
         self.features = DeviceArray((CONTEXT_TOKENS, self.config.feature_size), BF16)
-        self._arrays.append(self.features)
+        self.context_src = DeviceArray((CONTEXT_TOKENS,), np.int32)  # each context entry's row of the capture
+        self._arrays += [self.features, self.context_src]
+        self._capture = target.capture  # what the context graphs read
         self.use_graphs = target.use_graphs
         self.target = target
 
@@ -148,85 +149,96 @@ class GPUDFlashRunner:
             self.cache.free()
         self.cache = self.steps = self.graphs = None
 
-    # ------------------------------------------------------------------ drafting
-    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
-        """Each row's k drafts (the argmax of block rows 1..k). The rows' new context and block entries are
-        written into the pool; the caller truncates each sequence back to its context afterwards."""
-        self._check_bound()
-        if self.cache is None:
-            raise RuntimeError("no KV pool is attached to this drafter: call ensure_cache() first")
+    # ------------------------------------------------------------------ context
+    def add_context(self, rows: list[ContextRow]) -> None:
+        """Each row's context entries (reserved at row.entry of its sequence), written now from the target's
+        states at rows row.row.. of its last step, which must still be on the device (no target step since)."""
+        self._check_attached()
+        rows = [row for row in rows if len(row.positions)]
         if not rows:
-            return []
-        entries = [row.entry for row in rows]
-        positions, slots, features = self._context_rows(rows, entries)
-        if len(slots) <= CONTEXT_GRAPH_TOKENS and sum(len(row.block) for row in rows) <= self.draft_tokens:
-            return self._block(list(zip(rows, entries)), (positions, slots, features))  # one launch or replay
-        for start in range(0, len(slots), CONTEXT_TOKENS):
-            stop = min(start + CONTEXT_TOKENS, len(slots))
-            self._stage_context(features[start:stop], positions[start:stop], slots[start:stop], 0, stop - start)
-            self.steps.upload(self.stream)
-            self._enqueue_context(stop - start, 0, self.stream)
-        out: list[list[int]] = []
-        group: list[tuple[DraftRow, int]] = []
-        for row, entry in zip(rows, entries):
-            if sum(len(r.block) for r, _ in group) + len(row.block) > self.draft_tokens:
-                out += self._block(group)
-                group = []
-            group.append((row, entry))
-        if group:
-            out += self._block(group)
-        return out
-
-    def _context_rows(self, rows: list[DraftRow], entries: list[int]):
-        """The rows' new context entries: their target positions, their slots in the pool, their states."""
+            return
+        if self.target.capture is not self._capture:
+            raise RuntimeError("the target's capture buffers changed since this drafter was bound to it")
+        first, n = self.target.captured_on_device
+        for row in rows:
+            if row.row < first or row.row + len(row.positions) > first + n:
+                raise ValueError(f"add_context: rows {row.row}..{row.row + len(row.positions) - 1} of the target's "
+                                 f"last step, whose rows {first}..{first + n - 1} are on the device")
         manager = self.cache.manager
-        have = [(row, entry) for row, entry in zip(rows, entries) if len(row.context_positions)]
-        if not have:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, self.config.feature_size), np.float32)
-        return (np.concatenate([row.context_positions for row, _ in have]),
-                np.concatenate([manager.slots(row.seq, entry, len(row.context_positions)) for row, entry in have]),
-                np.concatenate([row.features for row, _ in have]))
+        positions = np.concatenate([row.positions for row in rows])
+        slots = np.concatenate([manager.slots(row.seq, row.entry, len(row.positions)) for row in rows])
+        src = np.concatenate([row.row - first + np.arange(len(row.positions)) for row in rows])
+        for start in range(0, len(src), CONTEXT_TOKENS):
+            stop = min(start + CONTEXT_TOKENS, len(src))
+            count = stop - start
+            graphed = self.use_graphs and count <= CONTEXT_GRAPH_TOKENS
+            padded = -(-count // CONTEXT_GRAPH_STEP) * CONTEXT_GRAPH_STEP if graphed else count
+            self._stage_context(positions[start:stop], slots[start:stop], src[start:stop], padded)
+            if graphed:
+                if not self.graphs.has_kind("context"):
+                    self.graphs.add_kind("context", self._enqueue_context)
+                self.graphs.run("context", padded, self.stream)
+            else:
+                self._enqueue_context(count, self.stream)
 
-    def _stage_context(self, features: np.ndarray, positions: np.ndarray, slots: np.ndarray, at: int,
-                       padded: int) -> None:
-        """Context entries' positions and slots into rows at..at+padded of the host mirror (rows past the
-        entries: slot -1, nothing stored), their states (bf16) into the first rows of `features`."""
+    def _stage_context(self, positions: np.ndarray, slots: np.ndarray, src: np.ndarray, padded: int) -> None:
+        """Context entries' positions, slots and capture rows into rows 0..padded of the inputs (rows past the
+        entries: slot -1, nothing stored; source -1, zero states), uploaded."""
         n = len(slots)
         host = self.steps.host
         self.steps.wait_upload()
-        host["positions"][at:at + n] = positions
-        host["slots"][at:at + n] = slots
-        host["positions"][at + n:at + padded] = 0
-        host["slots"][at + n:at + padded] = -1
-        if n:
-            self.features.rows(0, n).copy_from_host(np.ascontiguousarray(features, np.float32).astype(BF16),
-                                                    self.stream)
+        host["positions"][:n] = positions
+        host["slots"][:n] = slots
+        host["positions"][n:padded] = 0
+        host["slots"][n:padded] = -1
+        rows = np.full(padded, -1, np.int32)
+        rows[:n] = src
+        self.context_src.rows(0, padded).copy_from_host(rows, self.stream)
+        self.steps.upload(self.stream)
 
-    def _enqueue_context(self, n: int, at: int, stream) -> None:
-        """The context pass over n entries whose positions and slots are rows at..at+n of the step inputs and
-        whose states are the first n rows of `features`: c = rmsnorm(fc(f)), then every layer's keys and values
-        of c stored at the slots."""
-        c, ws = self.local_config, self.workspace
+    def _enqueue_context(self, n: int, stream) -> None:
+        """The context pass over rows 0..n of the inputs: their states gathered from the target's capture
+        buffers into `features`, c = rmsnorm(fc(f)), then every layer's keys and values of c stored at the
+        slots."""
+        c, ws, cap = self.local_config, self.workspace, self._capture
         f = self.features.rows(0, n)
+        last_col = 0
+        if cap.last is not None:
+            last_col = cap.layers.index(self.target.config.num_hidden_layers - 1) * self.target.config.hidden_size
+        K.gather_states(self.context_src.rows(0, n), cap.states, cap.last, last_col, f, stream)
         resid, x, qkv, q = ws.resid.rows(0, n), ws.x.rows(0, n), ws.qkv.rows(0, n), ws.q.rows(0, n)
         K.linear(f, self.fc, resid, "f32", stream)
         K.rmsnorm(resid, self.hidden_norm, x, c.rms_norm_eps, stream)
         inputs = self.steps.inputs
-        positions, slots = inputs.positions.rows(at, at + n), inputs.slots.rows(at, at + n)
+        positions, slots = inputs.positions.rows(0, n), inputs.slots.rows(0, n)
         for i, lw in enumerate(self.weights.layers):
             K.linear(x, lw.w_qkv, qkv, "bf16", stream)
             K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, self.cache.k_pool(i),
                          self.cache.v_pool(i), c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, stream)
 
-    def _block(self, group: list[tuple[DraftRow, int]], context=None) -> list[list[int]]:
-        """One block pass over these rows: each row's drafts. Their context is in the pool already, or (context:
-        its positions, slots and states, at most CONTEXT_GRAPH_TOKENS entries) goes in first, in the same
-        launch sequence (graph)."""
+    # ------------------------------------------------------------------ drafting
+    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
+        """Each row's k drafts (the argmax of block rows 1..k), over the context its sequence holds. The block's
+        entries are written into the pool; the caller truncates each sequence back to its context afterwards."""
+        self._check_attached()
+        out: list[list[int]] = []
+        group: list[DraftRow] = []
+        for row in rows:
+            if group and sum(len(r.block) for r in group) + len(row.block) > self.draft_tokens:
+                out += self._block(group)
+                group = []
+            group.append(row)
+        if group:
+            out += self._block(group)
+        return out
+
+    def _block(self, group: list[DraftRow]) -> list[list[int]]:
+        """One block pass over these rows (one launch sequence, or a graph replay): each row's drafts."""
         manager, stream = self.cache.manager, self.stream
         batch, positions, slots = [], [], []
-        for row, entry in group:
-            first = entry + len(row.context_positions)  # the block's first entry
-            end = first + len(row.block)                 # every block token attends to entries [0, end)
+        for row in group:
+            first = row.entry                 # the block's first entry
+            end = first + len(row.block)      # every block token attends to entries [0, end)
             batch += [(row.seq, [token], end - 1) for token in row.block]
             positions.append(row.start + np.arange(len(row.block)))
             slots.append(manager.slots(row.seq, first, len(row.block)))
@@ -235,30 +247,22 @@ class GPUDFlashRunner:
         host = self.steps.host
         host["positions"][:n] = np.concatenate(positions)  # the target's positions, not the entries'
         host["slots"][:n] = np.concatenate(slots)          # each token's own entry (prepare_step put the last)
-        rows = 0
-        if context is not None:
-            rows = -(-len(context[1]) // CONTEXT_GRAPH_STEP) * CONTEXT_GRAPH_STEP
-            self._stage_context(context[2], context[0], context[1], self.draft_tokens, rows)
         self.steps.upload(stream)
         if self.use_graphs:
-            kind = ("draft", rows)
-            if not self.graphs.has_kind(kind):
-                self.graphs.add_kind(kind, lambda b, s: self._enqueue_block(b, rows, s))
-            self.graphs.run(kind, n, stream)
+            if not self.graphs.has_kind("draft"):
+                self.graphs.add_kind("draft", self._enqueue_block)
+            self.graphs.run("draft", n, stream)
         else:
-            self._enqueue_block(n, rows, stream)
+            self._enqueue_block(n, stream)
         ids = self.workspace.logit_argmax.rows(0, n).to_host(stream)
         out, at = [], 0
-        for row, _ in group:
+        for row in group:
             out.append([int(t) for t in ids[at + 1: at + len(row.block)]])
             at += len(row.block)
         return out
 
-    def _enqueue_block(self, n: int, context_rows: int, stream) -> None:
-        """A block pass of n tokens (rows 0..n of the step inputs) and each logits row's argmax; context_rows:
-        first the context pass over that many rows staged after the block's (_stage_context)."""
-        if context_rows:
-            self._enqueue_context(context_rows, self.draft_tokens, stream)
+    def _enqueue_block(self, n: int, stream) -> None:
+        """A block pass of n tokens (rows 0..n of the step inputs) and each logits row's argmax."""
         logits = forward(self.weights, self.workspace, self.cache, self.steps.inputs,
                          StepShape(num_tokens=n, num_seqs=n, max_q_len=1), all_logits=True, num_splits=1,
                          stream=stream)
@@ -268,6 +272,11 @@ class GPUDFlashRunner:
     def _check_bound(self) -> None:
         if self.target is None:
             raise RuntimeError("bind_target() first: a DFlash drafter embeds and decodes with its target's weights")
+
+    def _check_attached(self) -> None:
+        self._check_bound()
+        if self.cache is None:
+            raise RuntimeError("no KV pool is attached to this drafter: call ensure_cache() first")
 
     def close(self) -> None:
         """Free what this drafter allocated (not the target's embedding and LM head it borrows)."""
