@@ -52,6 +52,7 @@ from tileinfer.runner.base import ContextRow, DraftRow
 from tileinfer.runner.gpu_dflash import GPUDFlashRunner
 
 ACCEPTED_CONTEXT = 4  # new context positions a DFlash draft takes after a round (accepted drafts + 1)
+CHUNK = 128           # the prompt's prefill chunks in dflash_costs (each fits one step of the target's extend)
 
 
 def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int], list[int]]:
@@ -127,9 +128,11 @@ def dflash_costs(target, path: Path, prompt: list[int], k: int, new: int, repeat
         manager, seq = drafter.cache.manager, Sequence()
         block = [int(prompt[-1])] + [cfg.mask_token_id] * k
         cache, tseq = target.ensure_cache(n + k + 1), Sequence()
-        target.extend(tseq, prompt, chunk=n, logits="none")
-        manager.reserve(seq, n)  # the prompt's context, once
-        drafter.add_context([ContextRow(seq, 0, np.arange(n), 0)])
+        manager.reserve(seq, n)  # the prompt's context, once, a prefill chunk at a time
+        for at in range(0, n, CHUNK):
+            part = prompt[at:at + CHUNK]
+            target.extend(tseq, part, logits="none")
+            drafter.add_context([ContextRow(seq, at, np.arange(at, at + len(part)), 0)])
         times = []
         for _ in range(repeats + 1):
             cache.manager.reserve(tseq, k + 1)
