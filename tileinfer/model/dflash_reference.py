@@ -91,7 +91,7 @@ class DFlashReference:
 
     def forward(self, features: np.ndarray, context_positions, block_ids, start: int, cache, entry: int = 0
                 ) -> np.ndarray:
-        """The logits of block rows 1..k [k, vocab] (row j predicts the token AT position start + j).
+        """The logits of block rows 1..k [k, vocab] (row j predicts the token at position start + j).
 
         features [m, feature_size] at context_positions [m] (m may be 0: the context is in the cache already);
         block_ids [k + 1] at positions start..start+k. `cache` has `write(layer, entry, k, v)` and
