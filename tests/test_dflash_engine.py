@@ -239,3 +239,23 @@ def test_a_dflash_drafter_loads_for_the_gpu_without_touching_it(tiny_checkpoint,
         GPURunner(dflash_tiny_checkpoint)
     with pytest.raises(ValueError, match="a DFlash drafter"):
         LLM(dflash_tiny_checkpoint, device="cpu", progress=False)  # a drafter is no model of its own
+
+
+def test_a_context_the_drafters_pool_has_no_room_for_is_left_out(tiny_checkpoint, dflash_tiny_checkpoint):
+    # A pool of two pages of 16 entries: one request's 20 context positions fill it, a second request's are
+    # left out (drafting goes on without them) and it drafts nothing while there is no room for its block.
+    target = CPURunner(tiny_checkpoint)
+    target.ensure_cache(256, page_size=16)
+    drafter = DFlashDrafter(CPUDFlashRunner(dflash_tiny_checkpoint), target)
+    target.capture_hidden_states(drafter.target_layer_ids)
+    drafter.runner.attach_cache(drafter.runner.new_cache(num_pages=2, page_size=16))
+    prompt = prompts_of([20], seed=4)[0]
+    target.extend(Sequence(), prompt, logits="none")
+    drafter.add_context([(1, 0, 0, 20), (2, 0, 0, 20)])
+    assert drafter.held[1].positions == list(range(20)) and drafter.held[2].positions == []
+    assert drafter.propose([(2, prompt + [5], 3)]) == [[]]
+    drafter.release(1)
+    drafts = drafter.propose([(2, prompt + [5], 3)])[0]
+    assert len(drafts) == 3 and drafter.held[2].seq.num_positions == 0
+    drafter.release(2)
+    assert drafter.manager.num_free_pages == 2
