@@ -243,7 +243,8 @@ def test_a_dflash_drafter_loads_for_the_gpu_without_touching_it(tiny_checkpoint,
 
 def test_a_context_the_drafters_pool_has_no_room_for_is_left_out(tiny_checkpoint, dflash_tiny_checkpoint):
     # A pool of two pages of 16 entries: one request's 20 context positions fill it, a second request's are
-    # left out (drafting goes on without them) and it drafts nothing while there is no room for its block.
+    # left out (drafting goes on without them) and it drafts nothing while there is no room for its block. A
+    # context the runner refuses leaves nothing behind.
     target = CPURunner(tiny_checkpoint)
     target.ensure_cache(256, page_size=16)
     drafter = DFlashDrafter(CPUDFlashRunner(dflash_tiny_checkpoint), target)
@@ -259,3 +260,6 @@ def test_a_context_the_drafters_pool_has_no_room_for_is_left_out(tiny_checkpoint
     assert len(drafts) == 3 and drafter.held[2].seq.num_positions == 0
     drafter.release(2)
     assert drafter.manager.num_free_pages == 2
+    with pytest.raises(ValueError, match=r"rows 15\.\.34 of a step of 20"):  # rows the last step does not have
+        drafter.add_context([(3, 0, 15, 20)])
+    assert drafter.held[3].positions == [] and drafter.manager.num_free_pages == 2

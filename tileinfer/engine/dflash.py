@@ -50,7 +50,7 @@ class DFlashDrafter:
         the request in its rows row..row+n-1. They become the request's context entries now (context at or
         past `start` from before, a recomputed prompt after preemption, is replaced). A request whose drafter
         pool has no room for them drafts without them."""
-        rows = []
+        rows, added = [], []
         for rid, start, row, n in items:
             ctx = self.held.get(rid)
             if ctx is None:
@@ -62,7 +62,13 @@ class DFlashDrafter:
             self.manager.reserve(ctx.seq, n)
             ctx.positions.extend(range(start, start + n))
             rows.append(ContextRow(ctx.seq, entry, np.arange(start, start + n, dtype=np.int64), row))
-        self.runner.add_context(rows)
+            added.append((ctx, start))
+        try:
+            self.runner.add_context(rows)
+        except BaseException:
+            for ctx, start in added:  # entries never written are no context
+                self._cut(ctx, start)
+            raise
 
     def _cut(self, ctx: _Context, position: int) -> None:
         """Forget the context at `position` and after."""
