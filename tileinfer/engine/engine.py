@@ -518,26 +518,26 @@ class Engine:
         greedy = all(not r.request.params.temperature > 0 for r in rows)
         width = self.config.num_draft_tokens + 1 if self.runner.use_graphs else None
         out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width)
-        context = [] if self._feeds_drafter else None
         self.scheduler.update(rows)
         self.stats.steps += 1
         self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)
-        events, at = [], 0
+        events, context, at = [], [], 0
         for r, props in zip(rows, proposals):
             p_rows = out[at: at + len(props) + 1]
-            at += len(props) + 1
             if not greedy and not r.request.params.temperature > 0:
                 p_rows = p_rows.argmax(axis=1)
-            events += self._accept_round(r, props, p_rows, context, at - len(props) - 1)
-        if context:
+            round_events, kept = self._accept_round(r, props, p_rows)
+            events += round_events
+            if kept:  # a DFlash drafter's next context: the verify step computed those positions in rows at..
+                context.append((r.request.request_id, r.start, at, kept))
+            at += len(props) + 1
+        if self._feeds_drafter:
             self.drafter.add_context(context)
         return events
 
-    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows, context: list | None = None,
-                      row: int = 0) -> list[Event]:
-        """context: with a DFlash drafter, where the round's kept positions go as its next context, (request
-        id, first position, its row in the verify step, count): the last committed token's and the accepted
-        proposals' (the verify step computed them in rows row, row + 1, ...)."""
+    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows) -> tuple[list[Event], int]:
+        """A request's round accepted: its events, and how many of the round's positions it keeps (the last
+        committed token's and the accepted proposals'; 0 once the request is finished)."""
         req = r.request
         emitted, accepted = accept(props, p_rows, req.params, req.spec_rng)
         st = req.spec
@@ -558,12 +558,11 @@ class Engine:
             if req.num_output >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")
                 break
-        if req.status != FINISHED:
-            self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
-            if context is not None:
-                context.append((req.request_id, r.start, row, 1 + accepted))
-            self.drafter.rollback(req.request_id, req.token_ids)
-        return events
+        if req.status == FINISHED:
+            return events, 0
+        self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
+        self.drafter.rollback(req.request_id, req.token_ids)
+        return events, 1 + accepted
 
     # ------------------------------------------------------------------ lifetime
     def drain(self) -> None:
