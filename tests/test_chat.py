@@ -274,8 +274,8 @@ class TableLM(FakeModel):
         self.prev = [int(self.next[ids[-1]]) for _, ids, _ in batch]
         return self.prev if sample else None
 
-    def verify(self, batch, *, logits="argmax", graph_width=None):
-        assert logits == "argmax"
+    def verify(self, batch, *, logits="argmax", graph_width=None, drafted=None, meanwhile=None):
+        assert logits == "argmax" and drafted is None and meanwhile is None
         return np.concatenate([self.next[np.asarray(ids)] for _, ids, _ in batch]).astype(np.int32)
 
 

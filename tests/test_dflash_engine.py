@@ -17,6 +17,7 @@ from tileinfer.kv import Sequence
 from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.dflash_reference import dflash_greedy
 from tileinfer.model.reference import ReferenceModel
+from tileinfer.runner.base import DeviceDrafts, Proposals
 from tileinfer.runner.cpu import CPURunner
 from tileinfer.runner.cpu_dflash import CPUDFlashRunner
 from tileinfer.runner.gpu import GPURunner
@@ -52,7 +53,7 @@ def record_proposals(drafter: DFlashDrafter) -> dict[int, list[tuple[int, int, l
 
     def logged(items):
         out = propose(items)
-        for (rid, committed, k), drafts in zip(items, out):
+        for (rid, committed, k), drafts in zip(items, out.tokens()):
             log.setdefault(rid, []).append((len(committed), k, list(drafts)))
         return out
     drafter.propose = logged
@@ -145,7 +146,7 @@ def oracle(llm: LLM, prompts: list[list[int]], continuations: list[list[int]]) -
             rid = next(r for r, ctx in drafter.held.items() if ctx.seq is row.seq)
             req = next(q for q in llm.engine.scheduler.running if q.request_id == rid)
             out.append(rest[tuple(req.token_ids)][:len(row.block) - 1])
-        return out
+        return Proposals.of(out)
     drafter.runner.draft = drafts
 
 
@@ -254,12 +255,30 @@ def test_a_context_the_drafters_pool_has_no_room_for_is_left_out(tiny_checkpoint
     target.extend(Sequence(), prompt, logits="none")
     drafter.add_context([(1, 0, 0, 20), (2, 0, 0, 20)])
     assert drafter.held[1].positions == list(range(20)) and drafter.held[2].positions == []
-    assert drafter.propose([(2, prompt + [5], 3)]) == [[]]
+    assert drafter.propose([(2, prompt + [5], 3)]).tokens() == [[]]
     drafter.release(1)
-    drafts = drafter.propose([(2, prompt + [5], 3)])[0]
+    drafts = drafter.propose([(2, prompt + [5], 3)]).tokens()[0]
     assert len(drafts) == 3 and drafter.held[2].seq.num_positions == 0
     drafter.release(2)
     assert drafter.manager.num_free_pages == 2
     with pytest.raises(ValueError, match=r"rows 15\.\.34 of a step of 20"):  # rows the last step does not have
         drafter.add_context([(3, 0, 15, 20)])
     assert drafter.held[3].positions == [] and drafter.manager.num_free_pages == 2
+
+
+def test_proposals_spread_over_their_requests_and_are_read_once():
+    # A drafter's rows are the requests it drafted for; the engine's view has every request, in order.
+    reads = []
+
+    def read():
+        reads.append(1)
+        return [[5, 6], [7]]
+    rows = Proposals([2, 1], read=read, device=DeviceDrafts("ids", [0, 3]))
+    spread = rows.spread([1, 3], 4)
+    assert spread.counts == [0, 2, 0, 1] and spread.device.first == [-1, 0, -1, 3] and spread.device.ids == "ids"
+    assert spread.tokens() == [[], [5, 6], [], [7]] == spread.tokens() and reads == [1]
+    assert Proposals.of([[1, 2], []]).spread([0, 2], 3).tokens() == [[1, 2], [], []]
+    with pytest.raises(RuntimeError, match=r"drafts of \[1\] tokens read back for rows that have \[2\]"):
+        Proposals([2], read=lambda: [[1]]).tokens()
+    with pytest.raises(ValueError, match="not both"):
+        Proposals([1], values=[[1]], read=read)

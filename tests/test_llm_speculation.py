@@ -45,7 +45,8 @@ class FakeTarget(FakeModel):
         self.verify_steps = 0
         self.graph_widths = set()
 
-    def verify(self, batch, *, logits="argmax", graph_width=None):
+    def verify(self, batch, *, logits="argmax", graph_width=None, drafted=None, meanwhile=None):
+        assert drafted is None and meanwhile is None  # a draft model's proposals are on the host
         self.verify_steps += 1
         self.graph_widths.add(graph_width)
         assert sum(len(ids) for _, ids, _ in batch) <= self.max_verify_tokens
@@ -259,7 +260,7 @@ def test_draft_rollback_keeps_a_prefix_without_the_last_token():
     draft = FakeDraft(16, 4)
     runner = DraftRunner(draft)
     committed = [3, 1, 4, 1, 5]
-    props = runner.propose([(7, committed, 3)])[0]
+    props = runner.propose([(7, committed, 3)]).tokens()[0]
     seq, fed = runner.held[7]
     assert len(props) == 3 and fed == committed + props[:2] and seq.num_positions == len(fed)
     kept = committed + props[:1] + [(props[1] + 1) % VOCAB]  # the second proposal rejected

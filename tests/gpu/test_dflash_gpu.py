@@ -165,7 +165,7 @@ def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash
             entry = cache.append_positions(np.concatenate([pos, start + np.arange(k + 1)]))
             wants.append(ref.forward(feats, pos, block, start, cache, entry))
             cache.truncate(entry + m)
-        drafts = drafter.draft(blocks)
+        drafts = drafter.draft(blocks).tokens()
         logits = drafter.workspace.logits.rows(0, sum(len(r.block) for r in blocks)).to_host(drafter.stream)
         at = 0
         for r, (row, want, got_ids) in enumerate(zip(blocks, wants, drafts)):
@@ -181,6 +181,45 @@ def test_drafts_match_the_reference_and_a_torch_forward(pair, references, dflash
     for s in seqs:
         manager.release(s)
     assert manager.num_free_pages == manager.num_pages
+
+
+def test_a_verify_step_reads_the_drafts_where_the_block_pass_left_them(pair):
+    # Three requests' blocks (3, 5 and 2 drafts) in one draft call; the target's verify step over each request's
+    # last token and drafts, given placeholders and the drafts' place on the device, equals the step given their
+    # ids: argmaxes and logits, eager and graphed (three rows padded to a bucket of four).
+    target, drafter = pair
+    target.ensure_cache(512)
+    manager, dmanager = target.cache.manager, drafter.cache.manager
+    rng = np.random.default_rng(11)
+    rows, blocks = [], []
+    for i, k in enumerate((3, 5, 2)):
+        prompt = rng.integers(0, 151643, 20 + 9 * i).tolist()
+        seq, dseq = Sequence(), Sequence()
+        target.extend(seq, prompt[:-1], logits="none")
+        dmanager.reserve(dseq, len(prompt) - 1)
+        drafter.add_context([ContextRow(dseq, 0, np.arange(len(prompt) - 1), 0)])
+        dmanager.reserve(dseq, k + 1)
+        blocks.append(DraftRow(dseq, [prompt[-1]] + [drafter.config.mask_token_id] * k, len(prompt) - 1))
+        manager.reserve(seq, k + 1)
+        rows.append((seq, prompt[-1], len(prompt) - 1))
+    proposals = drafter.draft(blocks)
+    drafts = proposals.tokens()
+    assert [len(d) for d in drafts] == proposals.counts == [3, 5, 2]
+    given = [(seq, [last] + d, start) for (seq, last, start), d in zip(rows, drafts)]
+    placeholders = [(seq, [last] + [0] * len(d), start) for (seq, last, start), d in zip(rows, drafts)]
+    calls = []
+    for width in (None, 6):
+        for logits in ("argmax", "all"):
+            want = target.verify(given, logits=logits, graph_width=width)
+            got = target.verify(placeholders, logits=logits, graph_width=width, drafted=proposals.device,
+                                meanwhile=lambda: calls.append(1))
+            np.testing.assert_array_equal(got, want, err_msg=f"graph_width {width}, logits {logits}")
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="drafts placed for 3 rows, the step has 2"):
+        target.verify(placeholders[:2], drafted=proposals.device)
+    for (seq, _, _), block in zip(rows, blocks):
+        manager.release(seq)
+        dmanager.release(block.seq)
 
 
 def test_context_rows_must_be_the_targets_last_step(pair):

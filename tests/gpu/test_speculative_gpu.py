@@ -19,6 +19,7 @@ from tileinfer.generate import engine_over
 from tileinfer.kv import Sequence
 from tileinfer.model.config import preset
 from tileinfer.model.synthetic import write_checkpoint
+from tileinfer.runner.gpu import verify_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stats_helpers import assert_split_fits, chi2_critical  # noqa: E402
@@ -125,8 +126,8 @@ def test_graphed_verify_equals_the_eager_verify(models):
             np.testing.assert_array_equal(target.verify(batch, logits="all", graph_width=5), eager)
             np.testing.assert_array_equal(target.verify(batch, logits="argmax", graph_width=5), eager.argmax(axis=1))
         # The padded step's graph of bucket 4 (the generate tests before may have left argmax's bucket 1).
-        assert target.graphs.buckets(("verify", 5, "all")) == [4]
-        assert 4 in target.graphs.buckets(("verify", 5, "argmax"))
+        assert target.graphs.buckets(verify_kind(5, "all")) == [4]
+        assert 4 in target.graphs.buckets(verify_kind(5, "argmax"))
         # A row longer than the graph's width runs eagerly (no new graph).
         seq = seqs[0]
         start = seq.num_positions
@@ -134,7 +135,7 @@ def test_graphed_verify_equals_the_eager_verify(models):
         long_row = [(seq, rng.integers(0, 151643, 7).tolist(), start)]
         np.testing.assert_array_equal(target.verify(long_row, logits="all", graph_width=5),
                                       target.verify(long_row, logits="all"))
-        assert target.graphs.buckets(("verify", 5, "all")) == [4]
+        assert target.graphs.buckets(verify_kind(5, "all")) == [4]
     finally:
         for seq in seqs:
             cache.manager.release(seq)

@@ -1,12 +1,14 @@
 """The DFlash drafter in the engine: one context sequence per request in the drafter's own pool.
 
 The engine tells the drafter what the target computed (`add_context`: after a prompt chunk, every
-position of it; after a verify round, the last committed token's position and the accepted drafts'),
-by the rows of the target's step that computed them. The drafter's runner turns them into entries of the
-request's drafter sequence at once, from the target's hidden states where that step left them (on the GPU
-they never leave the device). A round's `propose` drafts k tokens in one forward over [the cached
-context, the last committed token, k masks]; the block's entries are truncated away right after, so
-between rounds a sequence holds exactly its context, and rollback is a truncate.
+position of it; a verify step's every position, the last committed token's and all the drafts', while the
+step still runs), by the rows of the target's step that computed them. The drafter's runner turns them into
+entries of the request's drafter sequence at once, from the target's hidden states where that step left
+them (on the GPU they never leave the device). Once the round is accepted, rollback cuts the entries of
+rejected drafts (a truncate). A round's `propose` drafts k tokens in one forward over [the cached context,
+the last committed token, k masks]; the block's entries are truncated away right after, so between rounds
+a sequence holds exactly its context. On the GPU, one round is one wait for the device: the block pass, the
+verify step (reading the drafts where the block pass left them) and the context pass go out back to back.
 
 Positions whose target states were never computed in this request (a prefix-cache hit, a chat turn's
 held positions), or that arrived while the drafter's pool had no room for them, are missing from the
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kv import Sequence
-from ..runner.base import ContextRow, DraftRow
+from ..runner.base import ContextRow, DraftRow, Proposals
 
 
 @dataclass
@@ -77,10 +79,10 @@ class DFlashDrafter:
             self.manager.truncate(ctx.seq, keep)
             del ctx.positions[keep:]
 
-    def propose(self, items: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    def propose(self, items: list[tuple[int, list[int], int]]) -> Proposals:
         """items: (request id, committed tokens, k). k drafts for each (k <= block_size - 1); none for a
-        request the drafter's pool has no room for this round (it then decodes one token as usual)."""
-        out: list[list[int]] = [[] for _ in items]
+        request the drafter's pool has no room for this round (it then decodes one token as usual). On the
+        GPU the drafts are still being computed when this returns: the verify step reads them on the device."""
         rows, owners = [], []
         for i, (rid, committed, k) in enumerate(items):
             if k < 1:
@@ -92,11 +94,11 @@ class DFlashDrafter:
             if row is not None:
                 rows.append(row)
                 owners.append(i)
-        for i, row, drafts in zip(owners, rows, self.runner.draft(rows)):
-            out[i] = drafts
+        drafts = self.runner.draft(rows)
+        for i in owners:  # the block's entries go (the pass in flight still writes them), the context stays
             ctx = self.held[items[i][0]]
-            self.manager.truncate(ctx.seq, len(ctx.positions))  # the block's entries go, the context stays
-        return out
+            self.manager.truncate(ctx.seq, len(ctx.positions))
+        return drafts.spread(owners, len(items))
 
     def _row(self, rid: int, committed: list[int], k: int) -> DraftRow | None:
         """The request's draft step with its block's entries reserved, or None when the pool has no room."""

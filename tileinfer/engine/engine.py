@@ -507,37 +507,41 @@ class Engine:
 
     def _verify(self, rows: list[ScheduledRow]) -> list[Event]:
         """One speculative round for these decode rows: the draft's proposals, one target step over every
-        row's last token and proposals, each request's accepted tokens, both caches rolled back."""
+        row's last token and proposals, each request's accepted tokens, both caches rolled back. Drafts the
+        drafter leaves on the GPU are read there by the verify step, and a DFlash drafter's context pass over
+        the step's positions is launched while the step runs (rollback cuts the rejected ones after): the host
+        waits for the device once a round."""
         items = self._proposal_counts(rows)
         proposals = self.drafter.propose(items)
-        batch = []
-        for r, (_, _, k), props in zip(rows, items, proposals):
-            if len(props) < k:  # the draft's pool had no room for this request
-                self.scheduler.manager.truncate(r.request.seq, r.start + 1 + len(props))
-            batch.append((r.request.seq, [r.request.token_ids[-1]] + props, r.start))
+        known = None if proposals.device is not None else proposals.tokens()
+        batch, context, at = [], [], 0
+        for i, (r, (_, _, k), m) in enumerate(zip(rows, items, proposals.counts)):
+            if m < k:  # the draft's pool had no room for this request
+                self.scheduler.manager.truncate(r.request.seq, r.start + 1 + m)
+            batch.append((r.request.seq, [r.request.token_ids[-1]] + (known[i] if known is not None else [0] * m),
+                          r.start))
+            context.append((r.request.request_id, r.start, at, m + 1))
+            at += m + 1
         greedy = all(not r.request.params.temperature > 0 for r in rows)
         width = self.config.num_draft_tokens + 1 if self.runner.use_graphs else None
-        out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width)
+        out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width,
+                                 drafted=proposals.device,
+                                 meanwhile=(lambda: self.drafter.add_context(context)) if self._feeds_drafter else None)
         self.scheduler.update(rows)
         self.stats.steps += 1
-        self.stats.computed_tokens += sum(len(ids) for _, ids, _ in batch)
-        events, context, at = [], [], 0
-        for r, props in zip(rows, proposals):
+        self.stats.computed_tokens += at
+        events, at = [], 0
+        for r, props in zip(rows, proposals.tokens()):
             p_rows = out[at: at + len(props) + 1]
             if not greedy and not r.request.params.temperature > 0:
                 p_rows = p_rows.argmax(axis=1)
-            round_events, kept = self._accept_round(r, props, p_rows)
-            events += round_events
-            if kept:  # a DFlash drafter's next context: the verify step computed those positions in rows at..
-                context.append((r.request.request_id, r.start, at, kept))
+            events += self._accept_round(r, props, p_rows)
             at += len(props) + 1
-        if self._feeds_drafter:
-            self.drafter.add_context(context)
         return events
 
-    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows) -> tuple[list[Event], int]:
-        """A request's round accepted: its events, and how many of the round's positions it keeps (the last
-        committed token's and the accepted proposals'; 0 once the request is finished)."""
+    def _accept_round(self, r: ScheduledRow, props: list[int], p_rows) -> list[Event]:
+        """A request's round accepted: its events; the target's and the drafter's sequences cut to what it
+        keeps."""
         req = r.request
         emitted, accepted = accept(props, p_rows, req.params, req.spec_rng)
         st = req.spec
@@ -559,10 +563,10 @@ class Engine:
                 self.scheduler.finish(req, "length")
                 break
         if req.status == FINISHED:
-            return events, 0
+            return events
         self.scheduler.register([ScheduledRow(req, r.start, 1 + accepted)])
         self.drafter.rollback(req.request_id, req.token_ids)
-        return events, 1 + accepted
+        return events
 
     # ------------------------------------------------------------------ lifetime
     def drain(self) -> None:

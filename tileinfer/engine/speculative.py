@@ -2,7 +2,8 @@
 
 Each engine step, for the decoding requests that speculate (engine/engine.py `_verify`):
   1. the draft catches up on the committed tokens it has not seen and proposes k tokens greedily,
-     every request together in batched steps (DraftRunner.propose);
+     every request together in batched steps (DraftRunner.propose; a `Proposals`: how many each
+     request has, their values, and for a DFlash drafter on the GPU where they lie on the device);
   2. the target runs one verify step over each request's last committed token and its proposals,
      with k more positions reserved, and gets k + 1 next-token rows p_0..p_k per request;
   3. `accept`: greedy keeps the proposals while each is argmax p_{i-1}, then the target's own token;
@@ -29,6 +30,7 @@ import numpy as np
 from ..config import DEFAULT_DRAFT_TOKENS
 from ..kv import Sequence
 from ..model.dflash_config import DFlashConfig
+from ..runner.base import Proposals
 from ..runner.sampler import kept_mask, scaled
 from .dflash import DFlashDrafter
 
@@ -109,12 +111,12 @@ class OracleDraft:
         self.prompt_len, self.continuation = prompt_len, list(continuation)
         self.held: dict[int, None] = {}
 
-    def propose(self, items: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    def propose(self, items: list[tuple[int, list[int], int]]) -> Proposals:
         out = []
         for _, committed, k in items:
             start = len(committed) - self.prompt_len
             out.append(self.continuation[start:start + k] if k > 0 else [])
-        return out
+        return Proposals.of(out)
 
     def rollback(self, request_id: int, committed: list[int]) -> None:
         pass
@@ -141,7 +143,7 @@ class DraftRunner:
     def manager(self):
         return self.runner.cache.manager
 
-    def propose(self, items: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    def propose(self, items: list[tuple[int, list[int], int]]) -> Proposals:
         """items: (request id, committed tokens, k). Up to k greedy proposals for each; none for a
         request the draft's pool has no room for this step (it then decodes one token as usual)."""
         out: list[list[int]] = [[] for _ in items]
@@ -167,7 +169,7 @@ class DraftRunner:
             for (i, _, _), token in zip(rows, tokens):
                 self.held[items[i][0]][1].append(out[i][-1])
                 out[i].append(int(token))
-        return out
+        return Proposals.of(out)
 
     def _run(self, rows: list[tuple[Sequence, list[int], int]]) -> list[int]:
         """Feed every row its ids (start: the first position); each row's greedy next token after its

@@ -3,6 +3,7 @@ teacher-forced logits, and what a DFlash drafter's step reads."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,3 +122,61 @@ class DraftRow:
         if self.seq.num_positions < n:
             raise ValueError(f"draft: a row needs {n} entries reserved, its sequence has {self.seq.num_positions}")
         return self.seq.num_positions - n
+
+
+@dataclass(slots=True)
+class DeviceDrafts:
+    """Drafts a target on the same GPU reads where the drafter left them: int32 `ids` on the device, and for
+    each row of the verify step (a request's last committed token, then its drafts) `first[i]`: its draft j
+    (j = 1, 2, ...) is ids[first[i] + j] (-1: the row has no drafts there)."""
+    ids: object  # DeviceArray [n] int32
+    first: list[int]
+
+
+class Proposals:
+    """A round's drafts, one list a request: how many each has (`counts`) at once, their values (`tokens()`)
+    when they are known on the host, which may wait for the device, and where a target on the same GPU
+    reads them without waiting (`device`, or None)."""
+
+    def __init__(self, counts: list[int], *, values: list[list[int]] | None = None,
+                 read: Callable[[], list[list[int]]] | None = None, device: DeviceDrafts | None = None):
+        if (values is None) == (read is None):
+            raise ValueError("Proposals: give the values or how to read them, not both")
+        self.counts, self.device = counts, device
+        self._values, self._read = values, read
+
+    @classmethod
+    def of(cls, values: list[list[int]]) -> "Proposals":
+        """Drafts already on the host."""
+        return cls([len(v) for v in values], values=values)
+
+    def tokens(self) -> list[list[int]]:
+        """Each request's drafts (read once; the first call may wait for the pass that computed them)."""
+        if self._values is None:
+            self._values = self._read()
+            if [len(v) for v in self._values] != self.counts:
+                raise RuntimeError(f"drafts of {[len(v) for v in self._values]} tokens read back for rows that "
+                                   f"have {self.counts}")
+            self._read = None
+        return self._values
+
+    def spread(self, owners: list[int], size: int) -> "Proposals":
+        """These drafts (one list a row) as `size` requests' where request owners[j] has row j's and the others
+        none."""
+        counts = [0] * size
+        for j, i in enumerate(owners):
+            counts[i] = self.counts[j]
+        device = None
+        if self.device is not None:
+            first = [-1] * size
+            for j, i in enumerate(owners):
+                first[i] = self.device.first[j]
+            device = DeviceDrafts(self.device.ids, first)
+
+        def read() -> list[list[int]]:
+            out: list[list[int]] = [[] for _ in range(size)]
+            for i, values in zip(owners, self.tokens()):
+                out[i] = values
+            return out
+
+        return Proposals(counts, read=read, device=device)

@@ -293,9 +293,13 @@ class CPURunner(CheckpointRunner):
     def max_verify_tokens(self) -> int:
         return min(self.max_batch_tokens, self.max_logit_rows)
 
-    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None) -> np.ndarray:
-        """Every new token's next-token logits ("all", [tokens, vocab]) or their argmaxes ("argmax", [tokens])."""
+    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None, drafted=None,
+               meanwhile=None) -> np.ndarray:
+        """Every new token's next-token logits ("all", [tokens, vocab]) or their argmaxes ("argmax", [tokens]);
+        meanwhile() is called once they are computed (GPURunner.verify: before they are waited for)."""
         self._check_not_awaiting("run verify")
+        if drafted is not None:
+            raise ValueError("verify: drafts on a device are for the GPU runner; give the CPU runner the ids")
         if logits not in ("argmax", "all"):
             raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
         rows = self._check_step(batch)
@@ -305,6 +309,8 @@ class CPURunner(CheckpointRunner):
         self._copy_pending_pages()
         self._features = []
         out = np.concatenate([self._rows_logits(seq, ids, start, True) for seq, ids, start in rows])
+        if meanwhile is not None:
+            meanwhile()
         return out.argmax(axis=1).astype(np.int32) if logits == "argmax" else out
 
     def extend(self, seq: Sequence, token_ids: list[int], *, chunk: int | None = None,

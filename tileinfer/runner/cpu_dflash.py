@@ -20,7 +20,7 @@ from ..kv.paged_cache import cdiv
 from ..model.checkpoint import Checkpoint
 from ..model.dflash_config import DFlashConfig
 from ..model.dflash_reference import DFlashReference
-from .base import ContextRow, DraftRow
+from .base import ContextRow, DraftRow, Proposals
 from .cpu import CPURunner, NumpyPagedCache, _SequenceView
 
 
@@ -73,7 +73,7 @@ class CPUDFlashRunner:
             view = _SequenceView(self.cache, row.seq, row.entry, m)
             self.model.write_context(features[row.row:row.row + m], row.positions, view, 0)
 
-    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
+    def draft(self, rows: list[DraftRow]) -> Proposals:
         """Each row's k drafts (the argmax of block rows 1..k). The block's entries are written into the pool;
         the caller truncates each sequence back to its context afterwards."""
         out = []
@@ -83,7 +83,7 @@ class CPUDFlashRunner:
             logits = self.model.forward(np.zeros((0, self.config.feature_size), np.float32), np.zeros(0, np.int64),
                                         row.block, row.start, view, 0)
             out.append([int(t) for t in logits.argmax(axis=1)])
-        return out
+        return Proposals.of(out)
 
     def close(self) -> None:
         self.cache = None

@@ -40,9 +40,11 @@ rest of the runner is the one-GPU runner's. The communicator is the caller's: cl
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,8 +63,8 @@ from ..model.forward import BF16, Capture, Workspace, check_supported, forward, 
 from ..model.sharding import ShardedCheckpoint, TensorParallel
 from ..model.weights import DeviceWeights
 from ..model.inputs import StepShape
-from .base import CheckpointRunner
-from .step import SamplingRow, StepBuffers, prepare_step
+from .base import CheckpointRunner, DeviceDrafts
+from .step import SamplingRow, StepBuffers, prepare_step, set_token_sources
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,28 @@ LOGITS_MODES = ("all", "last", "argmax", "none")  # what extend returns
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cuh)
 
 
-def verify_kind(width: int, logits: str) -> tuple:
-    """The graph kind of a verify step of `width` tokens a row returning `logits` ("all" or "argmax")."""
-    return ("verify", width, logits)
+def verify_kind(width: int, logits: str, drafted: int = 0) -> tuple:
+    """The graph kind of a verify step of `width` tokens a row returning `logits` ("all" or "argmax"); drafted:
+    the address of the device array its drafts are read from (0: none)."""
+    return ("verify", width, logits, drafted)
+
+
+def _draft_sources(batch, drafted: DeviceDrafts) -> tuple[np.ndarray, np.ndarray]:
+    """A verify step's drafted tokens: their rows in the step, and where each is in drafted.ids."""
+    if len(drafted.first) != len(batch):
+        raise ValueError(f"verify: drafts placed for {len(drafted.first)} rows, the step has {len(batch)}")
+    rows, sources, at = [], [], 0
+    for item, first in zip(batch, drafted.first):
+        m = len(item[1]) - 1  # the proposals after the row's last committed token
+        if m > 0:
+            if first < 0:
+                raise ValueError(f"verify: a row of {m} proposals has none drafted on the device")
+            rows.append(np.arange(at + 1, at + 1 + m))
+            sources.append(np.arange(first + 1, first + 1 + m))
+        at += len(item[1])
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(sources)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -255,9 +276,12 @@ class GPURunner(CheckpointRunner):
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
 
-    def _forward(self, shape: StepShape, *, all_logits: bool, num_splits: int, stream, embedded: bool = False):
-        """Enqueue the forward pass of one step (its only caller); returns its logits rows."""
-        return forward(self.weights, self.workspace, self.cache, self.steps.inputs, shape, all_logits=all_logits,
+    def _forward(self, shape: StepShape, *, all_logits: bool, num_splits: int, stream, embedded: bool = False,
+                 sampled: DeviceArray | None = None):
+        """Enqueue the forward pass of one step (its only caller); returns its logits rows. sampled: where
+        the tokens with a source row (token_src) are read, instead of the previous step's samples."""
+        inputs = self.steps.inputs if sampled is None else dataclasses.replace(self.steps.inputs, sampled=sampled)
+        return forward(self.weights, self.workspace, self.cache, inputs, shape, all_logits=all_logits,
                        num_splits=num_splits, stream=stream, batch_invariant=self.batch_invariant, embedded=embedded,
                        tp=self.tensor_parallel, capture=self.capture)
 
@@ -421,7 +445,8 @@ class GPURunner(CheckpointRunner):
         """The most tokens one verify step takes: one chunk, with a logits row for each."""
         return min(self.max_batch_tokens, self.workspace.max_logit_rows)
 
-    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None) -> np.ndarray:
+    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None,
+               drafted: DeviceDrafts | None = None, meanwhile: Callable[[], None] | None = None) -> np.ndarray:
         """One step over (sequence, new ids, start) rows, their positions reserved, returning every new
         token's next-token logits in row order: logits="argmax" their argmaxes (found on the GPU, lowest
         index on ties), int32 [tokens]; "all" float32 [tokens, vocab]. The engine's speculative decoding
@@ -431,7 +456,12 @@ class GPURunner(CheckpointRunner):
 
         graph_width: with graphs on, the step is padded to the batch's decode bucket x graph_width
         tokens (each row at most graph_width) and replays the graph of that shape, captured on its
-        first use; otherwise (or when the padded step would not fit) it runs eagerly."""
+        first use; otherwise (or when the padded step would not fit) it runs eagerly.
+        drafted: the proposals are read on the device from where a DFlash drafter's pass on this stream
+        left them (row i's token j >= 1 is drafted.ids[drafted.first[i] + j]; the ids given for them are
+        placeholders), so the host need not wait for the drafts before it launches the step.
+        meanwhile: called once the step is launched, before its results are waited for (work for the
+        host, or launches that follow the step on the GPU)."""
         self._check_open()
         self._check_not_awaiting("run verify")
         if logits not in ("argmax", "all"):
@@ -439,22 +469,32 @@ class GPURunner(CheckpointRunner):
         n = sum(len(item[1]) for item in batch)
         if not batch or n > self.max_verify_tokens:
             raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
+        sources = _draft_sources(batch, drafted) if drafted is not None else None
         self._copy_pending_pages()
         self._set_captured(n)
         bucket = self._verify_bucket(batch, graph_width)
         pad = dict(pad_to=bucket, pad_tokens=bucket * graph_width) if bucket else {}
         shape = prepare_step(self.steps, self.cache.manager, batch, **pad)
+        sampled = None
+        if drafted is not None:
+            set_token_sources(self.steps, *sources)
+            sampled = drafted.ids
         self.steps.upload(self.stream)
         if bucket is None:
-            rows = self._forward(shape, all_logits=True, num_splits=1, stream=self.stream)
-            t = time.perf_counter()
-            out = self._read_rows(rows, n, logits)
+            rows = self._forward(shape, all_logits=True, num_splits=1, stream=self.stream, sampled=sampled)
+            if logits == "argmax":
+                K.argmax(rows, self.workspace.logit_argmax.rows(0, n), self.stream)
         else:
-            kind = verify_kind(graph_width, logits)
+            kind = verify_kind(graph_width, logits, sampled.ptr if sampled is not None else 0)
             if not self.graphs.has_kind(kind):
-                self.graphs.add_kind(kind, lambda b, s: self._enqueue_verify(b, graph_width, logits, s))
+                self.graphs.add_kind(kind, lambda b, s: self._enqueue_verify(b, graph_width, logits, s, sampled))
             self.graphs.run(kind, bucket, self.stream)
-            t = time.perf_counter()
+        if meanwhile is not None:
+            meanwhile()
+        t = time.perf_counter()
+        if bucket is None:
+            out = (rows.rows(0, n) if logits == "all" else self.workspace.logit_argmax.rows(0, n)).to_host(self.stream)
+        else:
             ws = self.workspace
             out = (ws.logits if logits == "all" else ws.logit_argmax).rows(0, n).to_host(self.stream)
         self.wait_seconds += time.perf_counter() - t
@@ -469,12 +509,12 @@ class GPURunner(CheckpointRunner):
             return None
         return bucket
 
-    def _enqueue_verify(self, bucket: int, width: int, logits: str, stream) -> None:
+    def _enqueue_verify(self, bucket: int, width: int, logits: str, stream, sampled: DeviceArray | None) -> None:
         """A verify step of `bucket` rows of up to `width` tokens (padding rows do nothing), with the
-        argmax of every row's logits when logits="argmax"."""
+        argmax of every row's logits when logits="argmax"; sampled: where its drafted tokens are read."""
         n = bucket * width
         shape = StepShape(num_tokens=n, num_seqs=bucket, max_q_len=width)
-        rows = self._forward(shape, all_logits=True, num_splits=1, stream=stream)
+        rows = self._forward(shape, all_logits=True, num_splits=1, stream=stream, sampled=sampled)
         if logits == "argmax":
             K.argmax(rows, self.workspace.logit_argmax.rows(0, n), stream)
 

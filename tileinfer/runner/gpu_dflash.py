@@ -12,7 +12,9 @@ paged KV pool of its own, and the target's kernels. Two passes, on the target's 
            row's block table and attends to all of the row's entries (context, then the whole block, which
            the layer's attn_input has written before its attention reads it). A one-token query has no causal
            mask, so the block attends non-causally, as DFlash's does. The LM head gives every block token's
-           logits; their argmax on the GPU, rows 1..k of each block, are the drafts.
+           logits; their argmax on the GPU, rows 1..k of each block, are the drafts. They are copied to
+           `drafted`, where the target's verify step reads them (GPURunner.verify(drafted=...)), and to the
+           host without a wait: the engine reads them once the verify step is done.
 A context of at most CONTEXT_GRAPH_TOKENS entries (a round's: k + 1 a request) is one graph, replayed per
 row count rounded up to CONTEXT_GRAPH_STEP; a longer one (a prompt's) goes eagerly in chunks of
 CONTEXT_TOKENS. Blocks go in groups of at most DRAFT_TOKENS tokens, one graph per group's token count. Their
@@ -24,9 +26,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from cuda.bindings import driver
 
 from .. import kernels as K
-from ..cuda import DeviceArray
+from ..cuda import DeviceArray, Event, PinnedBuffer
+from ..cuda.driver import call
 from ..graphs import GraphManager
 from ..kv import PagedKVCache
 from ..kv.paged_cache import cdiv
@@ -35,14 +39,14 @@ from ..model.dflash_config import DFlashConfig
 from ..model.forward import BF16, Workspace, check_supported, forward
 from ..model.inputs import StepShape
 from ..model.weights import DeviceWeights
-from .base import ContextRow, DraftRow
+from .base import ContextRow, DeviceDrafts, DraftRow, Proposals
 from .gpu import GPURunner
 from .step import StepBuffers, prepare_step
 
-CONTEXT_TOKENS = 512       # context entries a chunk of the context pass takes (its workspace rows)
-DRAFT_TOKENS = 128         # block tokens a group of the block pass takes (its logits rows)
-CONTEXT_GRAPH_TOKENS = 64  # at most this much new context goes through a graph (a round's: k + 1 a row)
-CONTEXT_GRAPH_STEP = 16    # the graphed context pass's rows are rounded up to a multiple of this
+CONTEXT_TOKENS = 512        # context entries a chunk of the context pass takes (its workspace rows)
+DRAFT_TOKENS = 128          # block tokens a group of the block pass takes (its logits rows)
+CONTEXT_GRAPH_TOKENS = 256  # at most this much new context goes through a graph (a round's: k + 1 a request)
+CONTEXT_GRAPH_STEP = 16     # the graphed context pass's rows are rounded up to a multiple of this
 
 
 class _DecoderView:
@@ -99,9 +103,15 @@ class GPUDFlashRunner:
         self.draft_tokens = max(DRAFT_TOKENS, self.config.block_size)
         self.workspace = Workspace(c, max_tokens=max(CONTEXT_TOKENS, self.draft_tokens),
                                    max_logit_rows=self.draft_tokens, max_decode_rows=self.draft_tokens, max_splits=1)
+        # Each draft's block argmaxes (target token ids), as the target's verify step reads them, and their
+        # copy on the host.
+        self.drafted = DeviceArray((max(target.max_verify_tokens, self.draft_tokens),), np.int32)
+        self._drafted_host = PinnedBuffer(self.drafted.nbytes)
+        self._drafted_ready = Event(timing=False)
+        self._generation = 0
         self.features = DeviceArray((CONTEXT_TOKENS, self.config.feature_size), BF16)
         self.context_src = DeviceArray((CONTEXT_TOKENS,), np.int32)  # each context entry's row of the capture
-        self._arrays += [self.features, self.context_src]
+        self._arrays += [self.drafted, self.features, self.context_src]
         self._capture = target.capture  # what the context graphs read
         self.use_graphs = target.use_graphs
         self.target = target
@@ -217,23 +227,44 @@ class GPUDFlashRunner:
                          self.cache.v_pool(i), c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, stream)
 
     # ------------------------------------------------------------------ drafting
-    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
-        """Each row's k drafts (the argmax of block rows 1..k), over the context its sequence holds. The block's
-        entries are written into the pool; the caller truncates each sequence back to its context afterwards."""
+    def draft(self, rows: list[DraftRow]) -> Proposals:
+        """Each row's k drafts (the argmax of block rows 1..k), over the context its sequence holds. Enqueued,
+        not waited for: every row's block argmaxes go to `drafted`, one row's after another, where the target's
+        verify step reads them (Proposals.device); `tokens()` reads them back. The block's entries are written
+        into the pool; the caller truncates each sequence back to its context afterwards."""
         self._check_attached()
-        out: list[list[int]] = []
+        offsets = np.cumsum([0] + [len(r.block) for r in rows]).tolist()
+        if offsets[-1] > self.drafted.shape[0]:
+            raise ValueError(f"draft: {offsets[-1]} block tokens in one call; a round drafts at most "
+                             f"{self.drafted.shape[0]} (the target's verify step)")
         group: list[DraftRow] = []
+        at = 0
         for row in rows:
             if group and sum(len(r.block) for r in group) + len(row.block) > self.draft_tokens:
-                out += self._block(group)
+                at = self._block(group, at)
                 group = []
             group.append(row)
         if group:
-            out += self._block(group)
-        return out
+            self._block(group, at)
+        self._generation += 1
+        generation, n = self._generation, offsets[-1]
+        if n:
+            call(driver.cuMemcpyDtoHAsync, self._drafted_host.ptr, self.drafted.ptr, n * 4, self.stream.handle)
+            self._drafted_ready.record(self.stream)
 
-    def _block(self, group: list[DraftRow]) -> list[list[int]]:
-        """One block pass over these rows (one launch sequence, or a graph replay): each row's drafts."""
+        def read() -> list[list[int]]:
+            if generation != self._generation:
+                raise RuntimeError("draft: these drafts were not read before the next draft() overwrote them")
+            if n:
+                self._drafted_ready.synchronize()
+            ids = self._drafted_host.array((max(n, 1),), np.int32)
+            return [ids[o + 1: o + len(r.block)].tolist() for o, r in zip(offsets, rows)]
+
+        return Proposals([len(r.block) - 1 for r in rows], read=read, device=DeviceDrafts(self.drafted, offsets[:-1]))
+
+    def _block(self, group: list[DraftRow], at: int) -> int:
+        """One block pass over these rows (one launch sequence, or a graph replay), its argmaxes copied to
+        drafted[at:]; returns the offset past them."""
         manager, stream = self.cache.manager, self.stream
         batch, positions, slots = [], [], []
         for row in group:
@@ -254,12 +285,9 @@ class GPUDFlashRunner:
             self.graphs.run("draft", n, stream)
         else:
             self._enqueue_block(n, stream)
-        ids = self.workspace.logit_argmax.rows(0, n).to_host(stream)
-        out, at = [], 0
-        for row in group:
-            out.append([int(t) for t in ids[at + 1: at + len(row.block)]])
-            at += len(row.block)
-        return out
+        call(driver.cuMemcpyDtoDAsync, self.drafted.ptr + at * 4, self.workspace.logit_argmax.ptr, n * 4,
+             stream.handle)
+        return at + n
 
     def _enqueue_block(self, n: int, stream) -> None:
         """A block pass of n tokens (rows 0..n of the step inputs) and each logits row's argmax."""
@@ -288,6 +316,7 @@ class GPUDFlashRunner:
         for a in self._arrays:
             a.free()
         self._arrays.clear()
+        self._drafted_host.free()
         self.target = None
 
     def __enter__(self) -> "GPUDFlashRunner":

@@ -337,6 +337,14 @@ def _write_rows(buffers: StepBuffers, rows: _Rows, token_src: list[int] | None) 
     h["last_rows"][:b] = rows.last_rows
 
 
+def set_token_sources(buffers: StepBuffers, rows: np.ndarray, sources: np.ndarray) -> None:
+    """After prepare_step: the step's token rows `rows` take their ids on the device, from sources[i] of the
+    array its forward reads them from (a verify step's drafts, where the drafter left them)."""
+    if len(rows):
+        buffers.host["token_src"][rows] = sources
+        buffers.src_dirty = max(buffers.src_dirty, int(rows.max()) + 1)
+
+
 def _write_padding(buffers: StepBuffers, b: int, num_seqs: int, offset: int, num_tokens: int) -> None:
     """Token rows offset..num_tokens and sequences b..num_seqs are padding: no tokens, slot -1, greedy."""
     h = buffers.host

@@ -427,7 +427,9 @@ class TensorParallelRunner:
         slot = self.launch(batch, sampling, sample=sample, penalties=penalties, masked=masked)
         return self.collect(slot, len(batch))
 
-    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None):
+    def verify(self, batch, *, logits: str = "argmax", graph_width: int | None = None, drafted=None, meanwhile=None):
+        if drafted is not None or meanwhile is not None:
+            raise ValueError("verify: a DFlash drafter's drafts and context are not supported under tensor parallelism")
         self.group.check()
         self._copy_pending_pages()
         options = dict(logits=logits, graph_width=graph_width)
