@@ -41,7 +41,7 @@ from ..model.inputs import StepShape
 from ..model.weights import DeviceWeights
 from .base import ContextRow, DeviceDrafts, DraftRow, Proposals
 from .gpu import GPURunner
-from .step import StepBuffers, prepare_step
+from .step import StepBuffers, prepare_token_rows
 
 CONTEXT_TOKENS = 512        # context entries a chunk of the context pass takes (its workspace rows)
 DRAFT_TOKENS = 128          # block tokens a group of the block pass takes (its logits rows)
@@ -266,18 +266,17 @@ class GPUDFlashRunner:
         """One block pass over these rows (one launch sequence, or a graph replay), its argmaxes copied to
         drafted[at:]; returns the offset past them."""
         manager, stream = self.cache.manager, self.stream
-        batch, positions, slots = [], [], []
+        tokens, positions, slots, kv_lens = [], [], [], []
         for row in group:
+            m = len(row.block)
             first = row.entry                 # the block's first entry
-            end = first + len(row.block)      # every block token attends to entries [0, end)
-            batch += [(row.seq, [token], end - 1) for token in row.block]
-            positions.append(row.start + np.arange(len(row.block)))
-            slots.append(manager.slots(row.seq, first, len(row.block)))
-        shape = prepare_step(self.steps, manager, batch)
+            tokens += row.block
+            positions.append(row.start + np.arange(m))           # the target's positions, not the entries'
+            slots.append(manager.slots(row.seq, first, m))        # each token's own entry
+            kv_lens.append(np.full(m, first + m))                 # every block token attends to entries [0, first + m)
+        shape = prepare_token_rows(self.steps, [(row.seq, len(row.block)) for row in group], tokens,
+                                   np.concatenate(positions), np.concatenate(slots), np.concatenate(kv_lens))
         n = shape.num_tokens
-        host = self.steps.host
-        host["positions"][:n] = np.concatenate(positions)  # the target's positions, not the entries'
-        host["slots"][:n] = np.concatenate(slots)          # each token's own entry (prepare_step put the last)
         self.steps.upload(stream)
         if self.use_graphs:
             if not self.graphs.has_kind("draft"):

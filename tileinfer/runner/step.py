@@ -260,6 +260,38 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, max_q_len=rows.max_q)
 
 
+def prepare_token_rows(buffers: StepBuffers, groups, tokens, positions, slots, kv_lens) -> StepShape:
+    """Fill the pinned mirror for a step in which every token is a sequence of its own, attending to its
+    sequence's first kv_lens[i] entries (a DFlash block pass: each block token sees its request's whole context
+    and block). groups: (sequence, count) in token order, `count` consecutive tokens sharing that sequence's
+    block table; tokens, positions, slots (where each token's key and value go), kv_lens: [n] ints. The
+    positions must be reserved already. Written with whole-array stores: a block of 16 tokens a request would
+    cost prepare_step a row of Python each."""
+    buffers.wait_upload()
+    n = len(tokens)
+    if n > min(buffers.max_tokens, buffers.max_seqs):
+        raise ValueError(f"prepare_token_rows: {n} one-token sequences, the buffers hold "
+                         f"{min(buffers.max_tokens, buffers.max_seqs)}")
+    h = buffers.host
+    if buffers.src_dirty:
+        h["token_src"][:buffers.src_dirty] = -1
+        buffers.src_dirty = 0
+    h["tokens"][:n], h["positions"][:n], h["slots"][:n] = tokens, positions, slots
+    h["kv_lens"][:n] = kv_lens
+    h["counters"][:n] = kv_lens
+    h["cu_q"][:n + 1] = np.arange(n + 1)
+    h["last_rows"][:n] = np.arange(n)
+    at = 0
+    for seq, count in groups:
+        _write_table(buffers, at, seq)
+        h["block_tables"][at + 1:at + count] = h["block_tables"][at]
+        buffers.row_tables[at + 1:at + count] = [buffers.row_tables[at]] * (count - 1)
+        at += count
+    if at != n:
+        raise ValueError(f"prepare_token_rows: groups of {at} tokens for {n} tokens")
+    return StepShape(num_tokens=n, num_seqs=n, max_q_len=1)
+
+
 @dataclass
 class _Rows:
     """One step's token rows and per-sequence values, in batch order."""
