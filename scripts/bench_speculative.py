@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Speculative decoding's costs beside plain decoding, batch 1, on synthetic checkpoints.
+"""Speculative decoding's costs beside plain decoding, batch 1, on synthetic checkpoints (or, given directories,
+on those: e.g. the demo target and its DFlash drafter).
 
     python scripts/bench_speculative.py [--target qwen3-8b] [--draft qwen3-0.6b] [--k 4] [--context 512]
     python scripts/bench_speculative.py --target qwen3-8b --draft dflash-qwen3-8b --k 15
+    python scripts/bench_speculative.py --target tileinfer/demo/target --draft tileinfer/demo/dflash --k 15 --profile
 
 Measures, in one process:
   * t_decode: one plain decode step of the target (tileinfer.generate's graph replay; wall time per
@@ -24,11 +26,13 @@ and prints the speedup expected at acceptance rates 0.6 and 0.8 from those measu
     speedup           S = E t_decode / T
 
 With a DFlash drafter (--draft dflash-*, written beside the target as a synthetic checkpoint) one forward
-drafts all k tokens, so t_draft is one draft after a verify step: the context pass over ACCEPTED_CONTEXT of
-its positions (their hidden states read where the verify step left them on the GPU) and the block of k + 1
+drafts all k tokens, so t_draft is one draft after a verify step: the context pass over the step's k + 1
+positions (their hidden states read where the verify step left them on the GPU) and the block of k + 1
 tokens (wall time, median of --repeats); a round is T = t_draft + t_verify, and at an acceptance length L
-(tokens per target step) the expected speedup is L t_decode / T, printed for L = 3, 5, 7. Its random weights are accepted about never, so generate() with it measures a
-round's whole cost too (decode seconds per target step).
+(tokens per target step) the expected speedup is L t_decode / T, printed for L = 3, 5, 7. The engine
+overlaps parts of a round (the drafts go to the verify step on the device, the context pass is launched
+while the verify step runs), so T is an upper bound. Its random weights are accepted about never, so
+generate() with it measures a round's whole cost too (decode seconds per target step).
 
 Writes bench_speculative.json to $OUT or --out.
 """
@@ -46,18 +50,19 @@ import numpy as np
 import bench  # scripts/bench.py: the decode step's GPU time and the per-kernel profile
 import tileinfer
 from tileinfer.kv import Sequence
-from tileinfer.model.dflash_config import DFLASH_PRESETS
+from tileinfer.model.dflash_config import DFLASH_PRESETS, is_dflash_dir
 from tileinfer.model.synthetic import cached_checkpoint, checkpoints_dir, write_checkpoint
 from tileinfer.runner.base import ContextRow, DraftRow
+from tileinfer.runner.gpu import verify_kind
 from tileinfer.runner.gpu_dflash import GPUDFlashRunner
 
-ACCEPTED_CONTEXT = 4  # new context positions a DFlash draft takes after a round (accepted drafts + 1)
+ACCEPTED_CONTEXT = 4  # context positions a round keeps (accepted drafts + 1) before the next draft
 CHUNK = 128           # the prompt's prefill chunks in dflash_costs (each fits one step of the target's extend)
 
 
 def decode_step_seconds(model, context: int, new: int) -> tuple[float, list[int], list[int]]:
     """Wall seconds per plain decode token after a `context`-token prompt; (seconds, prompt, tokens)."""
-    prompt = np.random.default_rng(0).integers(0, 151643, context).tolist()
+    prompt = np.random.default_rng(0).integers(0, min(model.config.vocab_size, 151643), context).tolist()
     tileinfer.generate(model, prompt, max_new_tokens=16, stop_at_eos=False)  # warm-up: kernels, graph
     r = tileinfer.generate(model, prompt, max_new_tokens=new, stop_at_eos=False)
     return 1.0 / r.decode_tokens_per_second, prompt, r.token_ids
@@ -95,14 +100,19 @@ def verify_step_seconds(model, prompt: list[int], k: int, repeats: int, profile:
         # The step buffers still hold the last verify step's inputs; replaying it rewrites the same
         # (now truncated, still unused) cache slots. Its graph computes the argmaxes itself.
         stream = model.stream
-        graph = model.graphs.graph(("verify", n, "argmax"), 1)
+        graph = model.graphs.graph(verify_kind(n, "argmax"), 1)
         gpu = bench.replay_ms(stream, lambda s: graph.launch(s), repeats) / 1e3
-        enqueue = lambda s: model._enqueue_verify(1, n, "argmax", s)  # noqa: E731
+        enqueue = lambda s: model._enqueue_verify(1, n, "argmax", s, None)  # noqa: E731
         prof = bench.profile_graph(model, enqueue) if profile else None
         ablation = bench.ablate_step(model, enqueue=enqueue, groups=VERIFY_ABLATE_GROUPS) if ablate else None
         return statistics.median(times[1:]), gpu, prof, ablation
     finally:
         cache.manager.release(seq)
+
+
+def checkpoint(name: str) -> Path:
+    """A checkpoint directory as given, or a preset's synthetic checkpoint (written on first use)."""
+    return Path(name) if Path(name).is_dir() else cached_checkpoint(name)
 
 
 def dflash_checkpoint(name: str) -> Path:
@@ -117,8 +127,9 @@ def dflash_checkpoint(name: str) -> Path:
 
 def dflash_costs(target, path: Path, prompt: list[int], k: int, new: int, repeats: int) -> dict:
     """A DFlash round's parts on the target (bound to the drafter here): one draft after a verify step of k + 1
-    tokens (the context pass over ACCEPTED_CONTEXT of its positions, then the block of k + 1; wall seconds,
-    median), and generate()'s decode seconds per target step with this drafter."""
+    tokens (the context pass over its k + 1 positions, ACCEPTED_CONTEXT of them kept, then the block of k + 1,
+    its drafts read back; wall seconds, median), and generate()'s decode seconds per target step with this
+    drafter."""
     drafter = GPUDFlashRunner(path, max_num_seqs=1)
     try:
         drafter.bind_target(target)
@@ -138,10 +149,11 @@ def dflash_costs(target, path: Path, prompt: list[int], k: int, new: int, repeat
             cache.manager.reserve(tseq, k + 1)
             target.verify([(tseq, prompt[-(k + 1):], n)], logits="argmax", graph_width=k + 1)
             start = time.perf_counter()
-            manager.reserve(seq, ACCEPTED_CONTEXT)
-            drafter.add_context([ContextRow(seq, n, np.arange(n, n + ACCEPTED_CONTEXT), 0)])
+            manager.reserve(seq, k + 1)  # the context pass over the verify step's positions, as a round's
+            drafter.add_context([ContextRow(seq, n, np.arange(n, n + k + 1), 0)])
+            manager.truncate(seq, n + ACCEPTED_CONTEXT)  # the round kept ACCEPTED_CONTEXT of them
             manager.reserve(seq, k + 1)
-            drafter.draft([DraftRow(seq, block, n + ACCEPTED_CONTEXT)])
+            drafter.draft([DraftRow(seq, block, n + ACCEPTED_CONTEXT)]).tokens()
             times.append(time.perf_counter() - start)
             manager.truncate(seq, n)
             cache.manager.truncate(tseq, n)
@@ -177,8 +189,8 @@ def main() -> None:
     args = ap.parse_args()
     k = args.k
     row: dict = dict(target=args.target, draft=args.draft, k=k, context=args.context)
-    dflash = args.draft in DFLASH_PRESETS
-    with tileinfer.load_model(cached_checkpoint(args.target), progress=False) as target:
+    dflash = args.draft in DFLASH_PRESETS or is_dflash_dir(args.draft)
+    with tileinfer.load_model(checkpoint(args.target), progress=False) as target:
         t_decode, prompt, continuation = decode_step_seconds(target, args.context, args.new)
         gpu_decode = bench.graph_step_ms(target) / 1e3
         if args.ablate:  # over the last decode step's buffers, before the verify steps overwrite them
@@ -222,15 +234,16 @@ def main() -> None:
                    oracle_end_to_end_tok_s=oracle_e2e, oracle_prefill_ms=1e3 * oracle.prefill_seconds,
                    oracle_tokens_per_step=oracle.speculation.tokens_per_target_step)
         if dflash:
-            row["dflash"] = d = dflash_costs(target, dflash_checkpoint(args.draft), prompt, k, args.new, args.repeats)
+            path = Path(args.draft) if Path(args.draft).is_dir() else dflash_checkpoint(args.draft)
+            row["dflash"] = d = dflash_costs(target, path, prompt, k, args.new, args.repeats)
             t_round = d["t_draft_ms"] / 1e3 + t_verify
             row["expected_speedup"] = {str(L): L * t_decode / t_round for L in (3, 5, 7)}
-            print(f"{args.draft}: draft {d['t_draft_ms']:.3f} ms ({ACCEPTED_CONTEXT} new context positions, a block "
-                  f"of {k + 1}), round {1e3 * t_round:.3f} ms "
+            print(f"{args.draft}: draft {d['t_draft_ms']:.3f} ms (the context of the verify step's {k + 1} positions, "
+                  f"a block of {k + 1}), round {1e3 * t_round:.3f} ms "
                   f"from its parts; generate() with it: {d['round_ms']:.3f} ms per target step "
                   f"({d['tokens_per_target_step']:.2f} tokens a step)")
     if not dflash:
-        with tileinfer.load_model(cached_checkpoint(args.draft), progress=False) as draft:
+        with tileinfer.load_model(checkpoint(args.draft), progress=False) as draft:
             t_draft, _, _ = decode_step_seconds(draft, args.context, args.new)
         row["t_draft_ms"] = 1e3 * t_draft
         row["expected_speedup"] = {str(a): speedup(a, k, t_decode, t_draft, t_verify) for a in (0.6, 0.8)}
