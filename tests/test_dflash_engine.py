@@ -20,7 +20,7 @@ from tileinfer.model.reference import ReferenceModel
 from tileinfer.runner.base import DeviceDrafts, Proposals
 from tileinfer.runner.cpu import CPURunner
 from tileinfer.runner.cpu_dflash import CPUDFlashRunner
-from tileinfer.runner.gpu import GPURunner
+from tileinfer.runner.gpu import GPURunner, _draft_sources
 from tileinfer.runner.gpu_dflash import GPUDFlashRunner
 
 BLOCK = 16
@@ -282,3 +282,15 @@ def test_proposals_spread_over_their_requests_and_are_read_once():
         Proposals([2], read=lambda: [[1]]).tokens()
     with pytest.raises(ValueError, match="not both"):
         Proposals([1], values=[[1]], read=read)
+
+
+def test_a_verify_steps_drafts_are_found_by_their_rows():
+    # GPURunner.verify(drafted=...): row i's proposal j sits at token row (row i's first) + j of the step and at
+    # drafted.ids[first[i] + j] (the drafter's block argmaxes, one request's block after another).
+    batch = [(None, [9, 0, 0, 0], 5), (None, [4], 8), (None, [7, 0], 2)]
+    rows, sources = _draft_sources(batch, DeviceDrafts("ids", [0, -1, 16]))
+    assert rows.tolist() == [1, 2, 3, 6] and sources.tolist() == [1, 2, 3, 17]
+    with pytest.raises(ValueError, match="drafts placed for 2 rows, the step has 3"):
+        _draft_sources(batch, DeviceDrafts("ids", [0, 16]))
+    with pytest.raises(ValueError, match="a row of 1 proposals has none drafted on the device"):
+        _draft_sources(batch, DeviceDrafts("ids", [0, -1, -1]))
