@@ -1,12 +1,14 @@
 """Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.routing.kernel_name),
 that the launcher's constants for cuda_src/attention_wg.cu, attention.cuh and attention_combine.cu match the
-kernels' own, and how many key-range splits a decode step gets (GPURunner._splits_for). CPU only."""
+kernels' own, and how many key-range splits a decode or verify step gets (GPURunner._splits_for, verify_splits).
+CPU only."""
 import importlib
 from types import SimpleNamespace
 
 import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.model.inputs import StepShape
 from tileinfer.runner.gpu import GPURunner
 from tileinfer.kernels import routing
 from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS
@@ -131,6 +133,44 @@ def test_decode_splits_fill_one_wave_of_the_kernels_blocks(int8, heads, kv_heads
     model = _FakeModel(int8, heads, kv_heads)
     assert GPURunner._splits_for(model, batch, 1 << 30) == want
     assert GPURunner._splits_for(model, batch, 5) == min(want, 5)  # at most one split a key tile
+
+
+class _FakeVerifier(_FakeModel):
+    """What GPURunner.verify_splits reads beyond _splits_for's: the mode, the longest context, the partials."""
+
+    def __init__(self, int8: bool, heads: int, kv_heads: int, *, max_context: int = 4096, partial_rows: int = 1 << 20,
+                 batch_invariant: bool = False):
+        super().__init__(int8, heads, kv_heads)
+        self.batch_invariant, self.max_context = batch_invariant, max_context
+        self.workspace = SimpleNamespace(max_partial_rows=partial_rows)
+
+    def _splits_for(self, *args):
+        return GPURunner._splits_for(self, *args)
+
+
+@pytest.mark.parametrize("int8, H, KV, rows, width, context, want", [
+    (False, 32, 8, 1, 16, 4096, 8),    # qwen3-8b, 15 drafts: 64 query rows, 4 row tiles a KV head, 2 blocks an SM
+    (False, 32, 8, 1, 5, 4096, 16),    # k = 4: 20 rows, 2 row tiles
+    (False, 32, 8, 8, 16, 4096, 1),    # 8 x 4 x 8 blocks fill the GPU already
+    (False, 4, 2, 1, 16, 512, 8),      # the demo target: one split a key tile of its 512 positions
+    (False, 4, 2, 1, 16, 4096, 48),    # at most MAX_SPLITS
+    (True, 32, 8, 1, 16, 4096, 12),    # the INT8 16-row build: 3 blocks an SM
+    (True, 32, 8, 2, 2, 4096, 33),     # 8 rows a sequence: the _h8 build, 4 an SM
+    (False, 32, 8, 1, 17, 4096, 1),    # 68 rows: the prefill shape, which is not split
+])
+def test_verify_splits_fill_one_wave_of_the_decode_shape_blocks(int8, H, KV, rows, width, context, want):
+    model = _FakeVerifier(int8, H, KV, max_context=context)
+    shape = StepShape(num_tokens=rows * width, num_seqs=rows, max_q_len=width)
+    assert GPURunner.verify_splits(model, shape) == want
+    invariant = _FakeVerifier(int8, H, KV, max_context=context, batch_invariant=True)
+    assert GPURunner.verify_splits(invariant, shape) == 1
+
+
+def test_verify_splits_stay_within_the_workspace_partials():
+    model = _FakeVerifier(False, 32, 8, partial_rows=40)
+    assert GPURunner.verify_splits(model, StepShape(num_tokens=16, num_seqs=1, max_q_len=16)) == 2
+    model = _FakeVerifier(False, 32, 8, partial_rows=10)
+    assert GPURunner.verify_splits(model, StepShape(num_tokens=16, num_seqs=1, max_q_len=16)) == 1
 
 
 @pytest.mark.parametrize("max_q_len, H, KV, splits, want", [

@@ -84,8 +84,8 @@ class Workspace:
     """Activation buffers for steps of up to `max_tokens` rows and `max_logit_rows` logits rows. Under tensor
     parallelism `config` is the rank's (its shards' shapes) and the logits are the whole vocabulary's."""
 
-    def __init__(self, config, max_tokens: int, max_logit_rows: int, max_decode_rows: int, max_splits: int,
-                 max_partial_rows: int | None = None, tp: TensorParallel | None = None):
+    def __init__(self, config, max_tokens: int, max_logit_rows: int, max_splits: int, max_partial_rows: int,
+                 tp: TensorParallel | None = None):
         c = config
         T = max_tokens
         self.max_tokens, self.max_logit_rows, self.max_splits = max_tokens, max_logit_rows, max_splits
@@ -96,10 +96,8 @@ class Workspace:
         self.attn = DeviceArray((T, c.num_attention_heads, c.head_dim), BF16)
         self.act = DeviceArray((T, c.intermediate_size), BF16)
         self.final_x = DeviceArray((max_logit_rows, c.hidden_size), BF16)
-        self.max_decode_rows = max_decode_rows
-        # Split-K decode attention partials: splits x rows of them, at most max_partial_rows together.
-        self.max_partial_rows = max_partial_rows or max_splits * max_decode_rows
-        P = self.max_partial_rows
+        # Split-K attention partials (decode and verify steps): splits x rows of them, at most max_partial_rows.
+        self.max_partial_rows = P = max(1, max_partial_rows)
         self.part_o = DeviceArray((P, c.num_attention_heads, c.head_dim), np.float32)
         self.part_ml = DeviceArray((P, c.num_attention_heads, 2), np.float32)
         self.inv_freq = DeviceArray.from_host(rope_table(c).astype(np.float32))  # [head_dim / 2], llama3-scaled or not
@@ -200,7 +198,7 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
         raise ValueError(f"step of {n} tokens exceeds the workspace ({ws.max_tokens}); split the prefill into chunks")
     partials = None
     if num_splits > 1:
-        if n > ws.max_decode_rows or num_splits > ws.max_splits or n * num_splits > ws.max_partial_rows:
+        if num_splits > ws.max_splits or n * num_splits > ws.max_partial_rows:
             raise ValueError(f"split attention for {n} rows x {num_splits} splits exceeds the workspace")
         partials = (_prefix_view(ws.part_o, (num_splits, n)), _prefix_view(ws.part_ml, (num_splits, n)))
     # Steps of 3-32 rows (on the swap-AB GEMM): o_proj and down_proj also write the next norm's input and row

@@ -74,6 +74,16 @@ MAX_SPLITS = 48
 INT8_DECODE_BLOCKS_MAX = 4
 LOGITS_MODES = ("all", "last", "argmax", "none")  # what extend returns
 KEY_TILE = 64  # positions per attention key tile (cuda_src/attention.cuh)
+ROW_TILE = 16  # query rows per block of the decode-shape attention kernel (kernels/attention.py rows_per_block)
+
+
+def attention_splits(row_tiles: int, kv_heads: int, max_tiles: int, per_sm: int, sms: int) -> int:
+    """Key-range splits per sequence for an attention launch of `row_tiles` blocks a KV head and split (its
+    sequences x each one's tiles of ROW_TILE query rows): the most whose blocks fit one wave of `per_sm`
+    blocks an SM, at most MAX_SPLITS and one split a key tile (max_tiles), at least 1. Rounded down, not
+    up: a grid just past one wave idles most SMs for a second, short one."""
+    want = per_sm * sms // (row_tiles * kv_heads)
+    return max(1, min(MAX_SPLITS, max_tiles, want))
 
 
 def verify_kind(width: int, logits: str, drafted: int = 0) -> tuple:
@@ -138,11 +148,9 @@ class GPURunner(CheckpointRunner):
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
         self.max_context = 0  # the longest sequence the attached cache serves (sets decode splits)
-        # partial rows: the most any context and either cache (INT8 splits the most) needs
-        partial_rows = max(self._splits_for(b, 1 << 30, max(2, INT8_DECODE_BLOCKS_MAX)) * b for b in self.buckets)
         self.workspace = Workspace(self.local_config, max_tokens=self.max_batch_tokens,
-                                   max_logit_rows=max(max_logit_rows, max_num_seqs), max_decode_rows=max_num_seqs,
-                                   max_splits=MAX_SPLITS, max_partial_rows=partial_rows, tp=tp)
+                                   max_logit_rows=max(max_logit_rows, max_num_seqs), max_splits=MAX_SPLITS,
+                                   max_partial_rows=self._partial_rows(), tp=tp)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
         self.graphs: GraphManager | None = None  # decode and verify graphs over the attached cache
@@ -255,18 +263,28 @@ class GPURunner(CheckpointRunner):
         self.graphs.add_kind(DECODE, self._enqueue_decode)
         self.graphs.add_kind(DECODE_MASKED, lambda bucket, stream: self._enqueue_decode(bucket, stream, masked=True))
 
-    def _splits_for(self, batch: int, max_tiles: int, per_sm: int | None = None) -> int:
-        """The most splits whose blocks fit one wave of `per_sm` decode blocks an SM (default: the attached
-        cache's kernel's, 2 for BF16), at least 1. Rounded down, not up: a grid just past one wave idles
-        most SMs for a second, short one."""
-        sms = self.device.info.num_sms
+    def _splits_for(self, row_tiles: int, max_tiles: int, per_sm: int | None = None) -> int:
+        """attention_splits on this GPU for this runner's KV heads; per_sm by default the attached cache's
+        decode kernel's blocks an SM (2 for BF16; INT8: a decode step's _h8 build, one token x the group a
+        block)."""
         if per_sm is None:
             per_sm = 2
             if self.cache is not None and self.cache.int8:
                 group = self.local_config.num_attention_heads // self.local_config.num_key_value_heads
-                per_sm = K.int8_decode_blocks(group)  # a decode step: one token x the group a block
-        want = per_sm * sms // (batch * self.local_config.num_key_value_heads)
-        return max(1, min(MAX_SPLITS, max_tiles, want))
+                per_sm = K.int8_decode_blocks(group)
+        return attention_splits(row_tiles, self.local_config.num_key_value_heads, max_tiles, per_sm,
+                                self.device.info.num_sms)
+
+    def _partial_rows(self) -> int:
+        """Rows of split-attention partials the workspace holds: the most a step of any context and either
+        cache needs. A decode step of b sequences splits at most per_sm x SMs / (b x KV) ways; a verify step
+        of b rows of q tokens (q x the group query rows a KV head: q G / ROW_TILE row tiles or more) at most
+        per_sm x SMs / (b q G / ROW_TILE x KV), so its b q rows x splits stay within
+        per_sm x SMs x ROW_TILE / H."""
+        c = self.local_config
+        per_sm = max(2, INT8_DECODE_BLOCKS_MAX)
+        decode = max(self._splits_for(b, 1 << 30, per_sm) * b for b in self.buckets)
+        return max(decode, per_sm * self.device.info.num_sms * ROW_TILE // c.num_attention_heads)
 
     def decode_splits(self, batch: int) -> int:
         """Key-range splits per sequence for decode attention: as many as one wave of two blocks an SM
@@ -275,6 +293,20 @@ class GPURunner(CheckpointRunner):
         if self.batch_invariant:
             return 1
         return self._splits_for(batch, -(-self.max_context // KEY_TILE))
+
+    def verify_splits(self, shape: StepShape) -> int:
+        """Key-range splits per sequence for a verify step: as a decode step's, each sequence counting a
+        block per ROW_TILE of its query rows (max_q_len x the group), within the workspace's partials; 1
+        for a step in the prefill shape (more query rows than the decode shape takes) or batch-invariant.
+        Without a split the few blocks of a small verify step walk the whole cache one after another."""
+        c = self.local_config
+        group = c.num_attention_heads // c.num_key_value_heads
+        if self.batch_invariant or not K.keys_mode(max_q_len=shape.max_q_len, group=group):
+            return 1
+        rows = shape.max_q_len * group
+        per_sm = K.int8_decode_blocks(rows) if self.cache.int8 else 2
+        splits = self._splits_for(shape.num_seqs * -(-rows // ROW_TILE), -(-self.max_context // KEY_TILE), per_sm)
+        return max(1, min(splits, self.workspace.max_partial_rows // shape.num_tokens))
 
     def _forward(self, shape: StepShape, *, all_logits: bool, num_splits: int, stream, embedded: bool = False,
                  sampled: DeviceArray | None = None):
@@ -481,7 +513,8 @@ class GPURunner(CheckpointRunner):
             sampled = drafted.ids
         self.steps.upload(self.stream)
         if bucket is None:
-            rows = self._forward(shape, all_logits=True, num_splits=1, stream=self.stream, sampled=sampled)
+            rows = self._forward(shape, all_logits=True, num_splits=self.verify_splits(shape), stream=self.stream,
+                                 sampled=sampled)
             if logits == "argmax":
                 K.argmax(rows, self.workspace.logit_argmax.rows(0, n), self.stream)
         else:
@@ -514,7 +547,8 @@ class GPURunner(CheckpointRunner):
         argmax of every row's logits when logits="argmax"; sampled: where its drafted tokens are read."""
         n = bucket * width
         shape = StepShape(num_tokens=n, num_seqs=bucket, max_q_len=width)
-        rows = self._forward(shape, all_logits=True, num_splits=1, stream=stream, sampled=sampled)
+        rows = self._forward(shape, all_logits=True, num_splits=self.verify_splits(shape), stream=stream,
+                             sampled=sampled)
         if logits == "argmax":
             K.argmax(rows, self.workspace.logit_argmax.rows(0, n), stream)
 

@@ -40,13 +40,18 @@ from ..model.forward import BF16, Workspace, check_supported, forward
 from ..model.inputs import StepShape
 from ..model.weights import DeviceWeights
 from .base import ContextRow, DeviceDrafts, DraftRow, Proposals
-from .gpu import GPURunner
+from .gpu import KEY_TILE, GPURunner, attention_splits
 from .step import StepBuffers, prepare_token_rows
 
 CONTEXT_TOKENS = 512        # context entries a chunk of the context pass takes (its workspace rows)
 DRAFT_TOKENS = 128          # block tokens a group of the block pass takes (its logits rows)
 CONTEXT_GRAPH_TOKENS = 256  # at most this much new context goes through a graph (a round's: k + 1 a request)
 CONTEXT_GRAPH_STEP = 16     # the graphed context pass's rows are rounded up to a multiple of this
+# The block pass splits each block token's keys as a decode step does (attention blocks of a BF16 cache an SM),
+# but below FUSED_MIN_SPLITS: a fused launch would store each token's key in the block that attends for it,
+# while every block token reads the whole block's keys, which attn_input stores before any attention reads.
+BLOCK_PER_SM = 2
+BLOCK_MAX_SPLITS = K.FUSED_MIN_SPLITS - 1
 
 
 class _DecoderView:
@@ -102,7 +107,8 @@ class GPUDFlashRunner:
         self.hidden_norm = self._upload("hidden_norm.weight")
         self.draft_tokens = max(DRAFT_TOKENS, self.config.block_size)
         self.workspace = Workspace(c, max_tokens=max(CONTEXT_TOKENS, self.draft_tokens),
-                                   max_logit_rows=self.draft_tokens, max_decode_rows=self.draft_tokens, max_splits=1)
+                                   max_logit_rows=self.draft_tokens, max_splits=BLOCK_MAX_SPLITS,
+                                   max_partial_rows=BLOCK_PER_SM * target.device.info.num_sms // c.num_key_value_heads)
         # Each draft's block argmaxes (target token ids), as the target's verify step reads them, and their
         # copy on the host.
         self.drafted = DeviceArray((max(target.max_verify_tokens, self.draft_tokens),), np.int32)
@@ -291,9 +297,17 @@ class GPUDFlashRunner:
     def _enqueue_block(self, n: int, stream) -> None:
         """A block pass of n tokens (rows 0..n of the step inputs) and each logits row's argmax."""
         logits = forward(self.weights, self.workspace, self.cache, self.steps.inputs,
-                         StepShape(num_tokens=n, num_seqs=n, max_q_len=1), all_logits=True, num_splits=1,
-                         stream=stream)
+                         StepShape(num_tokens=n, num_seqs=n, max_q_len=1), all_logits=True,
+                         num_splits=self._block_splits(n), stream=stream)
         K.argmax(logits, self.workspace.logit_argmax.rows(0, n), stream)
+
+    def _block_splits(self, n: int) -> int:
+        """Key-range splits of a block pass of n tokens (one block a KV head and split each): one wave of
+        BLOCK_PER_SM blocks an SM over the longest sequence the pool holds, at most BLOCK_MAX_SPLITS."""
+        L = self.cache.layout
+        tiles = cdiv(min(L.block_table_width, L.num_pages) * L.page_size, KEY_TILE)
+        splits = attention_splits(n, L.num_kv_heads, tiles, BLOCK_PER_SM, self.target.device.info.num_sms)
+        return max(1, min(splits, BLOCK_MAX_SPLITS, self.workspace.max_partial_rows // n))
 
     # ------------------------------------------------------------------ lifetime
     def _check_bound(self) -> None:
