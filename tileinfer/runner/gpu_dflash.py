@@ -118,7 +118,11 @@ class GPUDFlashRunner:
         self.features = DeviceArray((CONTEXT_TOKENS, self.config.feature_size), BF16)
         self.context_src = DeviceArray((CONTEXT_TOKENS,), np.int32)  # each context entry's row of the capture
         self._arrays += [self.drafted, self.features, self.context_src]
-        self._capture = target.capture  # what the context graphs read
+        self._capture = cap = target.capture  # what the context graphs read
+        # Where the target's last layer's states sit in the capture rows (gather_states reads them from `last`).
+        self._last_col = 0
+        if cap.last is not None:
+            self._last_col = cap.layers.index(target.config.num_hidden_layers - 1) * target.config.hidden_size
         self.use_graphs = target.use_graphs
         self.target = target
 
@@ -218,10 +222,7 @@ class GPUDFlashRunner:
         slots."""
         c, ws, cap = self.local_config, self.workspace, self._capture
         f = self.features.rows(0, n)
-        last_col = 0
-        if cap.last is not None:
-            last_col = cap.layers.index(self.target.config.num_hidden_layers - 1) * self.target.config.hidden_size
-        K.gather_states(self.context_src.rows(0, n), cap.states, cap.last, last_col, f, stream)
+        K.gather_states(self.context_src.rows(0, n), cap.states, cap.last, self._last_col, f, stream)
         resid, x, qkv, q = ws.resid.rows(0, n), ws.x.rows(0, n), ws.qkv.rows(0, n), ws.q.rows(0, n)
         K.linear(f, self.fc, resid, "f32", stream)
         K.rmsnorm(resid, self.hidden_norm, x, c.rms_norm_eps, stream)
@@ -244,12 +245,13 @@ class GPUDFlashRunner:
             raise ValueError(f"draft: {offsets[-1]} block tokens in one call; a round drafts at most "
                              f"{self.drafted.shape[0]} (the target's verify step)")
         group: list[DraftRow] = []
-        at = 0
+        at = size = 0
         for row in rows:
-            if group and sum(len(r.block) for r in group) + len(row.block) > self.draft_tokens:
+            if group and size + len(row.block) > self.draft_tokens:
                 at = self._block(group, at)
-                group = []
+                group, size = [], 0
             group.append(row)
+            size += len(row.block)
         if group:
             self._block(group, at)
         self._generation += 1

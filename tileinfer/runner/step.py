@@ -273,9 +273,7 @@ def prepare_token_rows(buffers: StepBuffers, groups, tokens, positions, slots, k
         raise ValueError(f"prepare_token_rows: {n} one-token sequences, the buffers hold "
                          f"{min(buffers.max_tokens, buffers.max_seqs)}")
     h = buffers.host
-    if buffers.src_dirty:
-        h["token_src"][:buffers.src_dirty] = -1
-        buffers.src_dirty = 0
+    _clear_token_src(buffers)
     h["tokens"][:n], h["positions"][:n], h["slots"][:n] = tokens, positions, slots
     h["kv_lens"][:n] = kv_lens
     h["counters"][:n] = kv_lens
@@ -349,13 +347,19 @@ def _write_table(buffers: StepBuffers, i: int, seq) -> None:
         buffers.row_tables[i] = (seq, seq.table_version)
 
 
+def _clear_token_src(buffers: StepBuffers) -> None:
+    """Every row's token from the host again: clear the sources the last step set (it may have been longer
+    than this one)."""
+    if buffers.src_dirty:
+        buffers.host["token_src"][:buffers.src_dirty] = -1
+        buffers.src_dirty = 0
+
+
 def _write_rows(buffers: StepBuffers, rows: _Rows, token_src: list[int] | None) -> None:
     h, offset, b = buffers.host, len(rows.tokens), len(rows.cu_q)
     h["tokens"][:offset] = rows.tokens
     src = h["token_src"]
-    if buffers.src_dirty:  # clear what the last step set (it may have been longer than this one)
-        src[:buffers.src_dirty] = -1
-        buffers.src_dirty = 0
+    _clear_token_src(buffers)
     if token_src is not None:
         for i, r in enumerate(token_src):
             if r >= 0:
