@@ -168,6 +168,9 @@ def test_slots_across_page_boundaries():
     assert slots.dtype == np.int32
     np.testing.assert_array_equal(slots, [6, 7, 8, 9, 10, 11, 12])
     np.testing.assert_array_equal(bm.slots(seq, 9, 1), [13])
+    within = bm.slots(seq, 4, 4)  # a whole page: one run of slots
+    assert within.dtype == np.int32
+    np.testing.assert_array_equal(within, [8, 9, 10, 11])
     assert bm.slots(seq, 10, 0).shape == (0,)
     # Non-contiguous pages: after a rollback and another sequence's growth, slots follow the table.
     bm.truncate(seq, 4)

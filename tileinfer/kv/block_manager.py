@@ -339,10 +339,14 @@ class BlockManager:
             raise ValueError(
                 f"positions {start}..{start + n - 1} are outside the sequence, which has "
                 f"{seq.num_positions} reserved positions; reserve them first")
+        ps = self.page_size
+        if n and start // ps == (start + n - 1) // ps:  # within one page (a decode row, most verify rows)
+            first = seq.block_table[start // ps] * ps + start % ps
+            return np.arange(first, first + n, dtype=np.int32)
         positions = np.arange(start, start + n, dtype=np.int64)
         table = np.asarray(seq.block_table, dtype=np.int64)
-        pages = table[positions // self.page_size]
-        return (pages * self.page_size + positions % self.page_size).astype(np.int32)
+        pages = table[positions // ps]
+        return (pages * ps + positions % ps).astype(np.int32)
 
     def block_table_array(self, seqs: Iterable[Sequence], width: int) -> np.ndarray:
         """Block tables of `seqs`, zero-padded to `width` pages. # [len(seqs), width] int32"""

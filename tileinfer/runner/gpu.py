@@ -48,9 +48,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from cuda.bindings import driver
 
 from .. import kernels as K
-from ..cuda import DeviceArray, Stream, get_device
+from ..cuda import DeviceArray, Event, PinnedBuffer, Stream, call, get_device
 from ..cuda import compiler
 from ..cuda.module import load_all
 from ..graphs import DECODE, DECODE_MASKED, GraphManager, bucket_for
@@ -105,8 +106,8 @@ def _draft_sources(batch, drafted: DeviceDrafts) -> tuple[np.ndarray, np.ndarray
             rows.append(np.arange(at + 1, at + 1 + m))
             sources.append(np.arange(first + 1, first + 1 + m))
         at += len(item[1])
-    if not rows:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if len(rows) < 2:
+        return (rows[0], sources[0]) if rows else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     return np.concatenate(rows), np.concatenate(sources)
 
 
@@ -151,6 +152,8 @@ class GPURunner(CheckpointRunner):
         self.workspace = Workspace(self.local_config, max_tokens=self.max_batch_tokens,
                                    max_logit_rows=max(max_logit_rows, max_num_seqs), max_splits=MAX_SPLITS,
                                    max_partial_rows=self._partial_rows(), tp=tp)
+        self._argmax_host = PinnedBuffer(self.workspace.logit_argmax.nbytes)  # a verify step's argmaxes
+        self._argmax_ready = Event(timing=False)
         self.cache: PagedKVCache | None = None
         self.steps: StepBuffers | None = None
         self.graphs: GraphManager | None = None  # decode and verify graphs over the attached cache
@@ -522,14 +525,20 @@ class GPURunner(CheckpointRunner):
             if not self.graphs.has_kind(kind):
                 self.graphs.add_kind(kind, lambda b, s: self._enqueue_verify(b, graph_width, logits, s, sampled))
             self.graphs.run(kind, bucket, self.stream)
+        if logits == "argmax":
+            # 4 bytes a row, copied into pinned memory ahead of what `meanwhile` launches: the host's wait
+            # ends with the step, not behind the launches that follow it.
+            call(driver.cuMemcpyDtoHAsync, self._argmax_host.ptr, self.workspace.logit_argmax.ptr, n * 4,
+                 self.stream.handle)
+            self._argmax_ready.record(self.stream)
         if meanwhile is not None:
             meanwhile()
         t = time.perf_counter()
-        if bucket is None:
-            out = (rows.rows(0, n) if logits == "all" else self.workspace.logit_argmax.rows(0, n)).to_host(self.stream)
+        if logits == "argmax":
+            self._argmax_ready.synchronize()
+            out = self._argmax_host.array((n,), np.int32).copy()
         else:
-            ws = self.workspace
-            out = (ws.logits if logits == "all" else ws.logit_argmax).rows(0, n).to_host(self.stream)
+            out = (rows if bucket is None else self.workspace.logits).rows(0, n).to_host(self.stream)
         self.wait_seconds += time.perf_counter() - t
         return out
 
@@ -601,6 +610,7 @@ class GPURunner(CheckpointRunner):
             self.capture.free()
         self.workspace.free()
         self.weights.free()
+        self._argmax_host.free()
         self.stream.destroy()
         self._closed = True
 

@@ -374,11 +374,11 @@ def _write_rows(buffers: StepBuffers, rows: _Rows, token_src: list[int] | None) 
 
 
 def set_token_sources(buffers: StepBuffers, rows: np.ndarray, sources: np.ndarray) -> None:
-    """After prepare_step: the step's token rows `rows` take their ids on the device, from sources[i] of the
-    array its forward reads them from (a verify step's drafts, where the drafter left them)."""
+    """After prepare_step: the step's token rows `rows` (ascending) take their ids on the device, from
+    sources[i] of the array its forward reads them from (a verify step's drafts, where the drafter left them)."""
     if len(rows):
         buffers.host["token_src"][rows] = sources
-        buffers.src_dirty = max(buffers.src_dirty, int(rows.max()) + 1)
+        buffers.src_dirty = max(buffers.src_dirty, int(rows[-1]) + 1)
 
 
 def _write_padding(buffers: StepBuffers, b: int, num_seqs: int, offset: int, num_tokens: int) -> None:
