@@ -105,3 +105,41 @@ extern "C" __global__ void gather_states(const int *__restrict__ src, const floa
         st16(dst + c, v);
     }
 }
+
+// A DFlash block pass's inputs, decided on the device from the verify step before it, so that the pass can be
+// launched before the host has read that step (runner/gpu_dflash.py draft_ahead). rows [R, 7 + W] int32, one a
+// request: (src, m, first, start, entry, count, out, then its block table of W pages). The request's verify row
+// computed its last committed token and m drafts at token rows src..src + m of the step, at target positions
+// start.. and drafter context entries entry..; its drafts are drafted[first + 1 .. first + m]. acc, the drafts
+// the target accepts greedily, is the longest run with drafted[first + 1 + i] == argmax[src + i]; the round then
+// commits argmax[src + acc] at position start + acc + 1, and the context keeps entry .. entry + acc. The next
+// block, `count` tokens at pass rows out.., is that token then count - 1 mask tokens at positions
+// start + acc + 1 + t and entries e + t (e = entry + acc + 1); each is a sequence of its own (cu_q, last_rows)
+// with the request's block table, attending to entries [0, e + count). The last row also closes cu_q.
+// grid (R), block (128).
+extern "C" __global__ void next_block_inputs(const int *__restrict__ rows, int table_width,
+                                             const int *__restrict__ argmax, const int *__restrict__ drafted,
+                                             int mask_token, int page_size, int *__restrict__ tokens,
+                                             int *__restrict__ positions, int *__restrict__ slots,
+                                             int *__restrict__ kv_lens, int *__restrict__ cu_q, int *__restrict__ last_rows,
+                                             int *__restrict__ block_tables) {
+    pdl_start();
+    const int *r = rows + (size_t)(7 + table_width) * blockIdx.x;
+    const int src = r[0], m = r[1], first = r[2], start = r[3], entry = r[4], count = r[5], out = r[6];
+    const int *table = r + 7;
+    int acc = 0;
+    while (acc < m && drafted[first + 1 + acc] == argmax[src + acc]) ++acc;
+    const int token = argmax[src + acc], e = entry + acc + 1, s = start + acc + 1;
+    for (int t = threadIdx.x; t < count; t += blockDim.x) {
+        const int row = out + t, at = e + t;
+        tokens[row] = t == 0 ? token : mask_token;
+        positions[row] = s + t;
+        slots[row] = table[at / page_size] * page_size + at % page_size;
+        kv_lens[row] = e + count;
+        cu_q[row] = row;
+        last_rows[row] = row;
+    }
+    for (int i = threadIdx.x; i < count * table_width; i += blockDim.x)
+        block_tables[(size_t)out * table_width + i] = table[i % table_width];
+    if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) cu_q[out + count] = out + count;
+}

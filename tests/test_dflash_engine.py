@@ -266,6 +266,29 @@ def test_a_context_the_drafters_pool_has_no_room_for_is_left_out(tiny_checkpoint
     assert drafter.held[3].positions == [] and drafter.manager.num_free_pages == 2
 
 
+def test_greedy_rounds_let_the_drafter_draft_the_next_blocks_ahead(tiny_checkpoint, dflash_tiny_checkpoint):
+    # After each greedy round's context pass the runner is offered the next round's blocks (GPUDFlashRunner
+    # launches them before the host reads the round; the CPU runner waits for draft()): one row a request, in
+    # the verify step's row order, each with the drafts it checked and a block of num_draft_tokens + 1. Sampled
+    # rounds decide on the host, so nothing is offered after them.
+    for temperature in (0, 0.8):
+        with dflash_llm(tiny_checkpoint, dflash_tiny_checkpoint, num_draft_tokens=5) as llm:
+            calls = []
+            llm.engine.drafter.runner.draft_ahead = lambda rows: calls.append([(r, r.seq.num_positions) for r in rows])
+            params = SamplingParams(max_tokens=12, temperature=temperature, seed=1, ignore_eos=True)
+            llm.generate(prompts_of([30, 47], seed=2), params)
+        if temperature:
+            assert calls == []
+            continue
+        assert calls and {len(rows) for rows in calls} <= {1, 2}
+        for rows in calls:
+            src = 0
+            for row, held in rows:
+                assert row.src == src and row.count == 6 and 0 <= row.m <= 5
+                assert held == row.entry + row.m + 1  # the context ends with the step's entries
+                src += row.m + 1
+
+
 def test_proposals_spread_over_their_requests_and_are_read_once():
     # A drafter's rows are the requests it drafted for; the engine's view has every request, in order.
     reads = []

@@ -4,6 +4,8 @@ written from the drafter's description (z-lab's DFlashDraftModel), and greedy sp
 in batch-invariant mode (a position's logits are then the same in a verify chunk and in a decode step)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,10 @@ from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.forward import BF16
 from tileinfer.model.dflash_reference import DFlashReference
 from tileinfer.model.reference import ReferenceModel
+from tileinfer.cuda import DeviceArray
+from tileinfer.engine.dflash import DFlashDrafter
+from tileinfer.engine.speculative import accept
+from tileinfer.kernels import next_block_inputs
 from tileinfer.runner.base import ContextRow, DraftRow
 from tileinfer.runner.cpu import CPURunner
 
@@ -220,6 +226,94 @@ def test_a_verify_step_reads_the_drafts_where_the_block_pass_left_them(pair):
     for (seq, _, _), block in zip(rows, blocks):
         manager.release(seq)
         dmanager.release(block.seq)
+
+
+def test_next_block_inputs_decides_each_block_as_the_greedy_verdict_does(stream):
+    # Rows of awkward sizes (no drafts, every draft accepted, none, some), pages in shuffled order, entries that
+    # cross page boundaries: the kernel's step inputs against the host's arithmetic, and nothing written past
+    # the pass's rows.
+    rng = np.random.default_rng(5)
+    page, width, mask = 16, 9, 777
+    specs = [(0, 4), (5, 16), (3, 7), (7, 1), (2, 3)]  # (drafts m, block count) a row
+    argmax = rng.integers(0, 50, 64).astype(np.int32)
+    drafted = rng.integers(0, 50, 96).astype(np.int32)
+    rows, want, tables, src, first, out = [], [], [], 0, 0, 0
+    for i, (m, count) in enumerate(specs):
+        acc = int(rng.integers(0, m + 1))
+        drafted[first + 1:first + 1 + acc] = argmax[src:src + acc]  # the verdict accepts exactly acc drafts
+        if acc < m:
+            drafted[first + 1 + acc] = argmax[src + acc] + 1
+        start, entry = int(rng.integers(0, 50)), int(rng.integers(0, 60))
+        table = rng.permutation(64)[:width].astype(np.int32)
+        rows.append([src, m, first, start, entry, count, out] + table.tolist())
+        e = entry + acc + 1
+        for t in range(count):
+            at = e + t
+            want.append((argmax[src + acc] if t == 0 else mask, start + acc + 1 + t,
+                         table[at // page] * page + at % page, e + count, out + t, out + t))
+            tables.append(table)
+        src, first, out = src + m + 1 + i, first + m + 3, out + count
+    n, cap = out, out + 3
+    fields = {name: DeviceArray.from_host(np.full(cap, -9, np.int32))
+              for name in ("tokens", "positions", "slots", "kv_lens", "cu_q", "last_rows")}
+    fields["block_tables"] = DeviceArray.from_host(np.full((cap, width), -9, np.int32))
+    inputs = SimpleNamespace(**fields)
+    next_block_inputs(DeviceArray.from_host(np.array(rows, np.int32)), DeviceArray.from_host(argmax),
+                      DeviceArray.from_host(drafted), mask, page, inputs, stream)
+    got = {name: a.to_host(stream) for name, a in fields.items()}
+    names = ("tokens", "positions", "slots", "kv_lens", "cu_q", "last_rows")
+    np.testing.assert_array_equal(np.stack([got[k][:n] for k in names], 1), np.array(want))
+    np.testing.assert_array_equal(got["block_tables"][:n], np.array(tables))
+    assert got["cu_q"][n] == n
+    rest = [got[k][n + 1:] if k == "cu_q" else got[k][n:] for k in names] + [got["block_tables"][n:].ravel()]
+    assert all((r == -9).all() for r in rest)
+
+
+def test_a_block_drafted_ahead_equals_the_block_drafted_after_the_verdict(pair):
+    # Two requests (one with fewer drafts) go through a greedy round: the verify step's context pass is followed
+    # by draft_ahead, and the next propose takes that pass (no pass launched) with the same drafts a pass launched
+    # after the host's verdict gives.
+    target, drafter = pair
+    target.ensure_cache(512)
+    dflash = DFlashDrafter(drafter, target)
+    rng = np.random.default_rng(21)
+    k, reqs = 7, []
+    for rid, length in ((1, 40), (2, 57)):
+        committed = rng.integers(0, 151643, length).tolist()
+        seq = Sequence()
+        target.extend(seq, committed[:-1], logits="none")
+        dflash.add_context([(rid, 0, 0, length - 1)])
+        reqs.append((rid, seq, committed))
+    items = [(rid, committed, k - 3 * i) for i, (rid, _, committed) in enumerate(reqs)]
+    proposals = dflash.propose(items)
+    batch, context, at = [], [], 0
+    for (rid, seq, committed), m in zip(reqs, proposals.counts):
+        start = len(committed) - 1
+        target.cache.manager.reserve(seq, m + 1)
+        batch.append((seq, [committed[-1]] + [0] * m, start))
+        context.append((rid, start, at, m + 1))
+        at += m + 1
+    out = target.verify(batch, logits="argmax", drafted=proposals.device,
+                        meanwhile=lambda: dflash.add_context(context, then_draft=k))
+    at = 0
+    for (rid, seq, committed), props in zip(reqs, proposals.tokens()):
+        emitted, accepted = accept(props, out[at:at + len(props) + 1], SamplingParams(temperature=0), None)
+        start = len(committed) - 1
+        target.cache.manager.truncate(seq, start + 1 + accepted)
+        committed += emitted
+        dflash.rollback(rid, committed)
+        at += len(props) + 1
+    items = [(rid, committed, k) for rid, _, committed in reqs]
+    passes = drafter._passes
+    ahead = dflash.propose(items)
+    assert drafter._passes == passes  # taken from the pass launched ahead
+    again = dflash.propose(items)     # nothing ahead now: a pass of its own
+    assert drafter._passes == passes + 1
+    assert ahead.counts == again.counts == [k, k]
+    assert ahead.tokens() == again.tokens()
+    for rid, seq, _ in reqs:
+        target.cache.manager.release(seq)
+        dflash.release(rid)
 
 
 def test_context_rows_must_be_the_targets_last_step(pair):

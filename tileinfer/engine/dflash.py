@@ -8,7 +8,9 @@ them (on the GPU they never leave the device). Once the round is accepted, rollb
 rejected drafts (a truncate). A round's `propose` drafts k tokens in one forward over [the cached context,
 the last committed token, k masks]; the block's entries are truncated away right after, so between rounds
 a sequence holds exactly its context. On the GPU, one round is one wait for the device: the block pass, the
-verify step (reading the drafts where the block pass left them) and the context pass go out back to back.
+verify step (reading the drafts where the block pass left them) and the context pass go out back to back; after a
+greedy verify step the next round's block pass follows them (`then_draft`: the runner finds each request's
+verdict on the device), so the GPU drafts the next round while the host reads this one.
 
 Positions whose target states were never computed in this request (a prefix-cache hit, a chat turn's
 held positions), or that arrived while the drafter's pool had no room for them, are missing from the
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kv import Sequence
-from ..runner.base import ContextRow, DraftRow, Proposals
+from ..runner.base import AheadRow, ContextRow, DraftRow, Proposals
 
 
 @dataclass
@@ -42,17 +44,22 @@ class DFlashDrafter:
         self.config = runner.config
         self.target_layer_ids = self.config.target_layer_ids
         self.held: dict[int, _Context] = {}
+        self._first: dict[int, int] = {}  # request id -> where its last drafts lie on the device (DeviceDrafts.first)
 
     @property
     def manager(self):
         return self.runner.cache.manager
 
-    def add_context(self, items: list[tuple[int, int, int, int]]) -> None:
+    def add_context(self, items: list[tuple[int, int, int, int]], *, then_draft: int = 0) -> None:
         """items: (request id, start, row, n): the target's last step computed positions start..start+n-1 of
         the request in its rows row..row+n-1. They become the request's context entries now (context at or
         past `start` from before, a recomputed prompt after preemption, is replaced). A request whose drafter
-        pool has no room for them drafts without them."""
-        rows, added = [], []
+        pool has no room for them drafts without them.
+
+        then_draft = k > 0: the step was a greedy verify step of the drafts last proposed (each row the
+        request's last committed token and its n - 1 drafts): the runner may launch the next round's blocks of
+        k drafts now, on the device's verdict, for the next propose() to take (runner draft_ahead)."""
+        rows, added, ahead = [], [], []
         for rid, start, row, n in items:
             ctx = self.held.get(rid)
             if ctx is None:
@@ -65,12 +72,16 @@ class DFlashDrafter:
             ctx.positions.extend(range(start, start + n))
             rows.append(ContextRow(ctx.seq, entry, np.arange(start, start + n, dtype=np.int64), row))
             added.append((ctx, start))
+            if then_draft and (n == 1 or rid in self._first):
+                ahead.append(AheadRow(ctx.seq, row, n - 1, self._first.get(rid, -1), start, entry, then_draft + 1))
         try:
             self.runner.add_context(rows)
         except BaseException:
             for ctx, start in added:  # entries never written are no context
                 self._cut(ctx, start)
             raise
+        if ahead and len(ahead) == len(items):
+            self.runner.draft_ahead(ahead)
 
     def _cut(self, ctx: _Context, position: int) -> None:
         """Forget the context at `position` and after."""
@@ -95,6 +106,8 @@ class DFlashDrafter:
                 rows.append(row)
                 owners.append(i)
         drafts = self.runner.draft(rows)
+        if drafts.device is not None:
+            self._first = {items[i][0]: first for i, first in zip(owners, drafts.device.first)}
         for i in owners:  # the block's entries go (the pass in flight still writes them), the context stays
             ctx = self.held[items[i][0]]
             self.manager.truncate(ctx.seq, len(ctx.positions))

@@ -524,9 +524,13 @@ class Engine:
             at += m + 1
         greedy = all(not r.request.params.temperature > 0 for r in rows)
         width = self.config.num_draft_tokens + 1 if self.runner.use_graphs else None
+        # A greedy round's verdict is the argmaxes: a DFlash drafter may draft the next round from them on the
+        # device while the host reads this one.
+        ahead = self.config.num_draft_tokens if greedy else 0
         out = self.runner.verify(batch, logits="argmax" if greedy else "all", graph_width=width,
                                  drafted=proposals.device,
-                                 meanwhile=(lambda: self.drafter.add_context(context)) if self._feeds_drafter else None)
+                                 meanwhile=(lambda: self.drafter.add_context(context, then_draft=ahead))
+                                 if self._feeds_drafter else None)
         self.scheduler.update(rows)
         self.stats.steps += 1
         self.stats.computed_tokens += at

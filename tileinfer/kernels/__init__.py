@@ -2,9 +2,9 @@
 from .attention import FusedInput, attention
 from .routing import FUSED_MIN_SPLITS, engine_fuses_input, fuses_input, int8_decode_blocks, keys_mode
 from .attn_input import attn_input, attn_input_int8
-from .embedding import embedding, fetch_step, gather_states, resolve_tokens
+from .embedding import embedding, fetch_step, gather_states, next_block_inputs, resolve_tokens
 from .linear import linear, norm_linear
 from .rmsnorm import rmsnorm
 from .sampling import argmax, sample
 
-__all__ = ["FusedInput", "attention", "engine_fuses_input", "fuses_input", "int8_decode_blocks", "keys_mode", "FUSED_MIN_SPLITS", "attn_input", "attn_input_int8", "embedding", "fetch_step", "gather_states", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample"]
+__all__ = ["FusedInput", "attention", "engine_fuses_input", "fuses_input", "int8_decode_blocks", "keys_mode", "FUSED_MIN_SPLITS", "attn_input", "attn_input_int8", "embedding", "fetch_step", "gather_states", "next_block_inputs", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample"]

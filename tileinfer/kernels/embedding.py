@@ -102,3 +102,27 @@ def _check_first(first: int, name: str) -> None:
     if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < 2**31:
         raise ValueError(f"{name}: first (the vocabulary id of the table's row 0) must be an int in [0, 2^31), "
                          f"got {first!r}")
+
+
+def next_block_inputs(rows: DeviceArray, argmax: DeviceArray, drafted: DeviceArray, mask_token: int, page_size: int,
+                      inputs, stream) -> None:
+    """A DFlash block pass's step inputs, decided on the device from the verify step before it
+    (cuda_src/embedding.cu next_block_inputs): rows int32 [R, 7 + W] (src, m, first, start, entry, count, out,
+    then the request's block table) a request, in pass order; argmax int32 the verify step's; drafted int32
+    the drafts it read; `inputs` the pass's StepInputs (block tables W pages wide), whose tokens, positions,
+    slots, kv_lens, cu_q, last_rows and block tables it writes for rows 0..sum(count) (its token sources must
+    be -1: the tokens are these). The caller keeps every index in range."""
+    R, width = rows.shape
+    expect("rows", rows, (R, width), INT32)
+    W = inputs.block_tables.shape[1]
+    if width != 7 + W:
+        raise ValueError(f"next_block_inputs: rows of {width} ints; 7 and a block table of {W} make {7 + W}")
+    expect("argmax", argmax, (argmax.shape[0],), INT32)
+    expect("drafted", drafted, (drafted.shape[0],), INT32)
+    if page_size < 1:
+        raise ValueError(f"next_block_inputs: page_size must be positive, got {page_size}")
+    if R:
+        kernel("embedding.cu", "next_block_inputs").launch(
+            (R,), (128,), [rows, I32(W), argmax, drafted, I32(mask_token), I32(page_size), inputs.tokens,
+                           inputs.positions, inputs.slots, inputs.kv_lens, inputs.cu_q,
+                           inputs.last_rows, inputs.block_tables], stream)

@@ -125,6 +125,22 @@ class DraftRow:
 
 
 @dataclass(slots=True)
+class AheadRow:
+    """One request's next block, drafted before the host has read the verify step that decides it
+    (GPUDFlashRunner.draft_ahead): that step computed the request's last committed token and m drafts (draft j
+    at ids[first + j] of the drafts it read) at its token rows src..src + m, target positions start.. and
+    drafter context entries entry.. (just written by add_context). The block is `count` tokens: the token
+    the step commits, then masks."""
+    seq: Sequence
+    src: int
+    m: int
+    first: int
+    start: int
+    entry: int
+    count: int
+
+
+@dataclass(slots=True)
 class DeviceDrafts:
     """Drafts a target on the same GPU reads where the drafter left them: int32 `ids` on the device, and for
     each row of the verify step (a request's last committed token, then its drafts) `first[i]`: its draft j

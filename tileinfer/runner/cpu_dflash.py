@@ -20,7 +20,7 @@ from ..kv.paged_cache import cdiv
 from ..model.checkpoint import Checkpoint
 from ..model.dflash_config import DFlashConfig
 from ..model.dflash_reference import DFlashReference
-from .base import ContextRow, DraftRow, Proposals
+from .base import AheadRow, ContextRow, DraftRow, Proposals
 from .cpu import CPURunner, NumpyPagedCache, _SequenceView
 
 
@@ -84,6 +84,10 @@ class CPUDFlashRunner:
                                         row.block, row.start, view, 0)
             out.append([int(t) for t in logits.argmax(axis=1)])
         return Proposals.of(out)
+
+    def draft_ahead(self, rows: list[AheadRow]) -> None:
+        """Nothing: on the CPU a block is drafted when draft() asks for it (GPUDFlashRunner.draft_ahead
+        launches it early to keep the GPU busy while the host reads a round)."""
 
     def close(self) -> None:
         self.cache = None

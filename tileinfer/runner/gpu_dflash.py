@@ -7,6 +7,7 @@ paged KV pool of its own, and the target's kernels. Two passes, on the target's 
            hidden_norm), then for every layer qkv = c @ W_qkv and attn_input, which stores the k-normed,
            RoPE'd keys and the values at the entries' slots (RoPE at the target's positions; the queries it
            computes are not used). c does not depend on the layer, so the context needs no layer-by-layer pass.
+           Its inputs (positions, slots, capture rows) have buffers and an upload of their own.
   block    `draft(rows)`: every row's last committed token and k masks at positions start..start+k through
            forward(), the target's own step: each block token is a one-token pseudo-sequence that shares its
            row's block table and attends to all of the row's entries (context, then the whole block, which
@@ -15,14 +16,21 @@ paged KV pool of its own, and the target's kernels. Two passes, on the target's 
            logits; their argmax on the GPU, rows 1..k of each block, are the drafts. They are copied to
            `drafted`, where the target's verify step reads them (GPURunner.verify(drafted=...)), and to the
            host without a wait: the engine reads them once the verify step is done.
+After a greedy verify step the next round's block pass can go out before the host has read the step
+(`draft_ahead`): next_block_inputs (cuda_src/embedding.cu) finds each row's verdict from the step's argmaxes
+and the drafts it checked and writes the pass's inputs, and the pass follows; the next draft() over those very
+blocks takes its drafts. The GPU then runs the block while the host reads the round and stages the next verify
+step.
 A context of at most CONTEXT_GRAPH_TOKENS entries (a round's: k + 1 a request) is one graph, replayed per
 row count rounded up to CONTEXT_GRAPH_STEP; a longer one (a prompt's) goes eagerly in chunks of
-CONTEXT_TOKENS. Blocks go in groups of at most DRAFT_TOKENS tokens, one graph per group's token count. Their
-inputs are rows of the step buffers (and the context's source rows), uploaded before the replay, so only
-those counts pick the graph. With the target's graphs off (use_graphs) all is eager.
+CONTEXT_TOKENS. Blocks go in groups of at most DRAFT_TOKENS tokens, one graph per group's token count (and one
+per token count and block size for the passes drafted ahead). Their inputs are rows of the step buffers (and
+the context's source rows), uploaded before the replay, so only those counts pick the graph. With the target's
+graphs off (use_graphs) all is eager.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +47,7 @@ from ..model.dflash_config import DFlashConfig
 from ..model.forward import BF16, Workspace, check_supported, forward
 from ..model.inputs import StepShape
 from ..model.weights import DeviceWeights
-from .base import ContextRow, DeviceDrafts, DraftRow, Proposals
+from .base import AheadRow, ContextRow, DeviceDrafts, DraftRow, Proposals
 from .gpu import KEY_TILE, GPURunner, attention_splits
 from .step import StepBuffers, prepare_token_rows
 
@@ -110,14 +118,23 @@ class GPUDFlashRunner:
                                    max_logit_rows=self.draft_tokens, max_splits=BLOCK_MAX_SPLITS,
                                    max_partial_rows=BLOCK_PER_SM * target.device.info.num_sms // c.num_key_value_heads)
         # Each draft's block argmaxes (target token ids), as the target's verify step reads them, and their
-        # copy on the host.
+        # copies on the host: two, taken in turn by the block passes, so that a pass launched ahead
+        # (draft_ahead) does not overwrite the drafts of the round still being read.
         self.drafted = DeviceArray((max(target.max_verify_tokens, self.draft_tokens),), np.int32)
-        self._drafted_host = PinnedBuffer(self.drafted.nbytes)
-        self._drafted_ready = Event(timing=False)
-        self._generation = 0
+        self._drafted_host = [PinnedBuffer(self.drafted.nbytes) for _ in range(2)]
+        self._drafted_ready = [Event(timing=False) for _ in range(2)]
+        self._passes = 0  # block passes launched (pass i copies its drafts to _drafted_host[i % 2])
+        self._ahead: _Ahead | None = None  # the block pass draft_ahead launched, until draft() takes it
         self.features = DeviceArray((CONTEXT_TOKENS, self.config.feature_size), BF16)
-        self.context_src = DeviceArray((CONTEXT_TOKENS,), np.int32)  # each context entry's row of the capture
-        self._arrays += [self.drafted, self.features, self.context_src]
+        # The context pass's inputs: positions, slots and each entry's row of the capture, in one upload of
+        # their own (the block pass's step buffers are staged while a context pass may still read these).
+        self._context_host = PinnedBuffer(3 * CONTEXT_TOKENS * 4)
+        self._context_inputs = DeviceArray((3, CONTEXT_TOKENS), np.int32)
+        self._context_uploaded = Event(timing=False)
+        self._context_pending = False
+        self.context_positions, self.context_slots, self.context_src = (
+            self._context_inputs.rows(i, i + 1).view((CONTEXT_TOKENS,)) for i in range(3))
+        self._arrays += [self.drafted, self.features, self._context_inputs]
         self._capture = cap = target.capture  # what the context graphs read
         # Where the target's last layer's states sit in the capture rows (gather_states reads them from `last`).
         self._last_col = 0
@@ -148,6 +165,10 @@ class GPUDFlashRunner:
         self.cache = cache
         self.steps = StepBuffers(self.workspace.max_tokens, self.draft_tokens, cache.layout.block_table_width)
         self.graphs = GraphManager()
+        # draft_ahead's rows (next_block_inputs' layout: 7 ints and a block table a request), their upload
+        self._ahead_rows = DeviceArray((self.draft_tokens, 7 + cache.layout.block_table_width), np.int32)
+        self._ahead_host = PinnedBuffer(self._ahead_rows.nbytes)
+        self._ahead_uploaded = Event(timing=False)
 
     def ensure_cache(self, max_tokens: int, page_size: int = 64) -> PagedKVCache:
         """A pool of at least max_tokens entries (a new one if the attached one is smaller), each sequence up to
@@ -165,6 +186,10 @@ class GPUDFlashRunner:
             if not self.target._closed:  # (the stream is the target's)
                 self.stream.synchronize()
             self.steps.free()
+            self._ahead_rows.free()
+            self._ahead_host.free()
+            self._ahead_uploaded.destroy()
+        self._ahead = None
         if self.cache is not None:
             self.cache.free()
         self.cache = self.steps = self.graphs = None
@@ -202,19 +227,18 @@ class GPUDFlashRunner:
                 self._enqueue_context(count, self.stream)
 
     def _stage_context(self, positions: np.ndarray, slots: np.ndarray, src: np.ndarray, padded: int) -> None:
-        """Context entries' positions, slots and capture rows into rows 0..padded of the inputs (rows past the
-        entries: slot -1, nothing stored; source -1, zero states), uploaded."""
+        """Context entries' positions, slots and capture rows into rows 0..padded of the context inputs (rows
+        past the entries: slot -1, nothing stored; source -1, zero states), uploaded."""
         n = len(slots)
-        host = self.steps.host
-        self.steps.wait_upload()
-        host["positions"][:n] = positions
-        host["slots"][:n] = slots
-        host["positions"][n:padded] = 0
-        host["slots"][n:padded] = -1
-        rows = np.full(padded, -1, np.int32)
-        rows[:n] = src
-        self.context_src.rows(0, padded).copy_from_host(rows, self.stream)
-        self.steps.upload(self.stream)
+        if self._context_pending:  # the last upload has read the pinned rows
+            self._context_uploaded.synchronize()
+        host = self._context_host.array((3, CONTEXT_TOKENS), np.int32)
+        host[0, :n], host[1, :n], host[2, :n] = positions, slots, src
+        host[0, n:padded], host[1:, n:padded] = 0, -1
+        call(driver.cuMemcpyHtoDAsync, self._context_inputs.ptr, self._context_host.ptr, self._context_inputs.nbytes,
+             self.stream.handle)
+        self._context_uploaded.record(self.stream)
+        self._context_pending = True
 
     def _enqueue_context(self, n: int, stream) -> None:
         """The context pass over rows 0..n of the inputs: their states gathered from the target's capture
@@ -226,8 +250,7 @@ class GPUDFlashRunner:
         resid, x, qkv, q = ws.resid.rows(0, n), ws.x.rows(0, n), ws.qkv.rows(0, n), ws.q.rows(0, n)
         K.linear(f, self.fc, resid, "f32", stream)
         K.rmsnorm(resid, self.hidden_norm, x, c.rms_norm_eps, stream)
-        inputs = self.steps.inputs
-        positions, slots = inputs.positions.rows(0, n), inputs.slots.rows(0, n)
+        positions, slots = self.context_positions.rows(0, n), self.context_slots.rows(0, n)
         for i, lw in enumerate(self.weights.layers):
             K.linear(x, lw.w_qkv, qkv, "bf16", stream)
             K.attn_input(qkv, positions, slots, lw.q_norm, lw.k_norm, ws.inv_freq, q, self.cache.k_pool(i),
@@ -238,11 +261,16 @@ class GPUDFlashRunner:
         """Each row's k drafts (the argmax of block rows 1..k), over the context its sequence holds. Enqueued,
         not waited for: every row's block argmaxes go to `drafted`, one row's after another, where the target's
         verify step reads them (Proposals.device); `tokens()` reads them back. The block's entries are written
-        into the pool; the caller truncates each sequence back to its context afterwards."""
+        into the pool; the caller truncates each sequence back to its context afterwards. When draft_ahead
+        launched the pass these rows describe, that pass's drafts are the answer and nothing is launched."""
         self._check_attached()
-        offsets = np.cumsum([0] + [len(r.block) for r in rows]).tolist()
-        if offsets[-1] > self.drafted.shape[0]:
-            raise ValueError(f"draft: {offsets[-1]} block tokens in one call; a round drafts at most "
+        offsets = list(accumulate((len(r.block) for r in rows), initial=0))
+        n = offsets[-1]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.drafts(rows):
+            return self._proposals(rows, offsets, ahead.index)
+        if n > self.drafted.shape[0]:
+            raise ValueError(f"draft: {n} block tokens in one call; a round drafts at most "
                              f"{self.drafted.shape[0]} (the target's verify step)")
         group: list[DraftRow] = []
         at = size = 0
@@ -254,18 +282,77 @@ class GPUDFlashRunner:
             size += len(row.block)
         if group:
             self._block(group, at)
-        self._generation += 1
-        generation, n = self._generation, offsets[-1]
+        return self._proposals(rows, offsets, self._read_back(n))
+
+    def draft_ahead(self, rows: list[AheadRow]) -> None:
+        """Launch the next round's block pass now, before the host has read the verify step whose result it
+        needs: next_block_inputs decides each row's block (the token the step commits, its position and entry)
+        from the step's argmaxes and the drafts it checked, on the device, after the context pass of the
+        step's positions (add_context, called first), and writes the pass's step inputs; the pass follows
+        (one graph a block size and token count). The next draft() whose rows are exactly these blocks takes
+        the pass's drafts instead of launching one (a row that did not go as the greedy verdict says does not
+        match, and draft() launches a fresh pass); drafts only ever steer speculation, so a pass taken or not
+        never changes what the target emits. Each row holds `count` entries past its context's end (where the
+        block may start at the latest) while the pass is launched."""
+        self._check_attached()
+        self._ahead = None
+        n = sum(r.count for r in rows)
+        if not rows or n > self.draft_tokens or len({r.count for r in rows}) != 1:
+            return
+        manager, stream, width = self.cache.manager, self.stream, self.steps.table_width
+        held = []
+        try:
+            for r in rows:
+                if not manager.can_reserve(r.seq, r.count):
+                    return
+                held.append((r.seq, r.seq.num_positions))
+                manager.reserve(r.seq, r.count)
+                if len(r.seq.block_table) > width:
+                    return
+            self._ahead_uploaded.synchronize()  # the last upload has read the pinned rows
+            table = self._ahead_host.array((len(rows), 7 + width), np.int32)
+            out = 0
+            for i, r in enumerate(rows):
+                table[i, :7] = (r.src, r.m, r.first, r.start, r.entry, r.count, out)
+                pages = r.seq.block_table
+                table[i, 7:7 + len(pages)] = pages
+                table[i, 7 + len(pages):] = 0
+                out += r.count
+            call(driver.cuMemcpyHtoDAsync, self._ahead_rows.ptr, self._ahead_host.ptr, table.nbytes, stream.handle)
+            self._ahead_uploaded.record(stream)
+            self._launch_block(n, 0, ("ahead", rows[0].count))
+            self._ahead = _Ahead([(r.seq, r.start, r.entry, r.m, r.count) for r in rows], self._read_back(n))
+        finally:
+            for seq, kept in held:
+                manager.truncate(seq, kept)
+
+    def _enqueue_ahead(self, count: int, n: int, stream) -> None:
+        """next_block_inputs over the n // count rows of `_ahead_rows`, then the block pass of n tokens."""
+        target = self.target
+        K.next_block_inputs(self._ahead_rows.rows(0, n // count), target.workspace.logit_argmax, self.drafted,
+                            self.config.mask_token_id, self.cache.page_size, self.steps.inputs, stream)
+        self._enqueue_block(n, stream)
+
+    def _read_back(self, n: int) -> int:
+        """Copy the n drafts of the pass just enqueued to the host (the next of the two copies); the pass's index."""
+        index = self._passes
+        self._passes += 1
         if n:
-            call(driver.cuMemcpyDtoHAsync, self._drafted_host.ptr, self.drafted.ptr, n * 4, self.stream.handle)
-            self._drafted_ready.record(self.stream)
+            call(driver.cuMemcpyDtoHAsync, self._drafted_host[index % 2].ptr, self.drafted.ptr, n * 4,
+                 self.stream.handle)
+            self._drafted_ready[index % 2].record(self.stream)
+        return index
+
+    def _proposals(self, rows: list[DraftRow], offsets: list[int], index: int) -> Proposals:
+        """The drafts of block pass `index` for these rows (block i at offsets[i] of `drafted`)."""
+        n = offsets[-1]
 
         def read() -> list[list[int]]:
-            if generation != self._generation:
-                raise RuntimeError("draft: these drafts were not read before the next draft() overwrote them")
+            if self._passes > index + 2:
+                raise RuntimeError("draft: these drafts were not read before later block passes overwrote them")
             if n:
-                self._drafted_ready.synchronize()
-            ids = self._drafted_host.array((max(n, 1),), np.int32)
+                self._drafted_ready[index % 2].synchronize()
+            ids = self._drafted_host[index % 2].array((max(n, 1),), np.int32)
             return [ids[o + 1: o + len(r.block)].tolist() for o, r in zip(offsets, rows)]
 
         return Proposals([len(r.block) - 1 for r in rows], read=read, device=DeviceDrafts(self.drafted, offsets[:-1]))
@@ -284,17 +371,24 @@ class GPUDFlashRunner:
             kv_lens.append(np.full(m, first + m))                 # every block token attends to entries [0, first + m)
         shape = prepare_token_rows(self.steps, [(row.seq, len(row.block)) for row in group], tokens,
                                    np.concatenate(positions), np.concatenate(slots), np.concatenate(kv_lens))
-        n = shape.num_tokens
         self.steps.upload(stream)
+        self._launch_block(shape.num_tokens, at)
+        return at + shape.num_tokens
+
+    def _launch_block(self, n: int, at: int, kind="draft") -> None:
+        """The block pass of n tokens (a graph replay when graphs are on): over rows 0..n of the step buffers
+        ("draft"), or over the inputs next_block_inputs writes first ("ahead", count); its argmaxes copied to
+        drafted[at:]."""
+        stream = self.stream
+        enqueue = self._enqueue_block if kind == "draft" else (lambda b, s: self._enqueue_ahead(kind[1], b, s))
         if self.use_graphs:
-            if not self.graphs.has_kind("draft"):
-                self.graphs.add_kind("draft", self._enqueue_block)
-            self.graphs.run("draft", n, stream)
+            if not self.graphs.has_kind(kind):
+                self.graphs.add_kind(kind, enqueue)
+            self.graphs.run(kind, n, stream)
         else:
-            self._enqueue_block(n, stream)
+            enqueue(n, stream)
         call(driver.cuMemcpyDtoDAsync, self.drafted.ptr + at * 4, self.workspace.logit_argmax.ptr, n * 4,
              stream.handle)
-        return at + n
 
     def _enqueue_block(self, n: int, stream) -> None:
         """A block pass of n tokens (rows 0..n of the step inputs) and each logits row's argmax."""
@@ -331,7 +425,8 @@ class GPUDFlashRunner:
         for a in self._arrays:
             a.free()
         self._arrays.clear()
-        self._drafted_host.free()
+        for buffer in self._drafted_host + [self._context_host]:
+            buffer.free()
         self.target = None
 
     def __enter__(self) -> "GPUDFlashRunner":
@@ -339,3 +434,24 @@ class GPUDFlashRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Ahead:
+    """A block pass draft_ahead launched: each row's (sequence, start, entry, m, count) as its AheadRow gave
+    them, and the pass's index (where its drafts are read back)."""
+
+    def __init__(self, rows: list[tuple], index: int):
+        self.rows, self.index = rows, index
+
+    def drafts(self, rows: list[DraftRow]) -> bool:
+        """Whether this pass drafted exactly these rows: the same sequences and block sizes, each block where
+        its step's greedy verdict put it (acc of the m drafts accepted: position start + acc + 1, context entry
+        entry + acc + 1). The block's first token is the committed token the verdict chose, which the device
+        took from the same argmaxes."""
+        if len(rows) != len(self.rows):
+            return False
+        for row, (seq, start, entry, m, count) in zip(rows, self.rows):
+            acc = row.start - start - 1
+            if row.seq is not seq or len(row.block) != count or not 0 <= acc <= m or row.entry != entry + acc + 1:
+                return False
+        return True
