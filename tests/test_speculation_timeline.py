@@ -3,13 +3,20 @@ round's marks come in the engine's order and in time order."""
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "speculation_timeline.py"
 
 
-def test_a_rounds_marks_come_in_the_engines_order():
+@pytest.fixture(scope="module")
+def timeline():
     spec = importlib.util.spec_from_file_location("speculation_timeline", SCRIPT)
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_rounds_marks_come_in_the_engines_order(timeline):
     result = timeline.main(["--device", "cpu", "--tokens", "12", "--passes", "1", "--chats", "2"])
     labels = [label.split("#")[0] for label in result["labels"]]
     order = ["accept>", "accept<", "step<", "step>", "propose>", "propose<", "verify>", "context>", "context<",
@@ -18,10 +25,7 @@ def test_a_rounds_marks_come_in_the_engines_order():
     assert result["us"] == sorted(result["us"]) and result["rounds"] >= 3 and result["target_steps"] > 0
 
 
-def test_rounds_are_cut_where_the_verify_step_returns():
-    spec = importlib.util.spec_from_file_location("speculation_timeline", SCRIPT)
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+def test_rounds_are_cut_where_the_verify_step_returns(timeline):
     marks = [("verify<", 1.0), ("a>", 1.5), ("a<", 2.0), ("verify<", 3.0), ("a>", 3.25), ("a<", 3.5), ("verify<", 4.0),
              ("a>", 5.0)]
     rounds = timeline.rounds_of(marks)
