@@ -179,12 +179,52 @@ __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const
     }
 }
 
-// In place: every token whose bit in `mask` (int32 words, bit t % 32 of word t / 32) is clear gets -inf
-// (a structured output's grammar allows only the set bits). The block's threads share the vocabulary.
-__device__ __forceinline__ void mask_row_logits(float *row, int vocab, const int *__restrict__ mask) {
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        if (!((mask[i >> 5] >> (i & 31)) & 1)) row[i] = -TI_INF;
+// A row's bitmask (int32 words, bit t % 32 of word t / 32 for token t) into shared memory, 16 bytes a load where
+// the row is 16-byte aligned: a scan that read its words from global memory as it went would wait on one
+// load's latency every iteration.
+__device__ __forceinline__ void load_mask(const int *__restrict__ mask, int words, u32 *smask) {
+    if ((words & 3) == 0 && (reinterpret_cast<size_t>(mask) & 15) == 0) {
+        const int4 *m4 = reinterpret_cast<const int4 *>(mask);
+        int4 *s4 = reinterpret_cast<int4 *>(smask);
+        for (int i = threadIdx.x; i < (words >> 2); i += blockDim.x) s4[i] = m4[i];
+    } else {
+        for (int i = threadIdx.x; i < words; i += blockDim.x) smask[i] = (u32)mask[i];
     }
+    __syncthreads();
+}
+
+// thread_argmax over the tokens the mask (in shared memory) allows, in one pass that also sets every other
+// logit to -inf in place (a structured output's grammar allows only the set bits), so that the sampling
+// passes after it and the logprobs the host reads see the masked row. The same result as writing the -inf
+// first and then taking thread_argmax: a masked token is -inf either way.
+__device__ __forceinline__ ArgMax thread_argmax_masked(float *z, int vocab, const u32 *smask) {
+    ArgMax m{-TI_INF, 0x7fffffff};
+    if ((vocab & 3) == 0) {
+        float4 *z4 = reinterpret_cast<float4 *>(z);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < (vocab >> 2); i += blockDim.x) {
+            float4 v = z4[i];
+            const u32 bits = smask[i >> 3] >> (4 * (i & 7));  // tokens 4i .. 4i + 3
+            if ((bits & 0xFu) != 0xFu) {
+                if (!(bits & 1u)) v.x = -TI_INF;
+                if (!(bits & 2u)) v.y = -TI_INF;
+                if (!(bits & 4u)) v.z = -TI_INF;
+                if (!(bits & 8u)) v.w = -TI_INF;
+                z4[i] = v;
+            }
+            m = better(m, ArgMax{v.x, 4 * i});
+            m = better(m, ArgMax{v.y, 4 * i + 1});
+            m = better(m, ArgMax{v.z, 4 * i + 2});
+            m = better(m, ArgMax{v.w, 4 * i + 3});
+        }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            float v = z[i];
+            if (!((smask[i >> 5] >> (i & 31)) & 1u)) { v = -TI_INF; z[i] = v; }
+            m = better(m, ArgMax{v, i});
+        }
+    }
+    return m;
 }
 
 // ============================================================================= kernels
@@ -213,7 +253,8 @@ __device__ __forceinline__ void emit(int *out, int *host_out, const int *host_sl
 // the same launch, not one of its own before it: one kernel less a step). num_keys > 0: the LM head
 // wrote row 0's per-block keys to head_keys (batch 1); unless row 0 has penalty entries or a mask, its
 // argmax comes from those keys. mask_rows[r] >= 0: row r keeps only the tokens its bitmask in `masks`
-// allows (mask_row_logits, after the penalties). The token goes out as emit() writes it.
+// allows (thread_argmax_masked, after the penalties; the launch gives mask_words * 4 bytes of dynamic shared
+// memory for it). The token goes out as emit() writes it.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         float *logits, int vocab, const float *__restrict__ temperature,
         const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
@@ -237,12 +278,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         __syncthreads();  // the block's writes are visible to its own later reads
     }
     const int mask_row = mask_rows != nullptr ? mask_rows[r] : -1;
-    if (mask_row >= 0) {
-        mask_row_logits(z, vocab, masks + (size_t)mask_row * mask_words);
-        __syncthreads();
-    }
+    extern __shared__ __align__(16) u32 smask[];  // mask_words: row r's bitmask
+    if (mask_row >= 0) load_mask(masks + (size_t)mask_row * mask_words, mask_words, smask);
     const bool keyed = r == 0 && num_keys > 0 && !penalized && mask_row < 0;
-    const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk) : block_argmax(thread_argmax(z, vocab), sv, si);
+    const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk)
+                           : block_argmax(mask_row >= 0 ? thread_argmax_masked(z, vocab, smask) : thread_argmax(z, vocab),
+                                          sv, si);  // block_argmax's barriers make the -inf visible to the block
     if (!(temp > 0.f)) {
         if (threadIdx.x == 0) emit(out, host_out, host_slot, host_stride, r, m.i);
         return;

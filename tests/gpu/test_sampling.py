@@ -378,7 +378,7 @@ def test_launcher_rejects_bad_arguments(case, buf, stream):
 # ============================================================================= structured-output masks
 
 
-@pytest.mark.parametrize("vocab", [1000, 4097, 151936], ids=lambda v: f"vocab{v}")
+@pytest.mark.parametrize("vocab", [1000, 1028, 4097, 151936], ids=lambda v: f"vocab{v}")
 def test_sample_applies_bitmasks_as_numpy(vocab, buf, stream):
     # Rows with a mask keep only its tokens (after any penalties); rows with mask_rows -1 are untouched;
     # greedy and sampled draws both come from the masked rows.

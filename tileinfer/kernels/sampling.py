@@ -81,5 +81,6 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
             raise ValueError(f"sample: host_out rows hold {stride} tokens, the step samples {rows}")
     kernel("sampling.cu", "sample_rows").launch(
         (rows,), (1024,), [logits, I32(vocab), temperature, top_k, top_p, min_p, seeds, counters, out, head_keys,
-                           I32(num_keys), *pen_args, *mask_args, host_out, host_slot, I32(stride)], stream)
+                           I32(num_keys), *pen_args, *mask_args, host_out, host_slot, I32(stride)], stream,
+        smem=bitmasks.shape[1] * 4 if masks is not None else 0)  # a row's bitmask, in shared memory
 
