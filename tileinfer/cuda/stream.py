@@ -15,6 +15,11 @@ class Stream:
     def synchronize(self) -> None:
         call(driver.cuStreamSynchronize, self.handle)
 
+    def wait(self, event: "Event") -> None:
+        """Work enqueued here from now on waits for `event`'s last record (in a graph capture: a dependency on
+        what came before that record, which also brings this stream into the capture)."""
+        call(driver.cuStreamWaitEvent, self.handle, event.handle, 0)
+
     def is_capturing(self) -> bool:
         """Whether a graph capture is recording this stream."""
         status = call(driver.cuStreamIsCapturing, self.handle)

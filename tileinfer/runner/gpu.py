@@ -12,10 +12,12 @@ runner (runner/cpu.py) offers the same methods over the float32 reference.
 Structured output. A step whose rows sample under allowed-token bitmasks (`launch(masked=...)`) is
 launched whole, forward and sampling, before its masks exist: the host computes them while the forward
 runs (a mask needs the token the step before sampled, which the engine reads only after this launch)
-and hands them over with `publish_masks`. Between the forward and the sampling kernel the step waits
-on a mapped host word, copies the masks in and clears the word (step.py, `enqueue_masks`): a stream
-wait, a copy and a stream write, which a CUDA graph captures as nodes, so a decode step with masks
-replays a graph of its own kind (DECODE_MASKED) and a step without masks is exactly what it was.
+and hands them over with `publish_masks`. Beside the forward, on a stream forked where it begins, the
+step waits on a mapped host word, copies the masks in and clears the word; its sampling kernel waits
+for that copy (step.py, `fork_masks`, `join_masks`): a stream wait, a copy and a stream write, which a
+CUDA graph captures as a branch, so a decode step with masks replays a graph of its own kind
+(DECODE_MASKED) and a step without masks is exactly what it was. Masks published before the forward
+ends are copied while it runs.
 Launching the sampling kernel separately once the masks are written would instead cost every such
 step one more launch from the host after the masks, and split each decode graph in two. A launched
 step with masks must be published before it, or anything after it, is waited for (the runner refuses:
@@ -323,13 +325,16 @@ class GPURunner(CheckpointRunner):
     def _enqueue_step(self, shape: StepShape, *, sample: bool, num_splits: int, stream, embedded: bool = False,
                       masked: bool = False):
         """A step's forward, then (sample=True) the sampling launch over each sequence's last logits row;
-        masked=True: the bitmasks are taken in between (StepBuffers.enqueue_masks)."""
+        masked=True: the bitmasks are copied in beside the forward and the sampling waits for them
+        (StepBuffers.fork_masks, join_masks)."""
+        d, b = self.steps.dev, shape.num_seqs
+        if masked:
+            self.steps.fork_masks(b, stream)
         logits = self._forward(shape, all_logits=False, num_splits=num_splits, stream=stream, embedded=embedded)
         if not sample:
             return
-        d, b = self.steps.dev, shape.num_seqs
         if masked:
-            self.steps.enqueue_masks(b, stream)
+            self.steps.join_masks(stream)
         penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
                      d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
         keyed = head_keys_written(logits, self.batch_invariant, self.tensor_parallel)  # batch 1, one GPU

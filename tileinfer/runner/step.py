@@ -9,9 +9,11 @@ addresses, so a graph captured at one length stays valid as sequences grow.
 
 Allowed-token bitmasks (structured output) are the one input that arrives after the launch: the host
 computes a step's masks while its forward runs (they depend on the token the step before sampled).
-A step with masks waits, after its forward, for a mapped host word (`mask_flag`) to read 1, copies
-the masks from pinned memory, sets the word back to 0 and samples (`enqueue_masks`); the host fills
-`mask_staging`, then sets the word (`release_masks`). Steps without masks have none of this.
+A step with masks forks a stream of its own where its forward begins (`fork_masks`): there it waits
+for a mapped host word (`mask_flag`) to read 1, copies the masks from pinned memory and sets the word
+back to 0, while the forward runs; the step's sampling waits for that copy (`join_masks`). The host
+fills `mask_staging`, then sets the word (`release_masks`). Masks published before the forward ends
+are copied beside it. Steps without masks have none of this.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver
 
-from ..cuda import DeviceArray, Event, PinnedBuffer, call
+from ..cuda import DeviceArray, Event, PinnedBuffer, Stream, call
 from ..kv import BlockManager
 from ..model.inputs import StepInputs, StepShape
 
@@ -109,12 +111,14 @@ class StepBuffers:
         self.penalties_host = PinnedBuffer(self.penalties.nbytes)
         self.num_penalty_entries = 0
         # Allowed-token bitmasks (structured output) of the rows that have one, in row order; the host
-        # writes them after the launch, the step copies them in after its forward (enqueue_masks).
+        # writes them after the launch, the step copies them in on a stream of its own (fork_masks).
         self.masks = DeviceArray((max_seqs, max(int(mask_words), 1)), np.int32)
         self.masks_host = PinnedBuffer(self.masks.nbytes)
         self.num_masks = 0  # masked rows of the step prepared last
         self.mask_flag = PinnedBuffer(4, mapped=True)  # 1: masks_host holds the waiting step's masks
         self._flag = self.mask_flag.array((1,), np.uint32)
+        self.mask_stream = Stream()
+        self._masks_fork, self._masks_in = Event(timing=False), Event(timing=False)
         self._flag[0] = 0
         # What each row of the block tables and sampling fields holds now: (sequence, table version)
         # and the SamplingRow object, so unchanged rows are not rewritten every step.
@@ -160,17 +164,24 @@ class StepBuffers:
                  stream.handle)
 
     # ------------------------------------------------------------------ bitmasks after the launch
-    def enqueue_masks(self, rows: int, stream) -> None:
-        """In a step with masks, between its forward and its sampling (graph-capturable: two memory-operation
-        nodes and a copy): wait until mask_flag is 1, copy `rows` bitmasks in, set mask_flag to 0. The flag
-        goes back to 0 only after the copy has read masks_host, so a host that sees 0 may write the next
-        step's masks."""
-        flag = self.mask_flag.device_ptr
+    def fork_masks(self, rows: int, stream) -> None:
+        """In a step with masks, where its forward begins (graph-capturable: a branch of two memory-operation
+        nodes and a copy): on mask_stream, wait until mask_flag is 1, copy `rows` bitmasks in, set mask_flag
+        to 0. The flag goes back to 0 only after the copy has read masks_host, so a host that sees 0 may write
+        the next step's masks. The step's sampling must then `join_masks`."""
+        self._masks_fork.record(stream)
+        self.mask_stream.wait(self._masks_fork)
+        flag, side = self.mask_flag.device_ptr, self.mask_stream.handle
         eq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
-        call(driver.cuStreamWaitValue32, stream.handle, flag, 1, eq, detail="the wait for a step's bitmasks")
+        call(driver.cuStreamWaitValue32, side, flag, 1, eq, detail="the wait for a step's bitmasks")
         nbytes = rows * self.masks.shape[1] * 4
-        call(driver.cuMemcpyHtoDAsync, self.masks.ptr, self.masks_host.ptr, nbytes, stream.handle)
-        call(driver.cuStreamWriteValue32, stream.handle, flag, 0, 0, detail="the bitmasks' flag reset")
+        call(driver.cuMemcpyHtoDAsync, self.masks.ptr, self.masks_host.ptr, nbytes, side)
+        call(driver.cuStreamWriteValue32, side, flag, 0, 0, detail="the bitmasks' flag reset")
+        self._masks_in.record(self.mask_stream)
+
+    def join_masks(self, stream) -> None:
+        """Before a step's sampling: what `stream` enqueues next waits for the masks fork_masks copies in."""
+        stream.wait(self._masks_in)
 
     def masks_taken(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until the step that last waited for masks has copied them in
@@ -217,7 +228,8 @@ class StepBuffers:
         self.masks.free()
         self.masks_host.free()
         self.mask_flag.free()
-        for e in (*self.sampled_ready, self.uploaded):
+        self.mask_stream.destroy()
+        for e in (*self.sampled_ready, self.uploaded, self._masks_fork, self._masks_in):
             e.destroy()
 
 
