@@ -16,6 +16,10 @@ against its grammar (a refused one would end its request early, and fail that as
 
 Prints the three step times, the masking cost as a fraction of the step, the host's grammar time per
 step (matchers advanced and masks computed) and tokens/s; writes bench_structured.json to $OUT or --out.
+
+--graphs (GPU) also times what masks cost the GPU alone: the batch's decode graph replayed back to back with
+and without its masks, over a live step's buffers (random masks, about half the vocabulary allowed, their
+flag set before each replay, so no replay waits for the host).
 """
 from __future__ import annotations
 
@@ -26,12 +30,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+from cuda.bindings import driver
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import batch_decode  # noqa: E402
+from bench import replay_ms  # noqa: E402
+from bench_engine import batch_decode, live_step  # noqa: E402
 
 import tileinfer  # noqa: E402
 from tileinfer import SamplingParams, StructuredOutputs  # noqa: E402
+from tileinfer.cuda import Graph  # noqa: E402
+from tileinfer.cuda.driver import call  # noqa: E402
 from tileinfer.model.synthetic import cached_checkpoint  # noqa: E402
 
 # A user record with typed fields and a long list of events: strings, integers, numbers, enums, booleans,
@@ -64,6 +74,35 @@ def report(name: str, r: dict) -> None:
           f"over {r['steps']} steps", flush=True)
 
 
+def masked_graph_us(runner, batch: int, replays: int = 200) -> dict:
+    """GPU microseconds of the decode graph of `batch` rows, replayed without ("plain") and with ("masked")
+    its bitmasks (every row masked; random masks): live_step's inspect. The masks' flag is set by the stream
+    before each replay, so the masked replays never wait for the host."""
+    steps = runner.steps
+    words = steps.masks.shape[1]
+    rng = np.random.default_rng(0)
+    steps.masks_host.array((batch, words), np.int32)[:] = rng.integers(-2**31, 2**31, (batch, words)).astype(np.int32)
+    steps.host["mask_rows"][:batch] = np.arange(batch)
+    flag = steps.mask_flag.device_ptr
+    out = {}
+    try:
+        for name, masked in (("plain", False), ("masked", True), ("plain", False), ("masked", True)):
+            graph = Graph(runner.stream, lambda s: runner._enqueue_decode(batch, s, masked=masked))
+
+            def launch(s, graph=graph):
+                call(driver.cuStreamWriteValue32, s.handle, flag, 1, 0)
+                graph.launch(s)
+            try:
+                out.setdefault(name, []).append(replay_ms(runner.stream, launch, replays) * 1e3)
+            finally:
+                graph.destroy()
+    finally:
+        call(driver.cuStreamWriteValue32, runner.stream.handle, flag, 0, 0)
+        runner.stream.synchronize()
+        steps.host["mask_rows"][:] = -1
+    return out
+
+
 def workload_arguments(ap: argparse.ArgumentParser) -> None:
     """The model, device and batch options (this script's and structured_timeline.py's)."""
     ap.add_argument("--preset", default="qwen3-0.6b", help="synthetic checkpoint preset (made on first use)")
@@ -78,6 +117,8 @@ def workload_arguments(ap: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_arguments(ap)
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time the decode graph replayed with and without masks (the GPU's cost alone)")
     args = ap.parse_args(argv)
     if args.batch < 2 or args.new < 4:
         ap.error("--batch must be >= 2 (half of it is constrained) and --new >= 4 (steps to time)")
@@ -100,13 +141,21 @@ def main(argv: list[str] | None = None) -> dict:
         half = batch_decode(llm, args.batch, args.context, args.new,
                             params(args.new, [i % 2 == 0 for i in range(args.batch)]))
         report("(c) half the requests constrained", half)
+        graphs = None
+        if args.graphs and args.device == "cuda":
+            graphs = live_step(llm, args.batch, args.context, masked_graph_us)
+            plain_us, masked_us = np.mean(graphs["plain"]), np.mean(graphs["masked"])
+            print(f"decode graph of {args.batch} rows, GPU time: {plain_us:.1f} us plain, {masked_us:.1f} us with "
+                  f"masks ({masked_us - plain_us:+.1f} us; two replay runs of each: "
+                  f"{', '.join(f'{x:.1f}' for x in graphs['plain'])} / {', '.join(f'{x:.1f}' for x in graphs['masked'])})",
+                  flush=True)
     cost = (every["ms_per_step"] - plain["ms_per_step"]) / plain["ms_per_step"]
     print(f"masking cost, every request constrained: {100 * cost:+.1f}% of the decode step "
           f"({every['ms_per_step'] - plain['ms_per_step']:+.3f} ms of {plain['ms_per_step']:.3f} ms)")
     print(f"half constrained: {half['decode_tok_s']:.0f} output tok/s in total "
           f"({half['decode_tok_s'] / plain['decode_tok_s']:.3f} of the unconstrained batch's)")
     result = dict(device=device, model=name, batch=args.batch, context=args.context, new=args.new, schema=SCHEMA,
-                  plain=plain, every=every, half=half, masking_cost_fraction=cost)
+                  plain=plain, every=every, half=half, masking_cost_fraction=cost, graph_us=graphs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_structured.json").write_text(json.dumps(result, indent=1))
     return result
