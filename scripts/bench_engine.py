@@ -65,7 +65,9 @@ def live_step(llm: LLM, batch: int, context: int, inspect):
     rng = np.random.default_rng(batch + 1)
     prompts = [rng.integers(0, vocab(llm), context).tolist() for _ in range(batch)]
     counts = [0] * batch
-    stream = llm.generate_stream(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    # The first prompts decode a token a step while the rest are prefilled: enough tokens to outlast that.
+    prefill_steps = -(-batch * context // llm.engine.scheduler.max_num_batched_tokens)
+    stream = llm.generate_stream(prompts, SamplingParams(max_tokens=prefill_steps + 32, temperature=0, ignore_eos=True))
     try:
         for out in stream:
             counts[out.index] += len(out.token_ids)
