@@ -34,7 +34,9 @@
 // k16 slices are 32 bytes apart (start address + 32 ks). Partial tiles: TMA zero-fills what lies
 // outside [M or N rows, K columns], so the products there are 0 and the epilogue skips rows >= M
 // and columns >= N. A W box entirely past N (plain epilogues, the last column tile) is not loaded:
-// its columns are never stored.
+// its columns are never stored. A box partly outside its map loads much slower, so the launcher's map of
+// A runs to a whole 128-row tile where A's allocation does (linear.py, tile_rows): the rows past M hold
+// whatever is there, and their products are not stored either.
 //
 // Epilogues as in gemv.cu. For SILU_MUL (W = [gate; up], N = 2 I) a column tile covers BN/2 outputs:
 // the first W box holds gate rows j0 .. j0 + BN/2 - 1, the second the up rows I + j0 .. , so

@@ -204,3 +204,21 @@ def test_gemv_segment_is_the_kernels():
     src = (cuda_src_dir() / "gemv.cu").read_text()
     assert f"step = {L.GEMV_SEGMENT} * ksplit" in src and f"kpart * {L.GEMV_SEGMENT} + lane * 8" in src
     assert L.GEMV_SEGMENT == 32 * 8
+
+
+def test_the_tma_maps_of_x_cover_whole_tiles_where_its_allocation_continues():
+    # gemm's tensor map of x: M rounded up to 128-row tiles within the array x is a view of (addresses only:
+    # arrays made with ptr= allocate nothing).
+    import numpy as np
+
+    from tileinfer.cuda import DeviceArray
+    from tileinfer.kernels.linear import tile_rows
+
+    root = DeviceArray((300, 64), np.uint16, ptr=1 << 20)
+    assert tile_rows(root.rows(0, 144), 128) == 256
+    assert tile_rows(root.rows(0, 256), 128) == 256
+    assert tile_rows(root.rows(0, 1), 128) == 128
+    assert tile_rows(root.rows(100, 244), 128) == 200      # the allocation ends 200 rows on
+    assert tile_rows(root.rows(200, 290).rows(0, 50), 128) == 100  # a view of a view: the root's end
+    assert tile_rows(root, 128) == 300                      # an array of its own: its rows
+    assert tile_rows(DeviceArray((144, 64), np.uint16, ptr=1 << 20), 128) == 144

@@ -14,7 +14,7 @@ import pytest
 
 import test_kernels
 from tileinfer.cuda import get_device
-from tileinfer.kernels.linear import cluster_slots, gemm
+from tileinfer.kernels.linear import cluster_slots, gemm, tile_rows
 from tileinfer.kernels.routing import TMA_SPLITS, tma_plan
 
 from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
@@ -130,6 +130,36 @@ def test_gemm_tma_variants_agree_up_to_summation_order(buf, stream):
         got.append(out.to_host(stream))
     for kw, g in zip(kws[1:], got[1:]):
         assert np.abs(g - got[0]).max() <= 1e-4 * np.abs(got[0]).max(), kw
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("M", [65, 144, 300])
+def test_gemm_tma_reads_whole_tiles_of_a_larger_buffer(M, epilogue, buf, stream):
+    # x the first M rows of a buffer of whole 128-row tiles whose other rows are NaN, out the first M rows of a
+    # larger poisoned buffer: the tensor map covers the whole tiles (tile_rows), the rows past M are never
+    # stored, and the M rows come out bit for bit as from an x of exactly M rows (the planned launch and a split).
+    rng = np.random.default_rng(M)
+    N, K = 520, 1000
+    rows = -(-M // 128) * 128
+    x = rand_bf16(rng, (M, K))
+    big = np.full((rows, K), np.nan, dtype=BF16)
+    big[:M] = x
+    x_view = buf.upload(big).rows(0, M)
+    assert tile_rows(x_view, 128) == rows
+    w = buf.upload(linear_weight(N, K))
+    shape = (rows, N // 2) if epilogue == "silu_mul" else (rows, N)
+    dtype = BF16 if epilogue in ("bf16", "silu_mul") else F32
+    old = rng.standard_normal(shape, dtype=np.float32)
+    for kw in (dict(), dict(split=2, width=128)):
+        exact = buf.upload(old[:M]) if epilogue == "residual" else buf.poisoned((M,) + shape[1:], dtype)
+        gemm(buf.upload(x), w, exact, epilogue, stream, **kw)
+        whole = buf.upload(old) if epilogue == "residual" else buf.poisoned(shape, dtype)
+        gemm(x_view, w, whole.rows(0, M), epilogue, stream, **kw)
+        got, want, before = whole.to_host(stream), exact.to_host(stream), buf.poisoned(shape, dtype).to_host(stream)
+        if epilogue == "residual":
+            before = old
+        assert got[:M].tobytes() == want.tobytes(), f"{epilogue} M={M} {kw}: the M rows differ"
+        assert got[M:].tobytes() == before[M:].astype(got.dtype).tobytes(), f"{epilogue} M={M} {kw}: rows past M written"
 
 
 def test_cluster_slots_come_from_the_driver():
