@@ -14,6 +14,8 @@ Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls`
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
 cycle through enough copies of W to exceed the L2 cache three times over, so every call reads its
 weights from HBM as in a decode step; x and out stay the same (they are hot in a real step too).
+x is the first M rows of a larger array, as in a step; --exact-x gives it exactly M rows, so that the TMA GEMM's
+map of x ends at row M (linear.tile_rows otherwise runs it to a whole 128-row tile: the comparison behind it).
 Prints a markdown table (GPU, dtype bf16, fraction of the 4.3 TB/s roofline) and writes JSON to $OUT or --out.
 """
 from __future__ import annotations
@@ -64,15 +66,26 @@ class Case:
             a.free()
 
 
-def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, **linear_kwargs) -> float:
-    """Microseconds per linear() call: `calls` launches in one graph, median over `replays` replays."""
+def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exact_x: bool = False,
+               **linear_kwargs) -> float:
+    """Microseconds per linear() call: `calls` launches in one graph, median over `replays` replays. x is the
+    first M rows of the case's x (as in a step, rows of a larger workspace), or with exact_x an array of its own
+    of exactly M rows (the TMA GEMM's map of x then cannot run to a whole tile: linear.tile_rows)."""
     x, out = case.x.rows(0, M), case.out.rows(0, M)
+    if exact_x:
+        x = DeviceArray.empty((M, case.K), BF16)
+        x.copy_from_host(case.x.rows(0, M).to_host())
 
     def enqueue(s: Stream) -> None:
         for i in range(calls):
             linear(x, case.weights[i % len(case.weights)], out, case.epilogue, s, **linear_kwargs)
 
-    return microseconds_per_call(stream, enqueue, calls, replays)
+    try:
+        return microseconds_per_call(stream, enqueue, calls, replays)
+    finally:
+        if exact_x:
+            stream.synchronize()
+            x.free()
 
 
 def main() -> None:
@@ -83,6 +96,8 @@ def main() -> None:
     ap.add_argument("--swap", action="store_true", help="also time the swap-AB GEMM (force='swap') with every "
                     "split where M <= 64")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
+    ap.add_argument("--exact-x", action="store_true", help="x an array of exactly M rows (not a view of a larger "
+                    "one): the TMA GEMM's map of x ends at row M")
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--graph-bytes", type=float, default=4e9, help="weight bytes one graph replay reads")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -113,7 +128,7 @@ def main() -> None:
             try:
                 for M in ms:
                     default = default_path(M, N)
-                    t_default = time_calls(case, M, stream, calls, args.replays)
+                    t_default = time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x)
                     row = dict(model=model, matrix=matrix, N=N, K=K, epilogue=epilogue, M=M, default=default,
                                default_us=t_default, default_GB_s=gbs(t_default),
                                roofline_fraction=gbs(t_default) * 1e9 / ROOFLINE_BYTES_PER_S,
@@ -144,7 +159,7 @@ def main() -> None:
     path = Path(args.out) / "bench_gemm_small.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(gpu=info.name, sms=info.num_sms, roofline_bytes_per_s=ROOFLINE_BYTES_PER_S,
-                                    rows=rows), indent=1))
+                                    exact_x=args.exact_x, rows=rows), indent=1))
     print(f"wrote {path}")
 
 
