@@ -159,7 +159,8 @@ def test_gemm_tma_reads_whole_tiles_of_a_larger_buffer(M, epilogue, buf, stream)
         if epilogue == "residual":
             before = old
         assert got[:M].tobytes() == want.tobytes(), f"{epilogue} M={M} {kw}: the M rows differ"
-        assert got[M:].tobytes() == before[M:].astype(got.dtype).tobytes(), f"{epilogue} M={M} {kw}: rows past M written"
+        assert got[M:].tobytes() == before[M:].astype(got.dtype).tobytes(), \
+            f"{epilogue} M={M} {kw}: rows past M written"
 
 
 def test_cluster_slots_come_from_the_driver():
