@@ -3,12 +3,15 @@
 the TMA GEMM past 64 rows), with the alternatives beside it.
 
     python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 5,16,32,64,128] [--swap] [--gemv]
+                                       [--tma]
 
 For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul, down residual, LM head
 f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per call, the
 bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
 GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
-rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8.
+rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8; --tma the TMA GEMM (gemm_tma.cu)
+past 64 rows at every tile width and split, marking the (width, split) tma_plan picks (a split whose clusters
+do not all fit at once runs in more than one wave).
 
 Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
@@ -32,7 +35,9 @@ import numpy as np
 from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
-from tileinfer.kernels.routing import GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, default_path, swap_config
+from tileinfer.kernels.linear import cluster_slots, gemm
+from tileinfer.kernels.routing import (GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, TMA_SPLITS, TMA_WIDTHS, default_path,
+                                       swap_config, tma_plan)
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12  # the H200's measured read bandwidth (docs/benchmarks.md, Rooflines)
@@ -66,11 +71,12 @@ class Case:
             a.free()
 
 
-def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exact_x: bool = False,
+def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exact_x: bool = False, fn=linear,
                **linear_kwargs) -> float:
-    """Microseconds per linear() call: `calls` launches in one graph, median over `replays` replays. x is the
-    first M rows of the case's x (as in a step, rows of a larger workspace), or with exact_x an array of its own
-    of exactly M rows (the TMA GEMM's map of x then cannot run to a whole tile: linear.tile_rows)."""
+    """Microseconds per linear() call (or `fn`'s, with linear's first five arguments): `calls` launches in one
+    graph, median over `replays` replays. x is the first M rows of the case's x (as in a step, rows of a larger
+    workspace), or with exact_x an array of its own of exactly M rows (the TMA GEMM's map of x then cannot run
+    to a whole tile: linear.tile_rows)."""
     x, out = case.x.rows(0, M), case.out.rows(0, M)
     if exact_x:
         x = DeviceArray.empty((M, case.K), BF16)
@@ -78,7 +84,7 @@ def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exa
 
     def enqueue(s: Stream) -> None:
         for i in range(calls):
-            linear(x, case.weights[i % len(case.weights)], out, case.epilogue, s, **linear_kwargs)
+            fn(x, case.weights[i % len(case.weights)], out, case.epilogue, s, **linear_kwargs)
 
     try:
         return microseconds_per_call(stream, enqueue, calls, replays)
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="also time the GEMV (force='gemv') where M is 1, 2, 4 or 8")
     ap.add_argument("--swap", action="store_true", help="also time the swap-AB GEMM (force='swap') with every "
                     "split where M <= 64")
+    ap.add_argument("--tma", action="store_true", help="also time the TMA GEMM at every tile width and split "
+                    "where M > 64")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
     ap.add_argument("--exact-x", action="store_true", help="x an array of exactly M rows (not a view of a larger "
                     "one): the TMA GEMM's map of x ends at row M")
@@ -116,6 +124,9 @@ def main() -> None:
         header += " swap split | " + " | ".join(f"swap ks{k} us" for k in SWAP_SPLITS) + " |"
     if args.gemv:
         header += " gemv us |"
+    tma_options = [(w, ks) for w in TMA_WIDTHS for ks in (1,) + TMA_SPLITS]
+    if args.tma:
+        header += " tma pick | " + " | ".join(f"tma {w} s{ks} us" for w, ks in tma_options) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for model in args.models.split(","):
@@ -150,6 +161,16 @@ def main() -> None:
                             line += f" {row['gemv_us']:.1f} |"
                         else:
                             line += " - |"
+                    if args.tma:
+                        if M > SWAP_BATCHES[-1]:
+                            pick = tma_plan(M, N, K, epilogue == "silu_mul", info.num_sms, cluster_slots())
+                            tma = {(w, ks): time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x,
+                                                       fn=gemm, width=w, split=ks) for w, ks in tma_options}
+                            row.update(tma_pick=list(pick), tma_us={f"{w}s{ks}": v for (w, ks), v in tma.items()})
+                            line += (f" {pick[0]} s{pick[1]} | "
+                                     + " | ".join(f"{tma[o]:.1f}" for o in tma_options) + " |")
+                        else:
+                            line += " - |" + " - |" * len(tma_options)
                     rows.append(row)
                     print(line, flush=True)
             finally:
