@@ -119,13 +119,14 @@ TMA_THREADS = 384
 TMA_SMEM = 192 * 1024 + 256 + 1024  # SMEM_BYTES: the stage ring, mbarriers, alignment
 TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
-# A 128 x 256 tile's time over two 128 x 128 tiles'. Past TMA_FEW_ROWS rows (prefill chunks) an estimate, not
-# fitted; up to it fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384
-# rows: at 96 rows qwen3-4b's gate/up took 42.4 us in one round of wide tiles, 40.2 in two of narrow ones; at
-# 384 its down_proj 46.1 split 4 ways in wide tiles, 40.1 split 2 ways in narrow ones).
+# A 128 x 256 tile's time over two 128 x 128 tiles': in the persistent kernel an estimate, not fitted; in a split
+# launch fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384 rows;
+# qwen3-4b's down_proj at 256 rows took 44.6 us split 4 ways in wide tiles, 42.5 split 2 ways in narrow ones,
+# at 384 rows 46.1 and 40.1). Split launches only: the persistent kernel's narrow tiles gained alone where their
+# extra round lost in the engine (qwen3-4b's gate/up at 96 rows: 40.2 us narrow against 42.4 wide alone, yet
+# batch-96 decode fell from 16,246 to 15,724 tok/s with them).
 TMA_WIDE_COST = 0.92
-TMA_WIDE_COST_FEW_ROWS = 1.05
-TMA_FEW_ROWS = 384
+TMA_WIDE_SPLIT_COST = 1.05
 # tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a split block's
 # fixed cost (its first TMA loads, the epilogue), and its cluster reduction per rank and 128 columns (the
 # persistent kernel hides its fills behind the previous tile). Estimates, not fitted; a split must beat
@@ -267,24 +268,23 @@ def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
     return cdiv(M, TMA_BM) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
 
 
-def tma_kstep_cost(width: int, M: int) -> float:
-    """One k-step (64 deep) of a 128 x `width` tile of an M-row product, in k-steps of a 128 x 128 tile."""
-    if width == 128:
-        return 1.0
-    return 2 * (TMA_WIDE_COST_FEW_ROWS if M <= TMA_FEW_ROWS else TMA_WIDE_COST)
+def tma_kstep_cost(width: int, split: bool = False) -> float:
+    """One k-step (64 deep) of a 128 x `width` tile (in a split launch: `split`), in k-steps of a 128 x 128
+    tile."""
+    return 1.0 if width == 128 else 2 * (TMA_WIDE_SPLIT_COST if split else TMA_WIDE_COST)
 
 
 def tma_width(M: int, N: int, silu: bool, sms: int = H200_SMS) -> int:
     """gemm_tma.cu's tile width: 256 or 128, whichever gives fewer (rounds of tiles per SM) x (a tile's
     cost), 256 on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
     (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128."""
-    return min(TMA_WIDTHS, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width, M))
+    return min(TMA_WIDTHS, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
 
 
-def tma_split_cost(M: int, K: int, width: int, split: int) -> float:
+def tma_split_cost(K: int, width: int, split: int) -> float:
     """Estimated time of one split launch that fits in one wave: a block's share of the k-steps, its
     fill and its share of the reduction."""
-    return (cdiv(cdiv(K, TMA_BK), split) * tma_kstep_cost(width, M) + TMA_SPLIT_FILL
+    return (cdiv(cdiv(K, TMA_BK), split) * tma_kstep_cost(width, split=True) + TMA_SPLIT_FILL
             + TMA_SPLIT_REDUCE * split * width / 128)
 
 
@@ -295,14 +295,14 @@ def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]
     beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the cost model does not hold past
     it: a split grid of several waves was slower than the persistent kernel."""
     width = tma_width(M, N, silu, sms)
-    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width, M) + TMA_SPLIT_FILL
+    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
     best = (unsplit, width, 1)
     for split in TMA_SPLITS:
         if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
             continue
         for w in TMA_WIDTHS:
             if tma_tiles(M, N, silu, w) * split <= slots.get(split, 0):
-                c = tma_split_cost(M, K, w, split)
+                c = tma_split_cost(K, w, split)
                 if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
                     best = (c, w, split)
     return best[1], best[2]
