@@ -6,9 +6,8 @@
 // grid (total_q, num_heads), block (COMBINE_THREADS = 512: tileinfer/kernels/attention.py), num_splits <= 128.
 // Merges the splits' partial outputs of one (token, head): the weights 2^(m_s - M) of the splits in parallel
 // (one thread each), then the weighted sum of their outputs, warp w taking splits w, w + 16, ... and lane l
-// columns 4l..4l+3. The sum waits on its loads, which the compiler issues only a little ahead of their use
-// (a load, then the sum of the one before): so a warp takes few splits, at most 8 of 128, where 4 warps
-// would take up to 32 and wait on their loads one after the other.
+// columns 4l..4l+3. A warp takes few splits, at most 8 of 128, and loads them into registers before the
+// weights' reductions, so the partial outputs' latency overlaps that of the (max, sum) pairs.
 #define COMBINE_WARPS 16
 #define COMBINE_MAX_SPLITS 128  // tileinfer/kernels/attention.py MAX_SPLITS
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attention_combine(
@@ -21,6 +20,13 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attention_combi
     const size_t stride = (size_t)total_q * num_heads;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
+    constexpr int PER_WARP = COMBINE_MAX_SPLITS / COMBINE_WARPS;
+    float4 p[PER_WARP];
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j) {
+        const int s = warp + COMBINE_WARPS * j;
+        if (s < num_splits) p[j] = reinterpret_cast<const float4 *>(part_o + (s * stride + row) * HD)[lane];
+    }
     float m = -TI_INF, l = 0.f;
     if (tid < num_splits) {
         const float2 v = reinterpret_cast<const float2 *>(part_ml)[tid * stride + row];
@@ -34,13 +40,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32) attention_combi
 
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int j = 0; j < COMBINE_MAX_SPLITS / COMBINE_WARPS; ++j) {
+    for (int j = 0; j < PER_WARP; ++j) {
         const int s = warp + COMBINE_WARPS * j;
         if (s >= num_splits) break;
         const float ws = weight[s];
         if (ws == 0.f) continue;  // never written (an empty split): not even 0 * its contents
-        const float4 p = reinterpret_cast<const float4 *>(part_o + (s * stride + row) * HD)[lane];
-        acc.x += ws * p.x; acc.y += ws * p.y; acc.z += ws * p.z; acc.w += ws * p.w;
+        acc.x += ws * p[j].x; acc.y += ws * p[j].y; acc.z += ws * p[j].z; acc.w += ws * p[j].w;
     }
     partial[warp][lane] = acc;
     __syncthreads();
