@@ -73,20 +73,39 @@ __device__ ArgMax block_argmax(ArgMax m, float *sv, int *si) {
 // 16-byte aligned: float4 loads, four of them in flight per thread (64 KB per 1024-thread block),
 // since a block streams a whole 600 KB row of logits on one SM. `better` is order-independent, so
 // the result is the same as an element-by-element scan.
-__device__ __forceinline__ ArgMax thread_argmax(const float *z, int vocab) {
+// MASKED: only over the tokens the mask (in shared memory) allows, in the same pass setting every other logit
+// to -inf in place (a structured output's grammar allows only the set bits), so that the sampling passes
+// after it and the logprobs the host reads see the masked row: the same result as writing the -inf first and
+// then taking the plain argmax, a masked token being -inf either way. Z is float (MASKED) or const float.
+template <bool MASKED, typename Z>
+__device__ __forceinline__ ArgMax thread_argmax(Z *__restrict__ z, int vocab, const u32 *smask = nullptr) {
     ArgMax m{-TI_INF, 0x7fffffff};
     if ((vocab & 3) == 0) {
-        const float4 *z4 = reinterpret_cast<const float4 *>(z);
 #pragma unroll 4
         for (int i = threadIdx.x; i < (vocab >> 2); i += blockDim.x) {
-            const float4 v = z4[i];
+            float4 v = reinterpret_cast<const float4 *>(z)[i];
+            if constexpr (MASKED) {
+                const u32 bits = smask[i >> 3] >> (4 * (i & 7));  // tokens 4i .. 4i + 3
+                if ((bits & 0xFu) != 0xFu) {
+                    if (!(bits & 1u)) v.x = -TI_INF;
+                    if (!(bits & 2u)) v.y = -TI_INF;
+                    if (!(bits & 4u)) v.z = -TI_INF;
+                    if (!(bits & 8u)) v.w = -TI_INF;
+                    reinterpret_cast<float4 *>(z)[i] = v;
+                }
+            }
             m = better(m, ArgMax{v.x, 4 * i});
             m = better(m, ArgMax{v.y, 4 * i + 1});
             m = better(m, ArgMax{v.z, 4 * i + 2});
             m = better(m, ArgMax{v.w, 4 * i + 3});
         }
     } else {
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = better(m, ArgMax{z[i], i});
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            float v = z[i];
+            if constexpr (MASKED)
+                if (!((smask[i >> 5] >> (i & 31)) & 1u)) { v = -TI_INF; z[i] = v; }
+            m = better(m, ArgMax{v, i});
+        }
     }
     return m;
 }
@@ -193,40 +212,6 @@ __device__ __forceinline__ void load_mask(const int *__restrict__ mask, int word
     __syncthreads();
 }
 
-// thread_argmax over the tokens the mask (in shared memory) allows, in one pass that also sets every other
-// logit to -inf in place (a structured output's grammar allows only the set bits), so that the sampling
-// passes after it and the logprobs the host reads see the masked row. The same result as writing the -inf
-// first and then taking thread_argmax: a masked token is -inf either way.
-__device__ __forceinline__ ArgMax thread_argmax_masked(float *z, int vocab, const u32 *smask) {
-    ArgMax m{-TI_INF, 0x7fffffff};
-    if ((vocab & 3) == 0) {
-        float4 *z4 = reinterpret_cast<float4 *>(z);
-#pragma unroll 4
-        for (int i = threadIdx.x; i < (vocab >> 2); i += blockDim.x) {
-            float4 v = z4[i];
-            const u32 bits = smask[i >> 3] >> (4 * (i & 7));  // tokens 4i .. 4i + 3
-            if ((bits & 0xFu) != 0xFu) {
-                if (!(bits & 1u)) v.x = -TI_INF;
-                if (!(bits & 2u)) v.y = -TI_INF;
-                if (!(bits & 4u)) v.z = -TI_INF;
-                if (!(bits & 8u)) v.w = -TI_INF;
-                z4[i] = v;
-            }
-            m = better(m, ArgMax{v.x, 4 * i});
-            m = better(m, ArgMax{v.y, 4 * i + 1});
-            m = better(m, ArgMax{v.z, 4 * i + 2});
-            m = better(m, ArgMax{v.w, 4 * i + 3});
-        }
-    } else {
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            float v = z[i];
-            if (!((smask[i >> 5] >> (i & 31)) & 1u)) { v = -TI_INF; z[i] = v; }
-            m = better(m, ArgMax{v, i});
-        }
-    }
-    return m;
-}
-
 // ============================================================================= kernels
 // grid (rows), block (1024). out[r] = argmax of logits row r (lowest index on ties).
 extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *__restrict__ logits, int vocab,
@@ -234,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float *_
     pdl_start();
     __shared__ float sv[32];
     __shared__ int si[32];
-    const ArgMax m = block_argmax(thread_argmax(logits + (size_t)blockIdx.x * vocab, vocab), sv, si);
+    const ArgMax m = block_argmax(thread_argmax<false>(logits + (size_t)blockIdx.x * vocab, vocab), sv, si);
     if (threadIdx.x == 0) out[blockIdx.x] = m.i;
 }
 
@@ -253,7 +238,7 @@ __device__ __forceinline__ void emit(int *out, int *host_out, const int *host_sl
 // the same launch, not one of its own before it: one kernel less a step). num_keys > 0: the LM head
 // wrote row 0's per-block keys to head_keys (batch 1); unless row 0 has penalty entries or a mask, its
 // argmax comes from those keys. mask_rows[r] >= 0: row r keeps only the tokens its bitmask in `masks`
-// allows (thread_argmax_masked, after the penalties; the launch gives mask_words * 4 bytes of dynamic shared
+// allows (thread_argmax<true>, after the penalties; the launch gives mask_words * 4 bytes of dynamic shared
 // memory for it). The token goes out as emit() writes it.
 extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         float *logits, int vocab, const float *__restrict__ temperature,
@@ -282,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     if (mask_row >= 0) load_mask(masks + (size_t)mask_row * mask_words, mask_words, smask);
     const bool keyed = r == 0 && num_keys > 0 && !penalized && mask_row < 0;
     const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk)
-                           : block_argmax(mask_row >= 0 ? thread_argmax_masked(z, vocab, smask) : thread_argmax(z, vocab),
+                           : block_argmax(mask_row >= 0 ? thread_argmax<true>(z, vocab, smask) : thread_argmax<false>(z, vocab),
                                           sv, si);  // block_argmax's barriers make the -inf visible to the block
     if (!(temp > 0.f)) {
         if (threadIdx.x == 0) emit(out, host_out, host_slot, host_stride, r, m.i);
