@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""Decode attention alone (cuda_src/attention_decode.cu + attention_combine.cu) over a BF16 and an INT8 cache, by context and split.
+"""Decode attention alone (cuda_src/attention_decode.cu + attention_combine.cu) over a BF16 and an INT8 cache, by context and split;
+with --prefill, the prefill attention of one prompt (attention_wg.cu over a BF16 cache).
 
     python scripts/bench_attention.py [--models qwen3-4b] [--contexts 1024,32768] [--batch 1]
                                       [--splits 1,8,16,32,64] [--dtypes bf16,int8]
+    python scripts/bench_attention.py --prefill 512,4096 [--models qwen3-4b]
 
 For each model's attention shape (query heads, KV heads), context, batch and number of key-range
 splits: microseconds per launch (attention + combine), the cache bytes one launch must read (keys
 and values of every cached position, plus the INT8 scales) and GB/s, against the 4.3 TB/s read
 ceiling (docs/benchmarks.md, Rooflines). One launch is one layer's attention of a decode step.
+
+--prefill N: one N-token prompt attending causally to itself (its keys and values already in the paged
+cache, as after attn_input): microseconds per launch and TFLOP/s (4 * 128 * heads * N (N + 1) / 2 flops, the
+causal half of Q K^T and P V) against the 790 TFLOP/s bf16 ceiling (docs/benchmarks.md, Prefill).
 
 Timing: `calls` launches in one CUDA graph (a Python launch costs ~9 us, more than a short kernel),
 cycling through enough layers' pools to exceed the L2 cache, so every launch reads from HBM as a
@@ -30,6 +36,7 @@ from tileinfer.kernels import attention
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12
+PEAK_FLOPS = 790e12
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HD = 128
 PAGE = 64
@@ -90,6 +97,42 @@ def time_launches(pools: Pools, H: int, splits: int, stream: Stream, calls: int,
             a.free()
 
 
+def time_prefill(pools: Pools, H: int, n: int, stream: Stream, calls: int, replays: int) -> float:
+    q = DeviceArray.from_host(np.random.default_rng(0).standard_normal((n, H, HD), dtype=np.float32).astype(BF16))
+    out = DeviceArray.empty((n, H, HD), BF16)
+    cu_q = DeviceArray.from_host(np.array([0, n], np.int32))
+
+    def enqueue(s: Stream) -> None:
+        for i in range(calls):
+            layer = pools.layers[i % len(pools.layers)]
+            attention(q, layer[0], layer[1], out, cu_q, pools.kv_lens, pools.tables, max_q_len=n, stream=s)
+
+    try:
+        return microseconds_per_call(stream, enqueue, calls, replays)
+    finally:
+        for a in (q, out, cu_q):
+            a.free()
+
+
+def prefill_rows(args, stream: Stream, rng: np.random.Generator) -> list[dict]:
+    print(f"# prefill attention, one prompt, BF16 cache; page {PAGE}; TFLOP/s against {PEAK_FLOPS / 1e12:.0f}")
+    print("| model | prompt | us/launch | TFLOP/s | % of peak |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for name in args.models.split(","):
+        c = preset(name)
+        H, KV = c.num_attention_heads, c.num_key_value_heads
+        for n in (int(x) for x in args.prefill.split(",")):
+            pools = Pools(KV, n, 1, False, 4, rng)
+            us = time_prefill(pools, H, n, stream, args.calls, args.replays)
+            pools.free()
+            flops = 4 * HD * H * n * (n + 1) / 2
+            tflops = flops / us / 1e6
+            rows.append(dict(model=name, prompt=n, us=us, flops=flops, tflop_s=tflops, peak_fraction=tflops * 1e12 / PEAK_FLOPS))
+            print(f"| {name} | {n} | {us:.1f} | {tflops:.0f} | {100 * tflops * 1e12 / PEAK_FLOPS:.1f} |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-4b")
@@ -99,16 +142,24 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,int8")
     ap.add_argument("--calls", type=int, default=36, help="launches per graph (a model's layers)")
     ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--prefill", default="", help="prompt lengths: time prefill attention instead of decode")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
     info = get_device().info
+    stream = Stream()
+    rng = np.random.default_rng(1)
+    if args.prefill:
+        rows = prefill_rows(args, stream, rng)
+        out = Path(args.out) / "bench_attention_prefill.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
+        print(f"wrote {out}")
+        return
     print(f"# decode attention on {info.name} ({info.num_sms} SMs); page {PAGE}; GB/s = cache bytes read / time; "
           f"roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s")
     print("| model | dtype | batch | context | splits | us/launch | GB/s | % roofline |")
     print("|---|---|---|---|---|---|---|---|")
-    stream = Stream()
-    rng = np.random.default_rng(1)
     rows = []
     for name in args.models.split(","):
         c = preset(name)
