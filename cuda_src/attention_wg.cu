@@ -24,20 +24,23 @@
 //     copies its rows of Q to shared memory itself (cp.async, once), then per key tile:
 //       S = Q K^T        wgmma.m64n128k16, A = Q and B = K both from shared memory (K-major);
 //       mask (only the tiles that reach past the warpgroup's first query position), online
-//       softmax in base 2 as attention_prefill.cu (scores times scale * log2(e), running max and sum),
-//       O rescaled by 2^(m_old - m_new);
+//       softmax in base 2 as attention_prefill.cu (scores times scale * log2(e), a row maximum and
+//       sum), except that the reference maximum m moves lazily: only when a row's maximum passes it
+//       by more than RESCALE_LOG2 (then every row of the warp moves, and O and l are rescaled by
+//       2^(m_old - m_new)), so most tiles past the first few skip the rescale;
 //       O += P V         wgmma.m64n128k16 with A = P from registers: the S accumulators converted to
 //                        bf16 in place (the accumulator fragment of 16 columns is exactly the
 //                        register A fragment of a k16 slice), B = V read MN-major (transpose-B).
-//     After S's wgmma group has completed, lane 0 of each consumer warp arrives on the stage's
-//     "emptyK" barrier (8 arrivals free the stage's K); after P V's has (checked at the next tile's
-//     wait), on "emptyV". P V of tile j and S of tile j + 1 are issued as one wgmma group and waited
-//     for together at the top of the next tile, so a warpgroup's softmax runs with none of its own
-//     wgmmas in flight; the other warpgroup's keep the tensor cores busy meanwhile. After each wait
-//     on a full barrier the consumers execute fence.proxy.async (cp.async writes in the generic proxy,
-//     wgmma reads in the async proxy; flash-attention 3's cp.async path does without, kept for safety).
+//     Overlap within a warpgroup (flash-attention 3's): S of tile j and P V of tile j - 1 are issued
+//     as two wgmma groups, S first; the warpgroup waits for S alone (wait_group 1), runs tile j's
+//     softmax while its P V is still on the tensor cores, then waits for that (wait_group 0),
+//     rescales O if the softmax moved m, and converts P_j to bf16 over P_{j-1}. After S's group has
+//     completed, lane 0 of each consumer warp arrives on the stage's "emptyK" barrier (8 arrivals free
+//     the stage's K); after P V's, on "emptyV". After each wait on a full barrier the consumers execute
+//     fence.proxy.async (cp.async writes in the generic proxy, wgmma reads in the async proxy;
+//     flash-attention 3's cp.async path does without, kept for safety).
 //   - Ping-pong (PP = 1): two named barriers make the consumer warpgroups take turns issuing their
-//     wgmma batches (PV_j + S_j+1), so one warpgroup's softmax overlaps the other's tensor-core work.
+//     wgmma batches (S_j + PV_j-1), so one warpgroup's softmax overlaps the other's tensor-core work.
 //     Warpgroup 1 arrives once up front (warpgroup 0 goes first) and skips its last hand-over, so
 //     every bar.sync has its bar.arrive.
 //
@@ -56,10 +59,9 @@
 // Build. The ring depth STAGES and the ping-pong PP are template parameters of the body; the one
 // kernel is STAGES = 2 with ping-pong.
 //
-// Resources (nvcc 13 ptxas, sm_90a): 168 registers a thread at launch (384 threads, one block per SM);
-// after setmaxnreg the producer's code uses 38 of its 40 and the consumers' 230 of their 232. Spills:
-// 44 bytes stored / 48 loaded, all in the consumers' last-tile step (once
-// per block), none in the key-tile loop or the producer. No wgmma serialization (ptxas C7515) warning.
+// Resources (NVRTC 13 ptxas, sm_90a): 168 registers a thread at launch (384 threads, one block per SM);
+// after setmaxnreg the consumers' code names registers up to R198 of their 232 and the producer's up to R37
+// of its 40 (cuobjdump -sass). No spills, no wgmma serialization (ptxas C7515) warning.
 // Dynamic shared memory 164,928 bytes with 2 stages, 230,496 with 3 (of 232,448).
 //
 // Differences from attention_prefill.cu's rows mode: 128 rows and 128 keys per block step instead of 64 and
@@ -78,6 +80,7 @@
 #define THREADS (3 * WG_THREADS)
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232
+#define RESCALE_LOG2 8.f           // how far (base 2) a row's max may pass its reference before O is rescaled
 
 // Named barriers (0 is __syncthreads): 1, 2: a consumer warpgroup's Q is in shared memory;
 // 3, 4: warpgroup 0's / 1's turn to issue wgmma (ping-pong).
@@ -96,8 +99,6 @@ struct WgSmem {
     static constexpr int BAR_OFF = V_OFF + STAGES * TILE;   // fullK, fullV, emptyK, emptyV: [STAGES] each
     static constexpr int TOTAL = BAR_OFF + 4 * STAGES * 8 + 1024;  // + alignment slack
 };
-
-template <bool B> struct Flag { static constexpr bool value = B; };  // a compile-time flag argument
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ----------------------------------------------------------------------------- mbarriers, named barriers
@@ -314,38 +315,27 @@ __device__ __forceinline__ void attention_wg_body(
     if constexpr (PP) {
         if (c == 1) named_bar_arrive(BAR_TURN0, 2 * WG_THREADS);  // warpgroup 0 issues first
     }
+    auto issue_pv = [&](float (&o)[64], const u32 (&pa)[KT / 16][4], int st) {
+        const unsigned long long dv = desc_mn(sV + st * S::TILE);
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) wgmma_rs_tb(o, pa[kk], dv + desc_encode(kk * 2048));
+    };
 
     float o[64], s[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
     fence_regs(o);  // zeroed here, not sunk by the compiler into the first wgmma group (ptxas would serialize)
     float m[2] = {-TI_INF, -TI_INF}, l[2] = {0.f, 0.f};
+    u32 pa[KT / 16][4];  // P of the last key tile in bf16: the register A operand of its P V
 
-    // S of tile 0.
-    mbar_wait(fullK, 0);
-    fence_async_smem();
-    turn_wait();
-    wgmma_fence();
-    issue_s(s, 0);
-    wgmma_commit();
-    turn_pass(false);
-
-    // One key tile: wait for S of tile j (and P V of j - 1), softmax, then issue P V of tile j and,
-    // unless LAST, S of tile j + 1 as one wgmma group. (LAST is a template parameter, not a branch
-    // inside the group: a branch there makes the compiler merge the S accumulators of the two paths
-    // with moves while the wgmma is in flight, and ptxas then serializes the wgmmas.)
-    auto step = [&](int j, auto last_tag) {
-        constexpr bool LAST = decltype(last_tag)::value;
-        const int st = j % STAGES;
-        const u32 par = (j / STAGES) & 1;
-        wgmma_wait<0>();  // S of tile j, and P V of tile j - 1, have completed
-        fence_regs(s);
-        fence_regs(o);
-        if (lane == 0) {
-            mbar_arrive(emptyK + 8 * st);                                     // K of tile j is free
-            if (j > 0) mbar_arrive(emptyV + 8 * ((j - 1) % STAGES));          // V of tile j - 1 is free
-        }
-
+    // Softmax of tile j's scores s (S_j, complete) into its probabilities P_j (s, float32), against a lazily
+    // updated reference max m (scaled scores): a row's m moves to its running max only when that max exceeds m
+    // by more than RESCALE_LOG2, and then every row of the warp moves (warp-uniform), l is rescaled here and O
+    // (once the P V in flight has completed) by `alpha`; returns whether O must be. Between moves P = 2^(score -
+    // m) stays below 2^RESCALE_LOG2, and O and l carry the same m, so O / l is the same softmax; most key tiles
+    // past the first few skip the rescale. l is this thread's columns only, reduced over the row's 4 threads at
+    // the end.
+    auto softmax = [&](int j, float (&alpha)[2]) -> bool {
         // Mask (the diagonal tiles only). Accumulator s[4 jj + e]: row 16 warp + g + 8 (e >> 1) of the
         // warpgroup's, key j KT + 8 jj + 2 t + (e & 1).
         if (j * KT + KT - 1 > wg_min_qpos) {
@@ -357,41 +347,56 @@ __device__ __forceinline__ void attention_wg_body(
                     if (key > qpos[e >> 1]) s[4 * jj + e] = -TI_INF;
                 }
         }
-
-        // Online softmax in base 2: running max m (scaled scores), sum l (this thread's columns only,
-        // reduced over the row's 4 threads at the end).
-        float mx[2] = {-TI_INF, -TI_INF};
+        // Row maxima: trees of depth 5, not chains of 16.
+        float mx[2];
 #pragma unroll
-        for (int jj = 0; jj < KT / 8; ++jj) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[4 * jj], s[4 * jj + 1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
+        for (int h = 0; h < 2; ++h) {
+            float u[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q)
+                u[q] = fmaxf(fmaxf(s[4 * q + 2 * h], s[4 * q + 2 * h + 1]),
+                             fmaxf(s[4 * (q + 8) + 2 * h], s[4 * (q + 8) + 2 * h + 1]));
+#pragma unroll
+            for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+                for (int q = 0; q < w; ++q) u[q] = fmaxf(u[q], u[q + w]);
+            mx[h] = u[0];
         }
-        float m_use[2], alpha[2];
+        float m_run[2];
+        bool grow = false;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float m_new = fmaxf(m[h], mx[h] * scale_log2);
-            m_use[h] = m_new == -TI_INF ? 0.f : m_new;  // a row with no visible key yet: avoid inf - inf
-            alpha[h] = fast_exp2(m[h] - m_use[h]);
-            m[h] = m_new;
+            m_run[h] = fmaxf(m[h], mx[h] * scale_log2);
+            grow |= m_run[h] > m[h] + RESCALE_LOG2;  // false while a row has no visible key (-inf > -inf)
         }
-        float rowsum[2] = {0.f, 0.f};
+        const bool rescale = __any_sync(0xffffffffu, grow);
+        if (rescale) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                alpha[h] = fast_exp2(m[h] - (m_run[h] == -TI_INF ? 0.f : m_run[h]));  // 0 from m = -inf
+                m[h] = m_run[h];
+                l[h] *= alpha[h];
+            }
+        }
+        float m_use[2], rowsum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) m_use[h] = m[h] == -TI_INF ? 0.f : m[h];  // no visible key yet: avoid inf - inf
 #pragma unroll
         for (int i = 0; i < 64; ++i) {
             const int h = (i >> 1) & 1;
             const float p = fast_exp2(fmaf(s[i], scale_log2, -m_use[h]));
-            rowsum[h] += p;
+            rowsum[h][(i >> 2) & 1] += p;
             s[i] = p;
         }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
-
-        // P as the A operand: k16 slice kk = accumulator column blocks 2 kk and 2 kk + 1:
-        // a0 = (row g, keys 2t, 2t+1), a1 = (row g + 8, same keys), a2 / a3 = the same 8 keys further.
-        u32 pa[KT / 16][4];
+        for (int h = 0; h < 2; ++h) l[h] += rowsum[h][0] + rowsum[h][1];
+        return rescale;
+    };
+    // P as the A operand: k16 slice kk = accumulator column blocks 2 kk and 2 kk + 1: a0 = (row g, keys 2t,
+    // 2t+1), a1 = (row g + 8, same keys), a2 / a3 = the same 8 keys further.
+    auto pack_p = [&]() {
 #pragma unroll
         for (int kk = 0; kk < KT / 16; ++kk) {
             pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
@@ -399,26 +404,67 @@ __device__ __forceinline__ void attention_wg_body(
             pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
             pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
         }
+    };
 
-        // P V of tile j and S of tile j + 1, one wgmma group.
-        const int st1 = (j + 1) % STAGES;
-        mbar_wait(fullV + 8 * st, par);
-        if (!LAST) mbar_wait(fullK + 8 * st1, ((j + 1) / STAGES) & 1);
+    // Tile 0: S_0, its softmax (O is still zero: no rescale), P_0.
+    {
+        mbar_wait(fullK, 0);
         fence_async_smem();
         turn_wait();
         wgmma_fence();
-        const unsigned long long dv = desc_mn(sV + st * S::TILE);
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk) wgmma_rs_tb(o, pa[kk], dv + desc_encode(kk * 2048));
-        if constexpr (!LAST) issue_s(s, st1);
+        issue_s(s, 0);
         wgmma_commit();
-        turn_pass(LAST);
-    };
-    for (int j = 0; j + 1 < n_tiles; ++j) step(j, Flag<false>());
-    step(n_tiles - 1, Flag<true>());
-    wgmma_wait<0>();
-    fence_regs(o);
-    if (lane == 0) mbar_arrive(emptyV + 8 * ((n_tiles - 1) % STAGES));  // (nothing waits for it)
+        turn_pass(false);
+        wgmma_wait<0>();
+        fence_regs(s);
+        if (lane == 0) mbar_arrive(emptyK);
+        float alpha[2];
+        softmax(0, alpha);
+        pack_p();
+    }
+    // Tile j >= 1: S_j and P V of tile j - 1 issued as two wgmma groups, S_j's first; the softmax of S_j runs
+    // while P V_{j-1} is on the tensor cores (flash-attention 3's overlap within a warpgroup), then O is
+    // rescaled if the softmax moved m, and P_j replaces P_{j-1}.
+    for (int j = 1; j < n_tiles; ++j) {
+        const int st = j % STAGES, sp = (j - 1) % STAGES;
+        mbar_wait(fullK + 8 * st, (j / STAGES) & 1);
+        mbar_wait(fullV + 8 * sp, ((j - 1) / STAGES) & 1);
+        fence_async_smem();
+        turn_wait();
+        wgmma_fence();
+        issue_s(s, st);
+        wgmma_commit();
+        issue_pv(o, pa, sp);
+        wgmma_commit();
+        turn_pass(false);
+        wgmma_wait<1>();  // S_j has completed (P V_{j-1} may not have)
+        fence_regs(s);
+        if (lane == 0) mbar_arrive(emptyK + 8 * st);
+        float alpha[2];
+        const bool rescale = softmax(j, alpha);
+        wgmma_wait<0>();  // P V_{j-1}
+        fence_regs(o);
+        if (lane == 0) mbar_arrive(emptyV + 8 * sp);
+        if (rescale) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+        }
+        pack_p();
+    }
+    // P V of the last tile.
+    {
+        const int sp = (n_tiles - 1) % STAGES;
+        mbar_wait(fullV + 8 * sp, ((n_tiles - 1) / STAGES) & 1);
+        fence_async_smem();
+        turn_wait();
+        wgmma_fence();
+        issue_pv(o, pa, sp);
+        wgmma_commit();
+        turn_pass(true);
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (lane == 0) mbar_arrive(emptyV + 8 * sp);  // (nothing waits for it)
+    }
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -149,6 +149,15 @@ def test_attention_wg_batch(spec, H, page_size, buf, stream):
     check_batch(batch, buf, stream, seed_of("wg-batch-ref", spec, H, page_size))
 
 
+@pytest.mark.parametrize("spec", [[(1000, 1000)], [(300, 2300), (129, 129)]], ids=["prefill", "chunk-and-prefill"])
+def test_attention_wg_rising_scores(spec, buf, stream):
+    # Keys growing 8-fold along the sequence: a query's scores (std ~2 at the start, ~16 at the end, in natural
+    # units) keep passing the reference max the kernel rescales against, so O and l are rescaled late in the
+    # sequence as well as at its first key tile.
+    batch = PagedBatch(np.random.default_rng(seed_of("wg-rising", spec)), spec, 32, 8, 64, k_growth=7.0)
+    check_batch(batch, buf, stream, seed_of("wg-rising-ref", spec))
+
+
 def test_attention_wg_repeatable(buf, stream):
     # The same launch twice gives the same bits (no race between the producer and the consumers).
     batch = PagedBatch(np.random.default_rng(seed_of("wg-repeat")), [(1000, 1000), (300, 2300)], 32, 8, 64)
