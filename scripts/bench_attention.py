@@ -114,14 +114,24 @@ def time_prefill(pools: Pools, H: int, n: int, stream: Stream, calls: int, repla
             a.free()
 
 
-def prefill_rows(args, stream: Stream, rng: np.random.Generator) -> list[dict]:
-    print(f"# prefill attention, one prompt, BF16 cache; page {PAGE}; TFLOP/s against {PEAK_FLOPS / 1e12:.0f}")
-    print("| model | prompt | us/launch | TFLOP/s | % of peak |")
-    print("|---|---|---|---|---|")
-    rows = []
-    for name in args.models.split(","):
+def table_head(title: str, columns: list[str]) -> None:
+    print(f"# {title}")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
+def attention_shapes(models: str):
+    """(name, query heads, KV heads) of each model in the comma-separated list."""
+    for name in models.split(","):
         c = preset(name)
-        H, KV = c.num_attention_heads, c.num_key_value_heads
+        yield name, c.num_attention_heads, c.num_key_value_heads
+
+
+def prefill_rows(args, stream: Stream, rng: np.random.Generator) -> list[dict]:
+    table_head(f"prefill attention, one prompt, BF16 cache; page {PAGE}; TFLOP/s against {PEAK_FLOPS / 1e12:.0f}",
+               ["model", "prompt", "us/launch", "TFLOP/s", "% of peak"])
+    rows = []
+    for name, H, KV in attention_shapes(args.models):
         for n in (int(x) for x in args.prefill.split(",")):
             pools = Pools(KV, n, 1, False, 4, rng)
             us = time_prefill(pools, H, n, stream, args.calls, args.replays)
@@ -156,14 +166,11 @@ def main() -> None:
         out.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
         print(f"wrote {out}")
         return
-    print(f"# decode attention on {info.name} ({info.num_sms} SMs); page {PAGE}; GB/s = cache bytes read / time; "
-          f"roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s")
-    print("| model | dtype | batch | context | splits | us/launch | GB/s | % roofline |")
-    print("|---|---|---|---|---|---|---|---|")
+    table_head(f"decode attention on {info.name} ({info.num_sms} SMs); page {PAGE}; GB/s = cache bytes read / time; "
+               f"roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s",
+               ["model", "dtype", "batch", "context", "splits", "us/launch", "GB/s", "% roofline"])
     rows = []
-    for name in args.models.split(","):
-        c = preset(name)
-        H, KV = c.num_attention_heads, c.num_key_value_heads
+    for name, H, KV in attention_shapes(args.models):
         for ctx in (int(x) for x in args.contexts.split(",")):
             for dtype in args.dtypes.split(","):
                 int8 = dtype == "int8"
