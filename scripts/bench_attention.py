@@ -120,6 +120,12 @@ def table_head(title: str, columns: list[str]) -> None:
     print("|" + "---|" * len(columns))
 
 
+def write_rows(out: Path, gpu: str, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(gpu=gpu, rows=rows), indent=1))
+    print(f"wrote {out}")
+
+
 def attention_shapes(models: str):
     """(name, query heads, KV heads) of each model in the comma-separated list."""
     for name in models.split(","):
@@ -161,10 +167,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     if args.prefill:
         rows = prefill_rows(args, stream, rng)
-        out = Path(args.out) / "bench_attention_prefill.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
-        print(f"wrote {out}")
+        write_rows(Path(args.out) / "bench_attention_prefill.json", info.name, rows)
         return
     table_head(f"decode attention on {info.name} ({info.num_sms} SMs); page {PAGE}; GB/s = cache bytes read / time; "
                f"roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s",
@@ -188,10 +191,7 @@ def main() -> None:
                     print(f"| {name} | {dtype} | {args.batch} | {ctx} | {splits} | {us:.1f} | {gbs:.0f} | "
                           f"{100 * row['roofline_fraction']:.1f} |", flush=True)
                 pools.free()
-    out = Path(args.out) / "bench_attention.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(gpu=info.name, rows=rows), indent=1))
-    print(f"wrote {out}")
+    write_rows(Path(args.out) / "bench_attention.json", info.name, rows)
 
 
 if __name__ == "__main__":
