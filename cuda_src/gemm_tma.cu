@@ -157,13 +157,13 @@ __device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
-// An output pair of the plain epilogues (the persistent kernel's and the split-K one's): columns (col, col + 1)
-// of `row` (col even, N % 8 == 0).
+// An output pair of the plain epilogues but the residual one (the persistent kernel's and the split-K one's):
+// columns (col, col + 1) of `row` (col even, N % 8 == 0). EPI_XIELU reads its parameters here, pair by pair
+// (from L1), rather than holding them in registers across the epilogue's loops.
 template <int EPI>
-// EPI_XIELU reads its parameters here, pair by pair (from L1), rather than holding them in registers across
-// the epilogue's loops.
 __device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int row, int col, float2 v,
-                                           const float *__restrict__ act, Capture cap) {
+                                           const float *__restrict__ act) {
+    static_assert(EPI != EPI_RESIDUAL, "the residual epilogue stores through add_residual");
     const size_t at = (size_t)row * N + col;
     if (EPI == EPI_BF16 || EPI == EPI_XIELU) {
         if (EPI == EPI_XIELU) {
@@ -171,13 +171,34 @@ __device__ __forceinline__ void store_pair(void *__restrict__ out, int N, int ro
             v = make_float2(xielu(v.x, a), xielu(v.y, a));
         }
         *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + at) = pack_bf16x2(v.x, v.y);
-    } else if (EPI == EPI_RESIDUAL) {
-        float2 *o = reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at);
-        const float2 r = *o;
-        *o = make_float2(r.x + v.x, r.y + v.y);
-        if (cap.ptr) *reinterpret_cast<float2 *>(cap.ptr + (size_t)row * cap.stride + col) = *o;
     } else {
         *reinterpret_cast<float2 *>(reinterpret_cast<float *>(out) + at) = v;
+    }
+}
+
+// The residual epilogue for P pairs: out[row, col .. col + 1] += v (float32; and the new values at the capture's
+// row), where at(p, row, col) names pair p's place and returns its value v; a pair whose row >= M or col >= N is
+// skipped. Every old value is loaded before the first store: through one pointer the compiler must keep each load
+// after the store before it, so pair by pair the loads would wait one memory latency each (at 128 x 128 tiles
+// that was most of the epilogue).
+template <int P, typename At>
+__device__ __forceinline__ void add_residual(float *__restrict__ out, int M, int N, Capture cap, At at) {
+    float2 old[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        int row, col;
+        at(p, row, col);
+        old[p] = row < M && col < N ? *reinterpret_cast<const float2 *>(out + (size_t)row * N + col)
+                                    : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        int row, col;
+        const float2 v = at(p, row, col);
+        if (row >= M || col >= N) continue;
+        const float2 r = make_float2(old[p].x + v.x, old[p].y + v.y);
+        *reinterpret_cast<float2 *>(out + (size_t)row * N + col) = r;
+        if (cap.ptr) *reinterpret_cast<float2 *>(cap.ptr + (size_t)row * cap.stride + col) = r;
     }
 }
 
@@ -248,23 +269,33 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
                 }
             }
         }
+        if constexpr (EPI == EPI_RESIDUAL) {
+            // Pair p: item p / 2, row g + 8 (p % 2); an item past the share's end is not stored (col = N).
+            add_residual<2 * CH>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
+                const int i = p >> 1, h = p & 1, u = rank + (i0 + i) * KS;
+                row = row_base + 8 * h;
+                col = i0 + i < ITEMS && u < U ? nt * BN + 8 * u + 2 * t : N;
+                return v[i][h];
+            });
+        } else {
 #pragma unroll
-        for (int i = 0; i < CH; ++i) {
-            const int u = rank + (i0 + i) * KS;
-            if (i0 + i >= ITEMS || u >= U) continue;
+            for (int i = 0; i < CH; ++i) {
+                const int u = rank + (i0 + i) * KS;
+                if (i0 + i >= ITEMS || u >= U) continue;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row_base + 8 * h;
-                if (row >= M) continue;
-                if (SILU) {
-                    const int half = N / 2, col = nt * (BN / 2) + 8 * u + 2 * t;   // even; half is even
-                    if (col >= half) continue;
-                    const float2 gt = v[i][h], up = v[i][2 + h];
-                    *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
-                            pack_bf16x2(gt.x / (1.f + __expf(-gt.x)) * up.x, gt.y / (1.f + __expf(-gt.y)) * up.y);
-                } else {
-                    const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
-                    if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act, cap);
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row_base + 8 * h;
+                    if (row >= M) continue;
+                    if constexpr (SILU) {
+                        const int half = N / 2, col = nt * (BN / 2) + 8 * u + 2 * t;   // even; half is even
+                        if (col >= half) continue;
+                        const float2 gt = v[i][h], up = v[i][2 + h];
+                        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
+                                pack_bf16x2(gt.x / (1.f + __expf(-gt.x)) * up.x, gt.y / (1.f + __expf(-gt.y)) * up.y);
+                    } else {
+                        const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
+                        if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act);
+                    }
                 }
             }
         }
@@ -383,13 +414,13 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         if (KS == 1 && lane == 0) mbar_arrive(empty + 8 * prev);
         if constexpr (KS > 1) {
             split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank, act, cap);
-            continue;  // the last (only) tile of this block
+            return;  // the last (only) tile of this block: its accumulators are dead from here
         }
 
         // Accumulators: warp w of the warpgroup holds rows 16 w + g and + 8; d[4j + e] is column
         // 8j + 2t + (e & 1) of row g + 8 (e >> 1) (the mma.m16n8 fragment layout, BN / 8 blocks of 8 columns).
         const int row_base = mt * BM + c * 64 + warp * 16 + g;
-        if (SILU) {
+        if constexpr (SILU) {
             // Columns c < BN/2: gate of output j0 + c; BN/2 + c: up of the same output.
             const int j0 = nt * WBOX;
 #pragma unroll
@@ -405,6 +436,18 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                         pack_bf16x2(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
                 }
             }
+        } else if constexpr (EPI == EPI_RESIDUAL) {
+            // In chunks of 8 column blocks (16 pairs, 16 loads in flight a thread): wide tiles hold 128
+            // accumulators a thread, and the chunk's old values must fit beside them.
+            constexpr int CJ = 8;
+#pragma unroll
+            for (int j0 = 0; j0 < BN / 8; j0 += CJ)
+                add_residual<2 * CJ>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
+                    const int j = j0 + (p >> 1), h = p & 1;
+                    row = row_base + 8 * h;
+                    col = nt * BN + 8 * j + 2 * t;
+                    return make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                });
         } else {
             const int n0 = nt * BN;
 #pragma unroll
@@ -414,7 +457,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                 for (int h = 0; h < 2; ++h) {
                     const int row = row_base + 8 * h;
                     if (row >= M || col >= N) continue;
-                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), act, cap);
+                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), act);
                 }
             }
         }
