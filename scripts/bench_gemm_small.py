@@ -163,7 +163,7 @@ def main() -> None:
                             line += " - |"
                     if args.tma:
                         if M > SWAP_BATCHES[-1]:
-                            pick = tma_plan(M, N, K, epilogue == "silu_mul", info.num_sms, cluster_slots())
+                            pick = tma_plan(M, N, K, epilogue, info.num_sms, cluster_slots())
                             tma = {(w, ks): time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x,
                                                        fn=gemm, width=w, split=ks) for w, ks in tma_options}
                             row.update(tma_pick=list(pick), tma_us={f"{w}s{ks}": v for (w, ks), v in tma.items()})

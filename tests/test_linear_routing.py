@@ -9,8 +9,8 @@ import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
-                                      default_path, fuses_norm, gemv_ksplit, norm_kernel_name, swap_config, tma_plan,
-                                      tma_tiles, tma_width)
+                                      TMA_RESIDUAL_SPLIT_ROWS, default_path, fuses_norm, gemv_ksplit, norm_kernel_name,
+                                      swap_config, tma_plan, tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
 # The routing module, its sizes and kernel names.
@@ -87,21 +87,41 @@ H200_SLOTS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200
 def test_tma_plan_splits_only_within_one_wave():
     # qwen3-4b at 256 rows: down_proj (40 narrow tiles of 152 k-steps) and o_proj on 2 blocks a tile (80
     # blocks; down_proj's 20 wide tiles on 4 a tile were slower); at 512 rows down_proj's 80 narrow tiles would
-    # need 3 waves of 4-block clusters (measured slower) and stay unsplit; prefill never splits. At 96 rows its
-    # gate/up takes one round of wide tiles (two of narrow ones were faster alone, slower in the engine).
+    # need 3 waves of 4-block clusters (measured slower) and stay unsplit. At 96 rows its gate/up takes one
+    # round of wide tiles (two of narrow ones were faster alone, slower in the engine). Prefill-sized products
+    # split only when they are residual ones (below).
     c = preset("qwen3-4b")
-    assert tma_plan(256, c.hidden_size, c.intermediate_size, False, 132, H200_SLOTS) == (128, 2)
-    assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, True, 132, H200_SLOTS) == (256, 1)
-    assert tma_plan(256, c.hidden_size, c.num_attention_heads * c.head_dim, False, 132, H200_SLOTS) == (128, 2)
-    assert tma_plan(512, c.hidden_size, c.intermediate_size, False, 132, H200_SLOTS) == (128, 1)
-    assert tma_plan(4096, c.qkv_size, c.hidden_size, False, 132, H200_SLOTS) == (256, 1)
+    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == (128, 2)
+    assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == (256, 1)
+    assert tma_plan(256, c.hidden_size, c.num_attention_heads * c.head_dim, "residual", 132, H200_SLOTS) == (128, 2)
+    assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == (128, 1)
+    assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == (256, 1)
+    assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == (256, 1)
     for M in (65, 128, 256, 300, 512, 1000):
-        for n, k, silu in ((c.qkv_size, c.hidden_size, False), (2 * c.intermediate_size, c.hidden_size, True),
-                           (c.hidden_size, c.intermediate_size, False), (1024, 8, False)):
-            width, split = tma_plan(M, n, k, silu, 132, H200_SLOTS)
+        for n, k, epilogue in ((c.qkv_size, c.hidden_size, "bf16"), (2 * c.intermediate_size, c.hidden_size, "silu_mul"),
+                               (c.hidden_size, c.intermediate_size, "residual"), (1024, 8, "bf16")):
+            silu = epilogue == "silu_mul"
+            width, split = tma_plan(M, n, k, epilogue, 132, H200_SLOTS)
             assert width in (128, 256)
             assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
             assert split == 1 or -(-k // 64) >= 2 * split
+
+
+def test_tma_plan_splits_prefill_residual_products_two_ways():
+    # From TMA_RESIDUAL_SPLIT_ROWS rows on, o_proj and down_proj split 2 ways over as many waves as it takes:
+    # qwen3-4b at 4,096 rows in wide tiles (640 blocks, 5 waves), at 1,024 rows in narrow ones (320 blocks,
+    # 3 waves, against 2 waves of wide tiles at 1.84 times a narrow k-step each).
+    c = preset("qwen3-4b")
+    o = (c.hidden_size, c.num_attention_heads * c.head_dim)
+    down = (c.hidden_size, c.intermediate_size)
+    for n, k in (o, down):
+        assert tma_plan(4096, n, k, "residual", 132, H200_SLOTS) == (256, 2)
+        assert tma_plan(1024, n, k, "residual", 132, H200_SLOTS) == (128, 2)
+        below = TMA_RESIDUAL_SPLIT_ROWS - 1  # the one-wave rule again
+        width, split = tma_plan(below, n, k, "residual", 132, H200_SLOTS)
+        assert split == 1 or tma_tiles(below, n, False, width) * split <= H200_SLOTS[split]
+    # Too few k-steps for two ranks of two each: no split.
+    assert tma_plan(4096, 1024, 192, "residual", 132, H200_SLOTS)[1] == 1
 
 
 def test_swap_config_matches_the_kernels():

@@ -16,7 +16,7 @@ figures in docs/benchmarks.md):
   - M in (1, 2): the bandwidth-bound GEMV; after a norm, the GEMV that normalizes its own input.
   - 3 <= M <= 64: the swap-AB GEMM, every weight byte read once for all rows (swap_config).
   - Everything else: gemm_tma.cu, split along K by a cluster of blocks when its tiles are too few for the
-    SMs (tma_plan).
+    SMs, and for the residual products of prefill size (tma_plan).
 
 Routing (which kernel and build, pure functions of the shapes) lives in kernels/routing.py; this module
 holds validation (the arguments' shapes and dtypes) and the launches.
@@ -142,10 +142,10 @@ def cluster_slots() -> dict[int, int]:
 
 
 @cache
-def _tma_plan(M: int, N: int, K: int, silu: bool, sms: int) -> tuple[int, int]:
+def _tma_plan(M: int, N: int, K: int, epilogue: str, sms: int) -> tuple[int, int]:
     """tma_plan for this GPU's cluster slots, computed once a shape (the forward pass asks for the same
     few shapes every step)."""
-    return tma_plan(M, N, K, silu, sms, cluster_slots())
+    return tma_plan(M, N, K, epilogue, sms, cluster_slots())
 
 
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
@@ -168,7 +168,7 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     if width not in (None,) + TMA_WIDTHS:
         raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
     if split is None and width is None and blocks is None:
-        width, split = _tma_plan(M, N, K, silu, sms)
+        width, split = _tma_plan(M, N, K, epilogue, sms)
     width = width or tma_width(M, N, silu, sms)
     split = split or 1
     if split > 1 and blocks is not None:

@@ -135,6 +135,13 @@ TMA_SPLIT_FILL = 3.0
 TMA_SPLIT_REDUCE = 0.5
 TMA_SPLIT_MARGIN = 0.9
 TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
+# From this many rows on, a residual product (o_proj, down_proj: out += x W^T in float32) splits 2 ways however
+# many waves that takes (tma_plan). `scripts/bench_gemm_small.py --tma --m 1024,2048,4096` on the H200: such a
+# split beat the unsplit kernel at both widths for qwen3-0.6b, 4b and 8b at 1,024-4,096 rows (qwen3-4b's o_proj
+# / down_proj at 4,096 rows 165.8 / 343.0 us against 186.2 / 383.4 unsplit in narrow tiles; at 1,024 rows 49.6 /
+# 100.6 against 59.2 / 122.4 unsplit in wide ones), equal for qwen3-8b at 4,096, and lost only for qwen3-0.6b
+# at 2,048 rows (18.8 / 24.0 against 17.9 / 23.4). The products of the other epilogues lost split at every size.
+TMA_RESIDUAL_SPLIT_ROWS = 1024
 
 
 def default_path(M: int, N: int) -> str:
@@ -288,12 +295,18 @@ def tma_split_cost(K: int, width: int, split: int) -> float:
             + TMA_SPLIT_REDUCE * split * width / 128)
 
 
-def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]) -> tuple[int, int]:
+def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, int]) -> tuple[int, int]:
     """(tile width, blocks per tile) for gemm_tma.cu. Unsplit: the persistent kernel at tma_width. A split
     (KS blocks of a cluster share a tile's K range) is considered only when its whole grid is resident at
     once (tiles x KS <= slots[KS], the blocks of KS-clusters the GPU holds: cluster_slots) and it must
     beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the cost model does not hold past
-    it: a split grid of several waves was slower than the persistent kernel."""
+    it: a split grid of several waves was slower than the persistent kernel. Except for the residual products
+    of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on): those always split 2 ways, at the width whose waves of
+    2-block clusters cost least (tma_residual_width)."""
+    silu = epilogue == "silu_mul"
+    if (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS and slots.get(2)
+            and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2):
+        return tma_residual_width(M, N, slots[2]), 2
     width = tma_width(M, N, silu, sms)
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
     best = (unsplit, width, 1)
@@ -306,6 +319,14 @@ def tma_plan(M: int, N: int, K: int, silu: bool, sms: int, slots: dict[int, int]
                 if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
                     best = (c, w, split)
     return best[1], best[2]
+
+
+def tma_residual_width(M: int, N: int, slots2: int) -> int:
+    """The tile width of a prefill-sized residual product split 2 ways: the fewer (waves of slots2 blocks) x
+    (a k-step's cost), 256 on a tie. On the H200 (slots2 = 132) qwen3-4b's o_proj and down_proj at 4,096 rows
+    take wide tiles (640 blocks: 5 waves x 1.84 = 9.2 against 1,280 narrow blocks' 10 waves), at 1,024 rows narrow
+    ones (3 waves against 2 x 1.84)."""
+    return min(TMA_WIDTHS, key=lambda w: cdiv(tma_tiles(M, N, False, w) * 2, slots2) * tma_kstep_cost(w))
 
 
 def tma_kernel_name(width: int, split: int, epilogue: str) -> str:
