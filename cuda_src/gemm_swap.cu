@@ -178,9 +178,10 @@ __device__ __forceinline__ bool swap_weight_row(int r, int tile, int N, bool sil
     return gn < N;
 }
 
-// Store 4 consecutive output columns n .. n + 3 of row m (n % 4 == 0, N % 8 == 0: all in range or none).
+// Store 4 consecutive output columns n .. n + 3 of row m (n % 4 == 0, N % 8 == 0: all in range or none), any
+// epilogue but the residual one (swap_block's epilogue adds into the residual stream itself).
 __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, int m, int n, float4 v,
-                                       const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {
+                                       const float *__restrict__ act) {
     const size_t at = (size_t)m * N + n;
     if (epi == EPI_BF16 || epi == EPI_XIELU) {
         if (epi == EPI_XIELU) {
@@ -188,11 +189,6 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
             v = make_float4(xielu(v.x, a), xielu(v.y, a), xielu(v.z, a), xielu(v.w, a));
         }
         *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + at) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-    } else if (epi == EPI_RESIDUAL) {
-        float4 *o = reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at);
-        const float4 r = *o;
-        *o = make_float4(r.x + v.x, r.y + v.y, r.z + v.z, r.w + v.w);
-        if (cap) *reinterpret_cast<float4 *>(cap + (size_t)m * cap_stride + n) = *o;
     } else {
         *reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at) = v;
     }
@@ -385,6 +381,32 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             for (int off = 8; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
             if (q == 0 && m < M) ss_out[(size_t)m * gridDim.y + tile] = ss;
         }
+    } else if (epi == EPI_RESIDUAL) {
+        // Every old residual value of a thread's units is loaded before it stores any: through one pointer the
+        // compiler must keep each load after the store before it, so unit by unit each would wait one memory
+        // latency (as in gemm_tma.cu's add_residual).
+        constexpr int UNITS = B * (TR / 4), ITER = (UNITS + KS * THREADS - 1) / (KS * THREADS);
+        float *o = reinterpret_cast<float *>(out);
+        float4 v[ITER], old[ITER];
+        bool ok[ITER];
+#pragma unroll
+        for (int i = 0; i < ITER; ++i) {
+            const int u = rank * THREADS + tid + i * KS * THREADS, m = u / (TR / 4), n = tile * TR + 4 * (u % (TR / 4));
+            ok[i] = u < UNITS && m < M && n < N;
+            if (ok[i]) {
+                v[i] = sum_ranks<KS>(P + m * C::PS + 4 * (u % (TR / 4)));
+                if (NORM == NORM_CONSUMER) v[i] = scale4(v[i], row_scale_smem<B>()[m]);  // 1 / rms of row m
+                old[i] = *reinterpret_cast<const float4 *>(o + (size_t)m * N + n);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ITER; ++i) {
+            if (!ok[i]) continue;
+            const int u = rank * THREADS + tid + i * KS * THREADS, m = u / (TR / 4), n = tile * TR + 4 * (u % (TR / 4));
+            const float4 r = make_float4(old[i].x + v[i].x, old[i].y + v[i].y, old[i].z + v[i].z, old[i].w + v[i].w);
+            *reinterpret_cast<float4 *>(o + (size_t)m * N + n) = r;
+            if (cap) *reinterpret_cast<float4 *>(cap + (size_t)m * cap_stride + n) = r;
+        }
     } else {
         for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
             const int m = u / per_m, q = u % per_m;
@@ -405,7 +427,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                 const int n = tile * TR + 4 * q;
                 if (n >= N) continue;
                 const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
-                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v, act, cap, cap_stride);
+                store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v, act);
             }
         }
     }
