@@ -251,12 +251,17 @@ def profile_prefill(model, n: int) -> list[dict]:
         cache.manager.release(seq)
 
 
-def bench_prefill(model, n: int, repeats: int) -> dict:
+def bench_prefill(model, n: int, repeats: int, pause: float = 0.0) -> dict:
+    """One n-token prompt through the paged cache, a warm-up then `repeats` timed runs (CUDA events), the median.
+    pause: seconds the GPU idles before each timed run (0: back to back), to tell a prompt after a quiet spell
+    from one of a stream of them."""
     prompt = np.random.default_rng(1).integers(0, min(151643, model.config.vocab_size), n).tolist()
     cache = model.ensure_cache(n + 1)
     times = []
     start, end = Event(), Event()
     for i in range(repeats + 1):
+        if i and pause:
+            time.sleep(pause)
         seq = Sequence()
         try:
             start.record(model.stream)
@@ -276,7 +281,8 @@ def bench_prefill(model, n: int, repeats: int) -> dict:
     flops = 2 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * n + attn_flops \
         + 2 * cfg.vocab_size * cfg.hidden_size  # the LM head runs for the last token only
     return dict(prefill_tokens=n, prefill_s=seconds, prefill_tok_s=n / seconds, TFLOP_s=flops / seconds / 1e12,
-                matmul_fraction=flops / seconds / MATMUL_FLOPS)
+                matmul_fraction=flops / seconds / MATMUL_FLOPS, runs_s=times, pause_s=pause,
+                TFLOP_s_runs=[flops / t / 1e12 for t in times])
 
 
 def peer_command(peer: Path, name: str, context: int, new: int, batch: int = 1) -> list[str]:
@@ -305,6 +311,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="decode tokens timed per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill", default="512,4096", help="prompt lengths for the prefill benchmark ('' = none)")
+    ap.add_argument("--prefill-pause", type=float, default=0.0,
+                    help="seconds the GPU idles before each timed prompt (default 0: back to back)")
     ap.add_argument("--peer", type=Path, help="path to the peer, bench/peer_gptfast.py (runs the same decode case)")
     ap.add_argument("--peer-timeout", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -436,10 +444,12 @@ def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True
         if args.ablate:
             row["ablation"] = ablate_step(model)
             print(render_ablation(name, row["ablation"]), flush=True)
-        row["prefill"] = [bench_prefill(model, int(n), args.repeats) for n in args.prefill.split(",") if n]
+        row["prefill"] = [bench_prefill(model, int(n), args.repeats, args.prefill_pause)
+                          for n in args.prefill.split(",") if n]
         for p in row["prefill"]:
+            runs = ", ".join(f"{t:.0f}" for t in p["TFLOP_s_runs"])
             print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
-                  f"({p['TFLOP_s']:.0f} TFLOP/s)", flush=True)
+                  f"({p['TFLOP_s']:.0f} TFLOP/s; runs {runs})", flush=True)
             if args.profile and p["prefill_tokens"] <= model.max_batch_tokens:
                 p["profile"] = profile_prefill(model, p["prefill_tokens"])
                 print(render_profile(name, p["profile"], f"prefill of {p['prefill_tokens']} tokens"), flush=True)

@@ -270,7 +270,7 @@ def measure(args) -> dict:
     def ns(**kw):
         base = dict(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
                     profile=args.profile, ablate=args.profile, batches="", peer_batches=None, offline=False,
-                    shared_prefix=False, engine_kv="bf16")
+                    shared_prefix=False, engine_kv="bf16", prefill_pause=0.0)
         return argparse.Namespace(**{**base, **kw})
 
     def peer_per_seq(row):
