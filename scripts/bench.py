@@ -281,7 +281,7 @@ def bench_prefill(model, n: int, repeats: int, pause: float = 0.0) -> dict:
     flops = 2 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) * n + attn_flops \
         + 2 * cfg.vocab_size * cfg.hidden_size  # the LM head runs for the last token only
     return dict(prefill_tokens=n, prefill_s=seconds, prefill_tok_s=n / seconds, TFLOP_s=flops / seconds / 1e12,
-                matmul_fraction=flops / seconds / MATMUL_FLOPS, runs_s=times, pause_s=pause,
+                matmul_fraction=flops / seconds / MATMUL_FLOPS, pause_s=pause,
                 TFLOP_s_runs=[flops / t / 1e12 for t in times])
 
 
