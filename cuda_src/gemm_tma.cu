@@ -23,10 +23,10 @@
 // fresh barrier counts its "previous" phase (parity 1) as completed, so the producer's first pass
 // over the ring waits on nothing.
 //
-// Persistent: grid = min(tiles, SMs); block b takes tiles b, b + grid, ... in a grouped order
-// (GROUP_M row tiles share each column of W tiles, M fastest) so blocks running together share A and
-// W tiles in L2. The producer runs ahead across tile boundaries, so the next tile's first stages
-// load while the consumers run the epilogue of the last one.
+// Persistent: a launch covers tiles [tile0, tile1) of a grouped order (GROUP_M row tiles share each
+// column of W tiles, M fastest, so blocks running together share A and W tiles in L2); grid = min(tiles,
+// SMs), block b takes tiles tile0 + b, + grid, ... The producer runs ahead across tile boundaries, so the
+// next tile's first stages load while the consumers run the epilogue of the last one.
 //
 // Shared-memory tiles: rows of 64 bf16 (128 bytes), written by TMA with the 128-byte swizzle (the
 // 16-byte chunk c of row r at chunk c ^ (r % 8)), tiles 1024-byte aligned: exactly the layout the
@@ -43,7 +43,9 @@
 // accumulator column c (gate) and BN/2 + c (up) sit in the same thread (d[4 j + e] and
 // d[4 (j + BN/16) + e]). Gate rows past I read up rows (inside W): those outputs are not stored.
 //
-// Kernel arguments: (A, W, out, M, N, K, tmA, tmW, act, cap, cap_stride); act: xIELU's parameters for EPI_XIELU
+// Kernel arguments: (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act, cap, cap_stride); tile0, tile1: the launch's
+// range of the tile order (all of it, or a part: a persistent launch of whole rounds and a split one of the last
+// round's tiles, tileinfer/kernels/routing.py tma_plan); act: xIELU's parameters for EPI_XIELU
 // (common.cuh; Apertus' up projection), ignored (null) by the other epilogues; cap, cap_stride (EPI_RESIDUAL;
 // null and 0 for none): each new residual row m is also written at cap + m * cap_stride (floats, 8-byte
 // aligned), a layer's hidden states for a drafter (tileinfer/model/forward.py, Capture) from the kernel that
@@ -59,8 +61,8 @@
 // Split K (gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*; KS = 2, 3, 4), for 65-256 rows (batched decode,
 // prefill chunks): there the tiles are too few for the SMs (qwen3-4b's QKV at M = 256: 96 tiles of
 // 128 x 128 for 132 SMs; its o_proj and down_proj 40), so KS blocks share one output tile's K range.
-// Not persistent: grid = tiles x KS, block b takes tile b / KS (the grouped order above) and is block
-// rank = b % KS of a thread-block cluster of (KS, 1, 1) (__cluster_dims__: the plain launch makes it);
+// Not persistent: grid = (tile1 - tile0) x KS, block b takes tile tile0 + b / KS (the grouped order above) and
+// is block rank = b % KS of a thread-block cluster of (KS, 1, 1) (__cluster_dims__: the plain launch makes it);
 // it runs the same producer / consumer pipeline over k-steps [ktiles rank / KS, ktiles (rank + 1) / KS)
 // (a rank may get none when ktiles < KS: its partial tile is zero). Then, instead of the epilogue:
 //   1. both consumer warpgroups meet at a named barrier (bar.sync 1, 256; the producer warpgroup has
@@ -306,7 +308,8 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
 // ----------------------------------------------------------------------------- the kernel body
 template <int EPI, int BN, int KS>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
-                                        int M, int N, int K, const float *__restrict__ act, Capture cap) {
+                                        int M, int N, int K, int tile0, int tile1, const float *__restrict__ act,
+                                        Capture cap) {
     constexpr int WBOX = BN / 2;                      // rows of one W box
     constexpr int TILE_B = BN * BK * 2;               // bytes of one stage's W tile
     constexpr int STAGES = SMEM_TILES / (TILE_A + TILE_B);
@@ -325,11 +328,12 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     const int half = N / 2;
     const int tiles_m = ceil_div(M, BM);
     const int tiles_n = SILU ? ceil_div(half, WBOX) : ceil_div(N, BN);
-    const int tiles = tiles_m * tiles_n, ktiles = ceil_div(K, BK);
-    // KS == 1: persistent, tiles blockIdx.x, + gridDim.x, ... over all k-steps. KS > 1: one tile per cluster
-    // (tile blockIdx.x / KS, grid = tiles * KS), block `rank` of the cluster over k-steps [kbeg, kend).
-#define FIRST_TILE (KS > 1 ? (int)blockIdx.x / KS : (int)blockIdx.x)
-#define TILE_STRIDE (KS > 1 ? tiles : (int)gridDim.x)
+    const int ktiles = ceil_div(K, BK);
+    // Tiles [tile0, tile1) of the tile order. KS == 1: persistent, tiles tile0 + blockIdx.x, + gridDim.x, ...
+    // over all k-steps. KS > 1: one tile per cluster (tile tile0 + blockIdx.x / KS, grid = (tile1 - tile0) * KS),
+    // block `rank` of the cluster over k-steps [kbeg, kend).
+#define FIRST_TILE (tile0 + (KS > 1 ? (int)blockIdx.x / KS : (int)blockIdx.x))
+#define TILE_STRIDE (KS > 1 ? tile1 : (int)gridDim.x)
     const int rank = KS > 1 ? cluster_rank() : 0;
     const int kbeg = KS > 1 ? ktiles * rank / KS : 0;
     const int kend = KS > 1 ? ktiles * (rank + 1) / KS : ktiles;
@@ -353,7 +357,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
             tma_prefetch_desc(tmW);
             int s = 0;
             u32 phase = 0;
-            for (int tile = FIRST_TILE; tile < tiles; tile += TILE_STRIDE) {
+            for (int tile = FIRST_TILE; tile < tile1; tile += TILE_STRIDE) {
                 int mt, nt;
                 tile_coords(tile, tiles_m, tiles_n, mt, nt);
                 const int m0 = mt * BM;
@@ -389,7 +393,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 
     int s = 0;
     u32 phase = 0;
-    for (int tile = FIRST_TILE; tile < tiles; tile += TILE_STRIDE) {
+    for (int tile = FIRST_TILE; tile < tile1; tile += TILE_STRIDE) {
         int mt, nt;
         tile_coords(tile, tiles_m, tiles_n, mt, nt);
         int prev = 0;
@@ -468,23 +472,24 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #undef TILE_STRIDE
 #else
 template <int EPI, int BN, int KS>
-__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, const float *, Capture) {
+__device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, int, int,
+                                        const float *, Capture) {
     __trap();
 }
 #endif
 
 // ============================================================================= kernels
-// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tmA, tmW, act, cap,
-// cap_stride); grid
-// (min(tiles, SMs)) with tiles = ceil(M / 128) * ceil(N / BN) (SILU_MUL: ceil(N / 2 / (BN / 2))),
-// block (384), dynamic shared memory SMEM_BYTES. A and W are the matrices tmA and tmW describe.
+// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tile0, tile1, tmA,
+// tmW, act, cap, cap_stride); grid (min(tile1 - tile0, SMs)), tiles numbered up to ceil(M / 128) * ceil(N / BN)
+// (SILU_MUL: ceil(N / 2 / (BN / 2))), block (384), dynamic shared memory SMEM_BYTES. A and W are the
+// matrices tmA and tmW describe.
 #define GEMM_KERNEL(NAME, EPI, BN)                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW,                       \
+            int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, act, Capture{cap, cap_stride});                        \
+        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});         \
     }
 // Compiled in four parts (10 kernels each), at once: these unsplit builds, then each split below.
 #define KERNEL_PARTS 4
@@ -503,15 +508,15 @@ GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
 
 // Split K (batched decode, prefill chunks of 65-512 rows): gemm_tma_s{KS}_e{EPI} (BN = 256) and
 // gemm_tma_n128_s{KS}_e{EPI} (BN = 128), KS = 2, 3, 4 blocks per cluster. Same arguments; grid
-// (tiles * KS) exactly, block (384), dynamic shared memory SMEM_BYTES; clusters of (KS, 1, 1) blocks, fixed at
-// compile time (__cluster_dims__), so the plain launch makes them.
+// ((tile1 - tile0) * KS) exactly, block (384), dynamic shared memory SMEM_BYTES; clusters of (KS, 1, 1) blocks,
+// fixed at compile time (__cluster_dims__), so the plain launch makes them.
 #define GEMM_SPLIT_KERNEL(NAME, EPI, BN, KS)                                                                \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(KS, 1, 1) NAME(               \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW,                       \
+            int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K, act, Capture{cap, cap_stride});                       \
+        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});        \
     }
 #define GEMM_SPLITS(KS)                                                                                     \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e0, 0, 256, KS)                                                      \

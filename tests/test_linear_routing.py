@@ -9,8 +9,9 @@ import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
-                                      TMA_RESIDUAL_SPLIT_ROWS, default_path, fuses_norm, gemv_ksplit, norm_kernel_name,
-                                      swap_config, tma_plan, tma_tiles, tma_width)
+                                      TMA_RESIDUAL_SPLIT_ROWS, TMA_TAIL_SPLIT_ROWS, TmaPlan, default_path, fuses_norm,
+                                      gemv_ksplit, norm_kernel_name, swap_config, tma_plan, tma_tail_split, tma_tiles,
+                                      tma_width)
 from tileinfer.model.config import preset
 
 # The routing module, its sizes and kernel names.
@@ -91,18 +92,19 @@ def test_tma_plan_splits_only_within_one_wave():
     # round of wide tiles (two of narrow ones were faster alone, slower in the engine). Prefill-sized products
     # split only when they are residual ones (below).
     c = preset("qwen3-4b")
-    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == (128, 2)
-    assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == (256, 1)
-    assert tma_plan(256, c.hidden_size, c.num_attention_heads * c.head_dim, "residual", 132, H200_SLOTS) == (128, 2)
-    assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == (128, 1)
-    assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == (256, 1)
-    assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == (256, 1)
+    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
+    assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(256, 1)
+    assert tma_plan(256, c.hidden_size, c.num_attention_heads * c.head_dim, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
+    assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 1)
+    assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1)
+    assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(256, 1, 2)
     for M in (65, 128, 256, 300, 512, 1000):
         for n, k, epilogue in ((c.qkv_size, c.hidden_size, "bf16"), (2 * c.intermediate_size, c.hidden_size, "silu_mul"),
                                (c.hidden_size, c.intermediate_size, "residual"), (1024, 8, "bf16")):
             silu = epilogue == "silu_mul"
-            width, split = tma_plan(M, n, k, epilogue, 132, H200_SLOTS)
-            assert width in (128, 256)
+            plan = tma_plan(M, n, k, epilogue, 132, H200_SLOTS)
+            width, split = plan.width, plan.split
+            assert width in (128, 256) and plan.tail == 1  # no split last round below TMA_TAIL_SPLIT_ROWS
             assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
             assert split == 1 or -(-k // 64) >= 2 * split
 
@@ -115,13 +117,33 @@ def test_tma_plan_splits_prefill_residual_products_two_ways():
     o = (c.hidden_size, c.num_attention_heads * c.head_dim)
     down = (c.hidden_size, c.intermediate_size)
     for n, k in (o, down):
-        assert tma_plan(4096, n, k, "residual", 132, H200_SLOTS) == (256, 2)
-        assert tma_plan(1024, n, k, "residual", 132, H200_SLOTS) == (128, 2)
+        assert tma_plan(4096, n, k, "residual", 132, H200_SLOTS) == TmaPlan(256, 2)
+        assert tma_plan(1024, n, k, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
         below = TMA_RESIDUAL_SPLIT_ROWS - 1  # the one-wave rule again
-        width, split = tma_plan(below, n, k, "residual", 132, H200_SLOTS)
+        plan = tma_plan(below, n, k, "residual", 132, H200_SLOTS)
+        width, split = plan.width, plan.split
         assert split == 1 or tma_tiles(below, n, False, width) * split <= H200_SLOTS[split]
     # Too few k-steps for two ranks of two each: no split.
-    assert tma_plan(4096, 1024, 192, "residual", 132, H200_SLOTS)[1] == 1
+    assert tma_plan(4096, 1024, 192, "residual", 132, H200_SLOTS).split == 1
+
+
+def test_tma_tail_split_takes_the_idle_sms_of_the_last_round():
+    # qwen3-4b at 4,096 rows: gate/up's 2,432 wide tiles are 18 rounds and 56 tiles, the 56 split 2 ways (3 ways
+    # would need 168 blocks at once); QKV's 768 are 5 rounds and 108 tiles, which no split fits in one wave.
+    c = preset("qwen3-4b")
+    up_tiles = tma_tiles(4096, 2 * c.intermediate_size, True, 256)
+    assert up_tiles % 132 == 56 and tma_tail_split(up_tiles, c.hidden_size, 256, 132, H200_SLOTS) == 2
+    assert tma_tail_split(tma_tiles(4096, c.qkv_size, False, 256), c.hidden_size, 256, 132, H200_SLOTS) == 1
+    # Whole rounds, or fewer tiles than SMs: nothing to split.
+    assert tma_tail_split(264, 4096, 256, 132, H200_SLOTS) == 1
+    assert tma_tail_split(100, 4096, 256, 132, H200_SLOTS) == 1
+    # A few tiles left over: the widest split that fits, if it beats the unsplit round.
+    assert tma_tail_split(132 + 30, 4096, 128, 132, H200_SLOTS) == 4
+    # Too few k-steps for any split's ranks: none.
+    assert tma_tail_split(132 + 30, 64, 128, 132, H200_SLOTS) == 1
+    # Below TMA_TAIL_SPLIT_ROWS the plan has no split last round.
+    assert tma_plan(TMA_TAIL_SPLIT_ROWS - 128, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132,
+                    H200_SLOTS).tail == 1
 
 
 def test_swap_config_matches_the_kernels():

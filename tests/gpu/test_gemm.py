@@ -1,7 +1,7 @@
 """cuda_src/gemm_tma.cu (linear's "gemm" path: prefill and batches of 65 rows or more; TMA-fed,
 warp-specialized wgmma) against the float64 numpy reference: the persistent kernel at both tile widths
 and with a capped grid, and the split-K kernels (2, 3, 4 blocks of a cluster per tile, partial tiles
-summed in rank order) at both widths, all four epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b
+summed in rank order) at both widths, the persistent kernel's last round as a split launch, all four epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b
 matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
 `linear(force="gemm")` route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every
 product on this path)."""
@@ -62,6 +62,17 @@ def test_gemm_tma(M, N, K, epilogue, buf, stream):
                      label=f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks={blocks}")
 
 
+# The persistent kernel over the whole rounds of a capped grid (7 blocks: 35 of the 40 tiles), the 5 tiles of its
+# last round a split launch after it, 2-4 blocks a tile, at both widths and every epilogue.
+@pytest.mark.parametrize("tail", TMA_SPLITS)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_gemm_tma_split_last_round(epilogue, width, tail, buf, stream):
+    M, N, K = 1000, 1032 if width == 256 else 520, 1000
+    check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream, width=width, blocks=7, tail=tail),
+                 label=f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks=7 tail={tail}")
+
+
 # Smoke (first, under a short timeout in a device call: a hang means a cluster-barrier deadlock): every
 # split and width, every epilogue, one small shape of two row tiles and uneven k-step counts.
 @pytest.mark.parametrize("width", WIDTHS)
@@ -89,7 +100,7 @@ def test_gemm_tma_model_shapes_as_planned(matrix, M, buf, stream):
     N, K, epilogue = MODEL[matrix]
     plan = tma_plan(M, N, K, epilogue, get_device().info.num_sms, cluster_slots())
     check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream),
-                 label=f"gemm_tma {matrix} {epilogue} M={M} planned (width, split) {plan}")
+                 label=f"gemm_tma {matrix} {epilogue} M={M} planned {plan}")
 
 
 @pytest.mark.parametrize("split", TMA_SPLITS)

@@ -30,7 +30,8 @@ from .rmsnorm import rmsnorm
 from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE_EPILOGUES, SWAP_TILE, SWAP_THREADS,
                       NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_SPLITS, default_path, fuses_norm,
                       gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
-                      norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name)
+                      norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
+                      TmaPlan)
 
 # ============================================================================= validation
 def out_spec(epilogue: str, M: int, N: int):
@@ -142,20 +143,21 @@ def cluster_slots() -> dict[int, int]:
 
 
 @cache
-def _tma_plan(M: int, N: int, K: int, epilogue: str, sms: int) -> tuple[int, int]:
+def _tma_plan(M: int, N: int, K: int, epilogue: str, sms: int) -> TmaPlan:
     """tma_plan for this GPU's cluster slots, computed once a shape (the forward pass asks for the same
     few shapes every step)."""
     return tma_plan(M, N, K, epilogue, sms, cluster_slots())
 
 
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
-         split: int | None = None, blocks: int | None = None, act: DeviceArray | None = None,
+         split: int | None = None, tail: int | None = None, blocks: int | None = None, act: DeviceArray | None = None,
          capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
     of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256)
-    forces its tile width, `blocks` caps its grid (tests: many tiles a block). `split` (2-4 blocks per
-    tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one; by default
-    tma_plan decides. `act`: the parameters of the "xielu" epilogue; `capture`: as linear's."""
+    forces its tile width, `blocks` caps its grid (tests: many tiles a block), `tail` (2-4) runs its last,
+    partial round as a split launch of that many blocks a tile. `split` (2-4 blocks per tile, a cluster summing
+    its partial tiles in rank order) forces a split, 1 forbids one; by default tma_plan decides. `act`: the
+    parameters of the "xielu" epilogue; `capture`: as linear's."""
     M, K = x.shape
     N = w.shape[0]
     cap = capture_args(M, N, epilogue, capture)
@@ -163,22 +165,34 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
         return
     silu = epilogue == "silu_mul"
     sms = get_device().info.num_sms
-    if split not in (None, 1) + TMA_SPLITS:
-        raise ValueError(f"gemm: split must be 1 or one of {TMA_SPLITS}, got {split}")
+    for name, value in (("split", split), ("tail", tail)):
+        if value not in (None, 1) + TMA_SPLITS:
+            raise ValueError(f"gemm: {name} must be 1 or one of {TMA_SPLITS}, got {value}")
     if width not in (None,) + TMA_WIDTHS:
         raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
-    if split is None and width is None and blocks is None:
-        width, split = _tma_plan(M, N, K, epilogue, sms)
+    if split is None and width is None and blocks is None and tail is None:
+        plan = _tma_plan(M, N, K, epilogue, sms)
+        width, split, tail = plan.width, plan.split, plan.tail
     width = width or tma_width(M, N, silu, sms)
-    split = split or 1
-    if split > 1 and blocks is not None:
-        raise ValueError("gemm: `blocks` caps the persistent (unsplit) kernel only")
+    split, tail = split or 1, tail or 1
+    if split > 1 and (blocks is not None or tail > 1):
+        raise ValueError("gemm: `blocks` and `tail` are for the persistent (unsplit) kernel only")
     tiles = tma_tiles(M, N, silu, width)
-    grid = min(tiles, blocks or sms) if split == 1 else tiles * split
-    kernel("gemm_tma.cu", tma_kernel_name(width, split, epilogue)).launch(
-        (grid,), (TMA_THREADS,),
-        [x, w, out, I32(M), I32(N), I32(K), bf16_tensor_map(x.ptr, tile_rows(x, TMA_BM), K, TMA_BM),
-         bf16_tensor_map(w.ptr, N, K, width // 2), act, *cap], stream, smem=TMA_SMEM)
+    maps = [bf16_tensor_map(x.ptr, tile_rows(x, TMA_BM), K, TMA_BM), bf16_tensor_map(w.ptr, N, K, width // 2)]
+
+    def launch(ks: int, first: int, last: int, grid: int) -> None:
+        kernel("gemm_tma.cu", tma_kernel_name(width, ks, epilogue)).launch(
+            (grid,), (TMA_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(first), I32(last), *maps, act, *cap],
+            stream, smem=TMA_SMEM)
+
+    if split > 1:
+        launch(split, 0, tiles, tiles * split)
+        return
+    grid = min(tiles, blocks or sms)
+    whole = tiles - tiles % grid if tail > 1 else tiles   # whole rounds; the rest split `tail` ways
+    launch(1, 0, whole, grid)
+    if whole < tiles:
+        launch(tail, whole, tiles, (tiles - whole) * tail)
 
 
 def tile_rows(x: DeviceArray, tile: int) -> int:

@@ -142,6 +142,9 @@ TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 # 100.6 against 59.2 / 122.4 unsplit in wide ones), equal for qwen3-8b at 4,096, and lost only for qwen3-0.6b
 # at 2,048 rows (18.8 / 24.0 against 17.9 / 23.4). The products of the other epilogues lost split at every size.
 TMA_RESIDUAL_SPLIT_ROWS = 1024
+# From this many rows on, the persistent kernel's last round, when it leaves SMs idle, may run as a separate split
+# launch (tma_tail_split): its tiles' K ranges shared by 2-4 blocks so that the idle SMs take part.
+TMA_TAIL_SPLIT_ROWS = 1024
 
 
 def default_path(M: int, N: int) -> str:
@@ -295,18 +298,29 @@ def tma_split_cost(K: int, width: int, split: int) -> float:
             + TMA_SPLIT_REDUCE * split * width / 128)
 
 
-def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, int]) -> tuple[int, int]:
-    """(tile width, blocks per tile) for gemm_tma.cu. Unsplit: the persistent kernel at tma_width. A split
+@dataclass(slots=True, frozen=True)
+class TmaPlan:
+    """How `gemm` runs one product on gemm_tma.cu: tiles `width` wide, `split` blocks (a cluster) per tile; for
+    the persistent kernel (split 1) `tail` blocks per tile of the last round's tiles, launched apart as a
+    split launch when the round would leave SMs idle (1: no such launch)."""
+    width: int
+    split: int
+    tail: int = 1
+
+
+def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, int]) -> TmaPlan:
+    """The launch plan for gemm_tma.cu. Unsplit: the persistent kernel at tma_width. A split
     (KS blocks of a cluster share a tile's K range) is considered only when its whole grid is resident at
     once (tiles x KS <= slots[KS], the blocks of KS-clusters the GPU holds: cluster_slots) and it must
     beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the cost model does not hold past
     it: a split grid of several waves was slower than the persistent kernel. Except for the residual products
     of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on): those always split 2 ways, at the width whose waves of
-    2-block clusters cost least (tma_residual_width)."""
+    2-block clusters cost least (tma_residual_width). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
+    its last round (tma_tail_split)."""
     silu = epilogue == "silu_mul"
     if (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS and slots.get(2)
             and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2):
-        return tma_residual_width(M, N, slots[2]), 2
+        return TmaPlan(tma_residual_width(M, N, slots[2]), 2)
     width = tma_width(M, N, silu, sms)
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
     best = (unsplit, width, 1)
@@ -318,7 +332,29 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
                 c = tma_split_cost(K, w, split)
                 if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
                     best = (c, w, split)
-    return best[1], best[2]
+    if best[2] > 1:
+        return TmaPlan(best[1], best[2])
+    tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
+    return TmaPlan(width, 1, tail)
+
+
+def tma_tail_split(tiles: int, K: int, width: int, sms: int, slots: dict[int, int]) -> int:
+    """Blocks per tile for the persistent kernel's last round when it is partial (tiles % sms of them), run as a
+    split launch after the whole rounds; 1 for none. The split whose grid fits at once (rem x split <=
+    slots[split]) and that costs least, if it beats the unsplit round by TMA_SPLIT_MARGIN. On the H200 qwen3-4b's
+    gate/up at 4,096 rows (2,432 wide tiles: 18 rounds and 56 tiles) splits its last round 2 ways (112 blocks);
+    its QKV's last 108 tiles do not split (216 blocks > 132)."""
+    rem = tiles % sms
+    if tiles < sms or rem == 0:
+        return 1
+    ksteps = cdiv(K, TMA_BK)
+    best = (TMA_SPLIT_MARGIN * ksteps * tma_kstep_cost(width), 1)
+    for split in TMA_SPLITS:
+        if ksteps >= TMA_SPLIT_MIN_KSTEPS * split and rem * split <= slots.get(split, 0):
+            c = tma_split_cost(K, width, split)
+            if c < best[0]:
+                best = (c, split)
+    return best[1]
 
 
 def tma_residual_width(M: int, N: int, slots2: int) -> int:
