@@ -94,7 +94,8 @@ def test_tma_plan_splits_only_within_one_wave():
     c = preset("qwen3-4b")
     assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
     assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(256, 1)
-    assert tma_plan(256, c.hidden_size, c.num_attention_heads * c.head_dim, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
+    o_k = c.num_attention_heads * c.head_dim
+    assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
     assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 1)
     assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1)
     assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(256, 1, 2)

@@ -1,8 +1,8 @@
 """cuda_src/gemm_tma.cu (linear's "gemm" path: prefill and batches of 65 rows or more; TMA-fed,
 warp-specialized wgmma) against the float64 numpy reference: the persistent kernel at both tile widths
 and with a capped grid, and the split-K kernels (2, 3, 4 blocks of a cluster per tile, partial tiles
-summed in rank order) at both widths, the persistent kernel's last round as a split launch, all four epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b
-matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
+summed in rank order) at both widths, the persistent kernel's last round as a split launch, all four
+epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
 `linear(force="gemm")` route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every
 product on this path)."""
 from __future__ import annotations
@@ -69,7 +69,8 @@ def test_gemm_tma(M, N, K, epilogue, buf, stream):
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_gemm_tma_split_last_round(epilogue, width, tail, buf, stream):
     M, N, K = 1000, 1032 if width == 256 else 520, 1000
-    check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream, width=width, blocks=7, tail=tail),
+    check_linear(buf, stream, M, N, K, epilogue, "gemm",
+                 launch=run(epilogue, stream, width=width, blocks=7, tail=tail),
                  label=f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks=7 tail={tail}")
 
 
