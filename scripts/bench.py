@@ -285,6 +285,11 @@ def bench_prefill(model, n: int, repeats: int, pause: float = 0.0) -> dict:
                 TFLOP_s_runs=[flops / t / 1e12 for t in times])
 
 
+def prefill_runs(p: dict) -> str:
+    """A bench_prefill result's timed runs, TFLOP/s each, in the order they ran."""
+    return ", ".join(f"{t:.0f}" for t in p.get("TFLOP_s_runs", []))
+
+
 def peer_command(peer: Path, name: str, context: int, new: int, batch: int = 1) -> list[str]:
     """The command that runs the peer on one case (bench/peer_gptfast.py MODEL BATCH CONTEXT NEW)."""
     return [sys.executable, str(peer), name, str(batch), str(context), str(new)]
@@ -447,9 +452,8 @@ def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True
         row["prefill"] = [bench_prefill(model, int(n), args.repeats, args.prefill_pause)
                           for n in args.prefill.split(",") if n]
         for p in row["prefill"]:
-            runs = ", ".join(f"{t:.0f}" for t in p["TFLOP_s_runs"])
             print(f"{name}: prefill {p['prefill_tokens']} tokens {p['prefill_tok_s']:.0f} tok/s "
-                  f"({p['TFLOP_s']:.0f} TFLOP/s; runs {runs})", flush=True)
+                  f"({p['TFLOP_s']:.0f} TFLOP/s; runs {prefill_runs(p)})", flush=True)
             if args.profile and p["prefill_tokens"] <= model.max_batch_tokens:
                 p["profile"] = profile_prefill(model, p["prefill_tokens"])
                 print(render_profile(name, p["profile"], f"prefill of {p['prefill_tokens']} tokens"), flush=True)

@@ -300,7 +300,7 @@ def measure(args) -> dict:
                            profile=row.get("profile"), ablation=row.get("ablation"), cache_bytes=cache_bytes(name, 512))
         if row["prefill"]:
             p = row["prefill"][0]
-            runs = ", ".join(f"{x:.0f}" for x in p.get("TFLOP_s_runs", []))
+            runs = bench.prefill_runs(p)
             extra = f"{p['TFLOP_s']:.0f} TFLOP/s" + (f"; prompts back to back: {runs}" if runs else "")
             values["4b_prefill"] = dict(measured=p["matmul_fraction"], extra=extra, profile=p.get("profile"))
 

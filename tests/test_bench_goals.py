@@ -91,7 +91,8 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     spec.loader.exec_module(real)  # its table renderer needs no GPU
     fake = types.SimpleNamespace(single=single, engine=engine, ROOFLINE_BYTES_PER_S=4.3e12,
                                  weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n, kv="bf16": n * 114688,
-                                 render_profile=real.render_profile, render_ablation=real.render_ablation)
+                                 render_profile=real.render_profile, render_ablation=real.render_ablation,
+                                 prefill_runs=real.prefill_runs)
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
     g = load()
