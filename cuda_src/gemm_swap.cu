@@ -194,8 +194,6 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
     }
 }
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
-
 __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

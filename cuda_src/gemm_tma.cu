@@ -293,7 +293,7 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
                         if (col >= half) continue;
                         const float2 gt = v[i][h], up = v[i][2 + h];
                         *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
-                                pack_bf16x2(gt.x / (1.f + __expf(-gt.x)) * up.x, gt.y / (1.f + __expf(-gt.y)) * up.y);
+                                pack_bf16x2(silu_mul(gt.x, up.x), silu_mul(gt.y, up.y));
                     } else {
                         const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
                         if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act);
@@ -433,11 +433,10 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = row_base + 8 * h;
-                    if (row >= M || col >= half) continue;
-                    const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
-                    const float u0 = d[4 * (j + BN / 16) + 2 * h], u1 = d[4 * (j + BN / 16) + 2 * h + 1];
-                    *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
-                        pack_bf16x2(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+                    const u32 v = pack_bf16x2(silu_mul(d[4 * j + 2 * h], d[4 * (j + BN / 16) + 2 * h]),
+                                              silu_mul(d[4 * j + 2 * h + 1], d[4 * (j + BN / 16) + 2 * h + 1]));
+                    if (row < M && col < half)
+                        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) = v;
                 }
             }
         } else if constexpr (EPI == EPI_RESIDUAL) {

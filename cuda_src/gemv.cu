@@ -250,7 +250,7 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
             if (has_r1) o[r1] = acc1[m];
         } else {  // SiLU(gate) * up
             const float g = acc0[m], u = acc1[m];
-            reinterpret_cast<bf16 *>(out)[(size_t)m * n_out + pair] = f32_to_bf16(g / (1.f + __expf(-g)) * u);
+            reinterpret_cast<bf16 *>(out)[(size_t)m * n_out + pair] = f32_to_bf16(silu_mul(g, u));
         }
     }
 }

@@ -303,6 +303,18 @@ def test_linear_gemv_ksplit(M, N, K, epilogue, ksplit, buf, stream):
     check_linear(buf, stream, M, N, K, epilogue, "gemv", ksplit=ksplit)
 
 
+# SiLU(gate) * up at gates far past exp's range (common.cuh, silu_mul: the approximate 2^x and reciprocal):
+# gate rows scaled so that the gates spread to |g| ~ 400, where 2^(-g log2 e) is 0 or inf (check_linear also
+# rejects a non-finite output). Every path: the GEMV, the swap-AB GEMM (3-64 rows), the TMA GEMM (65 rows on).
+@pytest.mark.parametrize("M, path", [(1, "gemv"), (2, "gemv"), (7, "swap"), (48, "swap"), (200, "gemm"),
+                                     (1100, "gemm")])
+def test_silu_mul_at_extreme_gates(M, path, buf, stream):
+    N, K = 2 * 264, 1000
+    w = np.array(linear_weight(N, K), copy=True)
+    w[:N // 2] = (w[:N // 2].astype(np.float32) * 100).astype(BF16)  # gates ~ N(0, 100)
+    check_linear(buf, stream, M, N, K, "silu_mul", path, w=w)
+
+
 # The batch-1 GEMV's pipelined loop (gemv_pipe_m1_*: residual and f32 epilogues) at every split, on rows
 # whose length is not a multiple of a warp's 256-element segment or of its two-batch stride, and rows
 # shorter than one batch: against the float64 reference, and bitwise equal to the one-batch loop (the
