@@ -83,6 +83,19 @@
 // kernel itself). The launcher (tileinfer/kernels/linear.py, tma_plan) picks KS and the width from (M, N, K)
 // and the number of clusters that fit at once (cuOccupancyMaxActiveClusters). Registers: 168, no spills.
 //
+// Multicast (gemm_tma_mc_e*, gemm_tma_n128_mc_e*), the persistent kernel from TMA_MULTICAST_ROWS rows on
+// (routing.py, tma_multicast): clusters of (2, 1, 1) blocks whose tiles are always a pair of row tiles under one
+// column tile of W. With an even number of row tiles the tile order's tiles 2q and 2q + 1 are such a pair, so a
+// grid of whole clusters starting at an even tile walks pairs. Each block loads its own A box and one of the two
+// W boxes, multicast into the same stage of both blocks (cp.async.bulk.tensor ... .multicast::cluster, completing
+// each block's own "full" barrier): a third less traffic from L2 into the SMs. A stage is refilled only once both
+// blocks' consumers are done with it: its "empty" barrier counts 16 arrivals, lane 0 of each consumer warp of
+// either block (the other block's through mbarrier.arrive.shared::cluster; with .release.cluster each arrival
+// waited for the block's earlier global stores and the products ran up to twice as long). A cluster barrier
+// after the mbarriers' init (nothing is multicast into a block before it has initialized them) and one at the end
+// (no block exits while the other still writes into it or arrives on its barriers). Bit for bit the plain
+// persistent kernel's results.
+//
 // wgmma, TMA and setmaxnreg exist only on sm_90a: load_module compiles for it on
 // Hopper; a plain sm_90 build (which test_compile also checks) gets kernels that trap.
 #include "cluster.cuh"
@@ -143,6 +156,21 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc *map, u32 bar
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
         : "memory");
+}
+
+// The same box into shared memory at dst in both blocks of a 2-block cluster (the multicast build), completing
+// each block's barrier at `bar` (both addresses are this block's; the copies land at the same offsets).
+__device__ __forceinline__ void tma_load_2d_pair(u32 dst, const TmaDesc *map, u32 bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "h"((unsigned short)3)
+        : "memory");
+}
+// One arrival on the barrier at this shared-memory address in the other block of a 2-block cluster.
+__device__ __forceinline__ void mbar_arrive_peer(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr(bar, cluster_rank() ^ 1))
+                 : "memory");
 }
 
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
@@ -306,7 +334,7 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
 }
 
 // ----------------------------------------------------------------------------- the kernel body
-template <int EPI, int BN, int KS>
+template <int EPI, int BN, int KS, bool MC>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
                                         int M, int N, int K, int tile0, int tile1, const float *__restrict__ act,
                                         Capture cap) {
@@ -317,6 +345,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     static_assert(2 * STAGES * 8 <= 256, "mbarriers exceed their space");
     static_assert(KS == 1 || 2 * (R / 2) * 128 * 8 <= STAGES * (TILE_A + TILE_B), "the partial tile fits the ring");
+    static_assert(!MC || KS == 1, "the multicast build is the persistent kernel's");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -334,7 +363,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     // block `rank` of the cluster over k-steps [kbeg, kend).
 #define FIRST_TILE (tile0 + (KS > 1 ? (int)blockIdx.x / KS : (int)blockIdx.x))
 #define TILE_STRIDE (KS > 1 ? tile1 : (int)gridDim.x)
-    const int rank = KS > 1 ? cluster_rank() : 0;
+    const int rank = KS > 1 || MC ? cluster_rank() : 0;
     const int kbeg = KS > 1 ? ktiles * rank / KS : 0;
     const int kend = KS > 1 ? ktiles * (rank + 1) / KS : ktiles;
 
@@ -342,11 +371,12 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 8);
+            mbar_init(empty + 8 * s, MC ? 16 : 8);   // MC: both blocks' consumer warps read what the stage holds
         }
         mbar_fence_init();
     }
     __syncthreads();
+    if constexpr (MC) cluster_sync();   // the other block's barriers exist before any copy multicast into it
 
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
@@ -370,8 +400,15 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                     mbar_arrive_expect_tx(full + 8 * s, bytes);
                     const int k0 = kt * BK;
                     tma_load_2d(sA + s * TILE_A, tmA, full + 8 * s, k0, m0);
-                    tma_load_2d(sB + s * TILE_B, tmW, full + 8 * s, k0, r0);
-                    if (second) tma_load_2d(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, r1);
+                    if constexpr (MC) {
+                        // The pair's tiles share W's column tile: rank 0 loads its first box into both blocks,
+                        // rank 1 the second.
+                        if (rank == 0) tma_load_2d_pair(sB + s * TILE_B, tmW, full + 8 * s, k0, r0);
+                        else if (second) tma_load_2d_pair(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, r1);
+                    } else {
+                        tma_load_2d(sB + s * TILE_B, tmW, full + 8 * s, k0, r0);
+                        if (second) tma_load_2d(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, r1);
+                    }
                     if (++s == STAGES) {
                         s = 0;
                         phase ^= 1;
@@ -406,7 +443,10 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                 Wgmma<BN>::run(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ((kt - kbeg) | ks) != 0);
             wgmma_commit();
             wgmma_wait<1>();                                  // k-step kt - 1's group has completed ...
-            if (kt > kbeg && lane == 0) mbar_arrive(empty + 8 * prev);  // ... so its stage can be refilled
+            if (kt > kbeg && lane == 0) {                     // ... so its stage can be refilled
+                mbar_arrive(empty + 8 * prev);
+                if constexpr (MC) mbar_arrive_peer(empty + 8 * prev);
+            }
             prev = s;
             if (++s == STAGES) {
                 s = 0;
@@ -415,7 +455,10 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         }
         wgmma_wait<0>();
         fence_regs(d);
-        if (KS == 1 && lane == 0) mbar_arrive(empty + 8 * prev);
+        if (KS == 1 && lane == 0) {
+            mbar_arrive(empty + 8 * prev);
+            if constexpr (MC) mbar_arrive_peer(empty + 8 * prev);
+        }
         if constexpr (KS > 1) {
             split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank, act, cap);
             return;  // the last (only) tile of this block: its accumulators are dead from here
@@ -465,12 +508,13 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
             }
         }
     }
+    if constexpr (MC) cluster_sync();   // no block exits while the other still multicasts into it or arrives on it
 }
 
 #undef FIRST_TILE
 #undef TILE_STRIDE
 #else
-template <int EPI, int BN, int KS>
+template <int EPI, int BN, int KS, bool MC>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, int, int,
                                         const float *, Capture) {
     __trap();
@@ -488,10 +532,10 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
             int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, 1>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});         \
+        gemm_ws<EPI, BN, 1, false>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});  \
     }
-// Compiled in four parts (10 kernels each), at once: these unsplit builds, then each split below.
-#define KERNEL_PARTS 4
+// Compiled in five parts (10 kernels each), at once: these unsplit builds, each split below, the multicast builds.
+#define KERNEL_PARTS 5
 #if IN_PART(0)
 GEMM_KERNEL(gemm_tma_e0, 0, 256)
 GEMM_KERNEL(gemm_tma_e1, 1, 256)
@@ -515,7 +559,7 @@ GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
             int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, KS>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});        \
+        gemm_ws<EPI, BN, KS, false>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride}); \
     }
 #define GEMM_SPLITS(KS)                                                                                     \
     GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e0, 0, 256, KS)                                                      \
@@ -536,4 +580,29 @@ GEMM_SPLITS(3)
 #endif
 #if IN_PART(3)
 GEMM_SPLITS(4)
+#endif
+
+// Multicast (gemm_tma_mc_e{EPI}, gemm_tma_n128_mc_e{EPI}): the persistent kernel in clusters of 2 blocks whose
+// tiles are a pair of row tiles (2q, 2q + 1 of the tile order) under the same W column tile, each block loading
+// one of the two W boxes into both. Same arguments; grid even, at most the clusters of 2 that fit at once
+// x 2, tile0 even, the tile order's pairs sharing a column tile (ceil(M / 128) even).
+#define GEMM_MC_KERNEL(NAME, EPI, BN)                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(2, 1, 1) NAME(                \
+            const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
+            const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
+        pdl_start();                                                                                        \
+        gemm_ws<EPI, BN, 1, true>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});   \
+    }
+#if IN_PART(4)
+GEMM_MC_KERNEL(gemm_tma_mc_e0, 0, 256)
+GEMM_MC_KERNEL(gemm_tma_mc_e1, 1, 256)
+GEMM_MC_KERNEL(gemm_tma_mc_e2, 2, 256)
+GEMM_MC_KERNEL(gemm_tma_mc_e3, 3, 256)
+GEMM_MC_KERNEL(gemm_tma_mc_e4, 4, 256)
+GEMM_MC_KERNEL(gemm_tma_n128_mc_e0, 0, 128)
+GEMM_MC_KERNEL(gemm_tma_n128_mc_e1, 1, 128)
+GEMM_MC_KERNEL(gemm_tma_n128_mc_e2, 2, 128)
+GEMM_MC_KERNEL(gemm_tma_n128_mc_e3, 3, 128)
+GEMM_MC_KERNEL(gemm_tma_n128_mc_e4, 4, 128)
 #endif

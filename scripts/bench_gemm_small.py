@@ -10,9 +10,10 @@ f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K 
 bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
 GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
 rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8; --tma the TMA GEMM (gemm_tma.cu)
-past 64 rows at every tile width and split (the persistent kernel's "s1" without a split last round), marking
-the (width, split) tma_plan picks and, t2-t4, the split of the last round it adds (the default path's time
-includes it); a split whose clusters do not all fit at once runs in more than one wave.
+past 64 rows at every tile width and split (the persistent kernel's "s1" without a split last round or
+multicast), marking the (width, split) tma_plan picks and, t2-t4, the split of the last round it adds, "mc" its
+multicast build (the default path's time includes both); a split whose clusters do not all fit at once runs in
+more than one wave.
 
 Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
@@ -167,9 +168,9 @@ def main() -> None:
                             pick = tma_plan(M, N, K, epilogue, info.num_sms, cluster_slots())
                             tma = {(w, ks): time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x,
                                                        fn=gemm, width=w, split=ks) for w, ks in tma_options}
-                            row.update(tma_pick=[pick.width, pick.split, pick.tail],
+                            row.update(tma_pick=[pick.width, pick.split, pick.tail, pick.multicast],
                                        tma_us={f"{w}s{ks}": v for (w, ks), v in tma.items()})
-                            tail = f" t{pick.tail}" if pick.tail > 1 else ""
+                            tail = (f" t{pick.tail}" if pick.tail > 1 else "") + (" mc" if pick.multicast else "")
                             line += (f" {pick.width} s{pick.split}{tail} | "
                                      + " | ".join(f"{tma[o]:.1f}" for o in tma_options) + " |")
                         else:

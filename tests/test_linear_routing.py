@@ -9,9 +9,9 @@ import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
-                                      TMA_RESIDUAL_SPLIT_ROWS, TMA_TAIL_SPLIT_ROWS, TmaPlan, default_path, fuses_norm,
-                                      gemv_ksplit, norm_kernel_name, swap_config, tma_plan, tma_tail_split, tma_tiles,
-                                      tma_width)
+                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_SPLIT_ROWS, TMA_TAIL_SPLIT_ROWS, TmaPlan,
+                                      default_path, fuses_norm, gemv_ksplit, norm_kernel_name, swap_config,
+                                      tma_kernel_name, tma_multicast, tma_plan, tma_tail_split, tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
 # The routing module, its sizes and kernel names.
@@ -97,8 +97,9 @@ def test_tma_plan_splits_only_within_one_wave():
     o_k = c.num_attention_heads * c.head_dim
     assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
     assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 1)
-    assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1)
-    assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(256, 1, 2)
+    assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1, 1, True)
+    assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == \
+        TmaPlan(256, 1, 2, True)
     for M in (65, 128, 256, 300, 512, 1000):
         for n, k, epilogue in ((c.qkv_size, c.hidden_size, "bf16"), (2 * c.intermediate_size, c.hidden_size, "silu_mul"),
                                (c.hidden_size, c.intermediate_size, "residual"), (1024, 8, "bf16")):
@@ -126,6 +127,23 @@ def test_tma_plan_splits_prefill_residual_products_two_ways():
         assert split == 1 or tma_tiles(below, n, False, width) * split <= H200_SLOTS[split]
     # Too few k-steps for two ranks of two each: no split.
     assert tma_plan(4096, 1024, 192, "residual", 132, H200_SLOTS).split == 1
+
+
+def test_tma_multicast_pairs_even_row_tiles_from_2048_rows():
+    # The persistent kernel's multicast build needs its tiles 2q, 2q + 1 under one column tile (an even number of
+    # row tiles) and a whole grid of 2-block clusters resident; split plans never take it.
+    c = preset("qwen3-4b")
+    qkv = (c.qkv_size, c.hidden_size, "bf16")
+    assert tma_plan(TMA_MULTICAST_ROWS, *qkv, 132, H200_SLOTS).multicast
+    assert not tma_plan(TMA_MULTICAST_ROWS - 128, *qkv, 132, H200_SLOTS).multicast
+    assert not tma_plan(TMA_MULTICAST_ROWS + 1, *qkv, 132, H200_SLOTS).multicast     # 17 row tiles
+    assert tma_plan(TMA_MULTICAST_ROWS + 129, *qkv, 132, H200_SLOTS).multicast       # 18
+    assert not tma_plan(4096, *qkv, 132, {3: 117, 4: 120}).multicast                 # no 2-block clusters
+    assert not tma_plan(4096, *qkv, 132, {2: 120, 3: 117, 4: 120}).multicast         # 60 clusters, not 66
+    assert tma_multicast(4096, 131, {2: 130})                                        # the grid's 130 blocks
+    assert not tma_plan(4096, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS).multicast
+    assert tma_kernel_name(256, 1, "silu_mul", multicast=True) == "gemm_tma_mc_e2"
+    assert tma_kernel_name(128, 1, "bf16", multicast=True) == "gemm_tma_n128_mc_e0"
 
 
 def test_tma_tail_split_takes_the_idle_sms_of_the_last_round():

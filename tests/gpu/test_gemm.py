@@ -1,7 +1,8 @@
 """cuda_src/gemm_tma.cu (linear's "gemm" path: prefill and batches of 65 rows or more; TMA-fed,
 warp-specialized wgmma) against the float64 numpy reference: the persistent kernel at both tile widths
 and with a capped grid, and the split-K kernels (2, 3, 4 blocks of a cluster per tile, partial tiles
-summed in rank order) at both widths, the persistent kernel's last round as a split launch, all four
+summed in rank order) at both widths, the persistent kernel's last round as a split launch, its multicast build
+(2-block clusters sharing W tiles), all four
 epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
 `linear(force="gemm")` route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every
 product on this path)."""
@@ -72,6 +73,26 @@ def test_gemm_tma_split_last_round(epilogue, width, tail, buf, stream):
     check_linear(buf, stream, M, N, K, epilogue, "gemm",
                  launch=run(epilogue, stream, width=width, blocks=7, tail=tail),
                  label=f"gemm_tma {epilogue} M={M} N={N} K={K} width={width} blocks=7 tail={tail}")
+
+
+# The multicast build (2-block clusters on pairs of row tiles, each block loading half of their shared W tile
+# into both): against the reference, and bit for bit the plain persistent kernel's (the same products in the
+# same order). Both widths; a full grid, a capped one (clusters walking many tiles: the ring's phases and the
+# other block's arrivals carry across tiles) and one with a split last round after it; a last column tile whose
+# second W box lies past N (264 at 256 wide); partial row tiles; one k-step and many.
+MC_SHAPES = [(256, 264, 64), (1000, 520, 4104), (512, 1032, 1000), (2048, 2560, 2560)]
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("M, N, K", MC_SHAPES)
+def test_gemm_tma_multicast(M, N, K, epilogue, buf, stream):
+    for width, blocks, tail in ((256, None, None), (128, None, None), (256, 4, None), (128, 6, 2)):
+        kw = dict(width=width, blocks=blocks, tail=tail)
+        label = f"gemm_tma multicast {epilogue} M={M} N={N} K={K} {kw}"
+        got = check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream, multicast=True, **kw),
+                           label=label)
+        plain = check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream, **kw), label=label)
+        assert got.tobytes() == plain.tobytes(), f"{label}: differs from the plain persistent kernel"
 
 
 # Smoke (first, under a short timeout in a device call: a hang means a cluster-barrier deadlock): every

@@ -150,12 +150,14 @@ def _tma_plan(M: int, N: int, K: int, epilogue: str, sms: int) -> TmaPlan:
 
 
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
-         split: int | None = None, tail: int | None = None, blocks: int | None = None, act: DeviceArray | None = None,
+         split: int | None = None, tail: int | None = None, blocks: int | None = None,
+         multicast: bool | None = None, act: DeviceArray | None = None,
          capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
     of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256)
     forces its tile width, `blocks` caps its grid (tests: many tiles a block), `tail` (2-4) runs its last,
-    partial round as a split launch of that many blocks a tile. `split` (2-4 blocks per tile, a cluster summing
+    partial round as a split launch of that many blocks a tile, `multicast` runs it in 2-block clusters that share
+    their W tiles (an even number of row tiles and of blocks). `split` (2-4 blocks per tile, a cluster summing
     its partial tiles in rank order) forces a split, 1 forbids one; by default tma_plan decides. `act`: the
     parameters of the "xielu" epilogue; `capture`: as linear's."""
     M, K = x.shape
@@ -170,18 +172,20 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
             raise ValueError(f"gemm: {name} must be 1 or one of {TMA_SPLITS}, got {value}")
     if width not in (None,) + TMA_WIDTHS:
         raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
-    if split is None and width is None and blocks is None and tail is None:
+    if split is None and width is None and blocks is None and tail is None and multicast is None:
         plan = _tma_plan(M, N, K, epilogue, sms)
-        width, split, tail = plan.width, plan.split, plan.tail
+        width, split, tail, multicast = plan.width, plan.split, plan.tail, plan.multicast
     width = width or tma_width(M, N, silu, sms)
-    split, tail = split or 1, tail or 1
-    if split > 1 and (blocks is not None or tail > 1):
-        raise ValueError("gemm: `blocks` and `tail` are for the persistent (unsplit) kernel only")
+    split, tail, multicast = split or 1, tail or 1, bool(multicast)
+    if split > 1 and (blocks is not None or tail > 1 or multicast):
+        raise ValueError("gemm: `blocks`, `tail` and `multicast` are for the persistent (unsplit) kernel only")
+    if multicast and (cdiv(M, TMA_BM) % 2 or (blocks or 2) % 2):
+        raise ValueError(f"gemm: multicast pairs row tiles and blocks: {cdiv(M, TMA_BM)} row tiles, blocks={blocks}")
     tiles = tma_tiles(M, N, silu, width)
     maps = [bf16_tensor_map(x.ptr, tile_rows(x, TMA_BM), K, TMA_BM), bf16_tensor_map(w.ptr, N, K, width // 2)]
 
     def launch(ks: int, first: int, last: int, grid: int) -> None:
-        kernel("gemm_tma.cu", tma_kernel_name(width, ks, epilogue)).launch(
+        kernel("gemm_tma.cu", tma_kernel_name(width, ks, epilogue, multicast and ks == 1)).launch(
             (grid,), (TMA_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(first), I32(last), *maps, act, *cap],
             stream, smem=TMA_SMEM)
 
@@ -189,6 +193,8 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
         launch(split, 0, tiles, tiles * split)
         return
     grid = min(tiles, blocks or sms)
+    if multicast:
+        grid -= grid % 2   # whole clusters (tiles is even: pairs of row tiles)
     whole = tiles - tiles % grid if tail > 1 else tiles   # whole rounds; the rest split `tail` ways
     launch(1, 0, whole, grid)
     if whole < tiles:

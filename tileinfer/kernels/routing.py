@@ -147,6 +147,13 @@ TMA_RESIDUAL_SPLIT_ROWS = 1024
 # qwen3-4b's gate/up at 4,096 rows took 630.3 us so against 651.9 with its last round unsplit
 # (`scripts/bench_gemm_small.py`); smaller products, whose rounds are fewer and shorter, were not measured with it.
 TMA_TAIL_SPLIT_ROWS = 1024
+# From this many rows on, the persistent kernel runs in clusters of 2 blocks on a pair of row tiles under one column
+# tile of W, each block loading half of that W tile into both (gemm_tma.cu's multicast build; tma_multicast): a
+# third less traffic from L2 into the SMs. On the H200, alone (`gemm(..., multicast=True)` against False), qwen3-4b's
+# QKV and gate/up took the same time with it at 2,048 rows (106.0 us; 314 against 316) and at 1,024 up to 8%
+# longer; qwen3-4b's whole 4,096-token prefill, back to back at the power limit, ran 549-550 TFLOP/s with it
+# against 544-547 without (docs/benchmarks.md).
+TMA_MULTICAST_ROWS = 2048
 
 
 def default_path(M: int, N: int) -> str:
@@ -308,6 +315,7 @@ class TmaPlan:
     width: int
     split: int
     tail: int = 1
+    multicast: bool = False
 
 
 def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, int]) -> TmaPlan:
@@ -337,7 +345,14 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     if best[2] > 1:
         return TmaPlan(best[1], best[2])
     tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
-    return TmaPlan(width, 1, tail)
+    return TmaPlan(width, 1, tail, tma_multicast(M, sms, slots))
+
+
+def tma_multicast(M: int, sms: int, slots: dict[int, int]) -> bool:
+    """Whether the persistent kernel runs its multicast build: from TMA_MULTICAST_ROWS rows on, when the row tiles
+    pair up (an even number of them: the tile order's tiles 2q and 2q + 1 then share a column tile) and the GPU
+    holds a whole persistent grid of 2-block clusters at once."""
+    return M >= TMA_MULTICAST_ROWS and cdiv(M, TMA_BM) % 2 == 0 and slots.get(2, 0) >= sms - sms % 2
 
 
 def tma_tail_split(tiles: int, K: int, width: int, sms: int, slots: dict[int, int]) -> int:
@@ -367,6 +382,7 @@ def tma_residual_width(M: int, N: int, slots2: int) -> int:
     return min(TMA_WIDTHS, key=lambda w: cdiv(tma_tiles(M, N, False, w) * 2, slots2) * tma_kstep_cost(w))
 
 
-def tma_kernel_name(width: int, split: int, epilogue: str) -> str:
-    """gemm_tma.cu's build: gemm_tma[_n128][_s{split}]_e{epilogue}."""
-    return f"gemm_tma{'_n128' if width == 128 else ''}{f'_s{split}' if split > 1 else ''}_e{EPILOGUES[epilogue]}"
+def tma_kernel_name(width: int, split: int, epilogue: str, multicast: bool = False) -> str:
+    """gemm_tma.cu's build: gemm_tma[_n128][_s{split} | _mc]_e{epilogue}."""
+    build = f"_s{split}" if split > 1 else "_mc" if multicast else ""
+    return f"gemm_tma{'_n128' if width == 128 else ''}{build}_e{EPILOGUES[epilogue]}"
