@@ -522,87 +522,58 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #endif
 
 // ============================================================================= kernels
-// gemm_tma_e{EPI}: BN = 256; gemm_tma_n128_e{EPI}: BN = 128. Arguments (A, W, out, M, N, K, tile0, tile1, tmA,
-// tmW, act, cap, cap_stride); grid (min(tile1 - tile0, SMs)), tiles numbered up to ceil(M / 128) * ceil(N / BN)
-// (SILU_MUL: ceil(N / 2 / (BN / 2))), block (384), dynamic shared memory SMEM_BYTES. A and W are the
-// matrices tmA and tmW describe.
-#define GEMM_KERNEL(NAME, EPI, BN)                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                          \
+// Every build is gemm_ws<EPI, BN, KS, MC> as an entry point named gemm_tma[_n128]{TAG}_e{EPI} (_n128: BN = 128, else
+// 256), ATTR its cluster shape. Arguments (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act, cap, cap_stride), A and
+// W the matrices tmA and tmW describe; tiles numbered up to ceil(M / 128) * ceil(N / BN) (SILU_MUL:
+// ceil(N / 2 / (BN / 2))); block (384), dynamic shared memory SMEM_BYTES.
+#define GEMM_KERNEL(NAME, EPI, BN, KS, MC, ATTR)                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTR NAME(                                     \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, 1, false>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});  \
+        gemm_ws<EPI, BN, KS, MC>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});    \
     }
-// Compiled in five parts (10 kernels each), at once: these unsplit builds, each split below, the multicast builds.
+// One kind's ten builds: the five epilogues at each width.
+#define GEMM_BUILDS(TAG, KS, MC, ATTR)                                                                      \
+    GEMM_KERNEL(gemm_tma##TAG##_e0, 0, 256, KS, MC, ATTR)                                                   \
+    GEMM_KERNEL(gemm_tma##TAG##_e1, 1, 256, KS, MC, ATTR)                                                   \
+    GEMM_KERNEL(gemm_tma##TAG##_e2, 2, 256, KS, MC, ATTR)                                                   \
+    GEMM_KERNEL(gemm_tma##TAG##_e3, 3, 256, KS, MC, ATTR)                                                   \
+    GEMM_KERNEL(gemm_tma##TAG##_e4, 4, 256, KS, MC, ATTR)                                                   \
+    GEMM_KERNEL(gemm_tma_n128##TAG##_e0, 0, 128, KS, MC, ATTR)                                              \
+    GEMM_KERNEL(gemm_tma_n128##TAG##_e1, 1, 128, KS, MC, ATTR)                                              \
+    GEMM_KERNEL(gemm_tma_n128##TAG##_e2, 2, 128, KS, MC, ATTR)                                              \
+    GEMM_KERNEL(gemm_tma_n128##TAG##_e3, 3, 128, KS, MC, ATTR)                                              \
+    GEMM_KERNEL(gemm_tma_n128##TAG##_e4, 4, 128, KS, MC, ATTR)
+// Cluster shapes, fixed at compile time (__cluster_dims__), so that the plain launch makes the clusters.
+#define NO_CLUSTER
+#define CLUSTER_2 __cluster_dims__(2, 1, 1)
+#define CLUSTER_3 __cluster_dims__(3, 1, 1)
+#define CLUSTER_4 __cluster_dims__(4, 1, 1)
+// Compiled in five parts (10 kernels each), at once.
 #define KERNEL_PARTS 5
+
+// The persistent kernel, gemm_tma_e{EPI} and gemm_tma_n128_e{EPI}: grid min(tile1 - tile0, SMs).
 #if IN_PART(0)
-GEMM_KERNEL(gemm_tma_e0, 0, 256)
-GEMM_KERNEL(gemm_tma_e1, 1, 256)
-GEMM_KERNEL(gemm_tma_e2, 2, 256)
-GEMM_KERNEL(gemm_tma_e3, 3, 256)
-GEMM_KERNEL(gemm_tma_e4, 4, 256)
-GEMM_KERNEL(gemm_tma_n128_e0, 0, 128)
-GEMM_KERNEL(gemm_tma_n128_e1, 1, 128)
-GEMM_KERNEL(gemm_tma_n128_e2, 2, 128)
-GEMM_KERNEL(gemm_tma_n128_e3, 3, 128)
-GEMM_KERNEL(gemm_tma_n128_e4, 4, 128)
+GEMM_BUILDS(, 1, false, NO_CLUSTER)
 #endif
 
-// Split K (batched decode, prefill chunks of 65-512 rows): gemm_tma_s{KS}_e{EPI} (BN = 256) and
-// gemm_tma_n128_s{KS}_e{EPI} (BN = 128), KS = 2, 3, 4 blocks per cluster. Same arguments; grid
-// ((tile1 - tile0) * KS) exactly, block (384), dynamic shared memory SMEM_BYTES; clusters of (KS, 1, 1) blocks,
-// fixed at compile time (__cluster_dims__), so the plain launch makes them.
-#define GEMM_SPLIT_KERNEL(NAME, EPI, BN, KS)                                                                \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(KS, 1, 1) NAME(               \
-            const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
-            const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
-        pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, KS, false>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride}); \
-    }
-#define GEMM_SPLITS(KS)                                                                                     \
-    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e0, 0, 256, KS)                                                      \
-    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e1, 1, 256, KS)                                                      \
-    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e2, 2, 256, KS)                                                      \
-    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e3, 3, 256, KS)                                                      \
-    GEMM_SPLIT_KERNEL(gemm_tma_s##KS##_e4, 4, 256, KS)                                                      \
-    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e0, 0, 128, KS)                                                 \
-    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e1, 1, 128, KS)                                                 \
-    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e2, 2, 128, KS)                                                 \
-    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e3, 3, 128, KS)                                                 \
-    GEMM_SPLIT_KERNEL(gemm_tma_n128_s##KS##_e4, 4, 128, KS)
+// Split K (batched decode, prefill chunks of 65-512 rows, the residual products of prefills, a persistent launch's
+// last round), gemm_tma[_n128]_s{KS}_e{EPI}, KS = 2, 3, 4 blocks per cluster: grid (tile1 - tile0) * KS exactly.
 #if IN_PART(1)
-GEMM_SPLITS(2)
+GEMM_BUILDS(_s2, 2, false, CLUSTER_2)
 #endif
 #if IN_PART(2)
-GEMM_SPLITS(3)
+GEMM_BUILDS(_s3, 3, false, CLUSTER_3)
 #endif
 #if IN_PART(3)
-GEMM_SPLITS(4)
+GEMM_BUILDS(_s4, 4, false, CLUSTER_4)
 #endif
 
-// Multicast (gemm_tma_mc_e{EPI}, gemm_tma_n128_mc_e{EPI}): the persistent kernel in clusters of 2 blocks whose
-// tiles are a pair of row tiles (2q, 2q + 1 of the tile order) under the same W column tile, each block loading
-// one of the two W boxes into both. Same arguments; grid even, at most the clusters of 2 that fit at once
-// x 2, tile0 even, the tile order's pairs sharing a column tile (ceil(M / 128) even).
-#define GEMM_MC_KERNEL(NAME, EPI, BN)                                                                       \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(2, 1, 1) NAME(                \
-            const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
-            int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
-            const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
-        pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, 1, true>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});   \
-    }
+// Multicast, gemm_tma[_n128]_mc_e{EPI}: the persistent kernel in clusters of 2 blocks on pairs of row tiles (2q,
+// 2q + 1 of the tile order) under one W column tile, each block loading one of the two W boxes into both. Grid
+// even, tile0 even, ceil(M / 128) even (so that the tile order's pairs share a column tile).
 #if IN_PART(4)
-GEMM_MC_KERNEL(gemm_tma_mc_e0, 0, 256)
-GEMM_MC_KERNEL(gemm_tma_mc_e1, 1, 256)
-GEMM_MC_KERNEL(gemm_tma_mc_e2, 2, 256)
-GEMM_MC_KERNEL(gemm_tma_mc_e3, 3, 256)
-GEMM_MC_KERNEL(gemm_tma_mc_e4, 4, 256)
-GEMM_MC_KERNEL(gemm_tma_n128_mc_e0, 0, 128)
-GEMM_MC_KERNEL(gemm_tma_n128_mc_e1, 1, 128)
-GEMM_MC_KERNEL(gemm_tma_n128_mc_e2, 2, 128)
-GEMM_MC_KERNEL(gemm_tma_n128_mc_e3, 3, 128)
-GEMM_MC_KERNEL(gemm_tma_n128_mc_e4, 4, 128)
+GEMM_BUILDS(_mc, 1, true, CLUSTER_2)
 #endif
