@@ -326,7 +326,8 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     it: a split grid of several waves was slower than the persistent kernel. Except for the residual products
     of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on): those always split 2 ways, at the width whose waves of
     2-block clusters cost least (tma_residual_width). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
-    its last round (tma_tail_split)."""
+    its last round (tma_tail_split), and one of TMA_MULTICAST_ROWS rows on runs in 2-block clusters that share their
+    W tiles (tma_multicast)."""
     silu = epilogue == "silu_mul"
     if (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS and slots.get(2)
             and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2):
