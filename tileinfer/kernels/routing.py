@@ -334,17 +334,9 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
         return TmaPlan(tma_residual_width(M, N, slots[2]), 2)
     width = tma_width(M, N, silu, sms)
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
-    best = (unsplit, width, 1)
-    for split in TMA_SPLITS:
-        if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
-            continue
-        for w in TMA_WIDTHS:
-            if tma_tiles(M, N, silu, w) * split <= slots.get(split, 0):
-                c = tma_split_cost(K, w, split)
-                if c < TMA_SPLIT_MARGIN * unsplit and c < best[0]:
-                    best = (c, w, split)
-    if best[2] > 1:
-        return TmaPlan(best[1], best[2])
+    split = tma_cheapest_split(K, {w: tma_tiles(M, N, silu, w) for w in TMA_WIDTHS}, slots, TMA_SPLIT_MARGIN * unsplit)
+    if split is not None:
+        return TmaPlan(*split)
     tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
     return TmaPlan(width, 1, tail, tma_multicast(M, sms, slots))
 
@@ -365,14 +357,23 @@ def tma_tail_split(tiles: int, K: int, width: int, sms: int, slots: dict[int, in
     rem = tiles % sms
     if tiles < sms or rem == 0:
         return 1
-    ksteps = cdiv(K, TMA_BK)
-    best = (TMA_SPLIT_MARGIN * ksteps * tma_kstep_cost(width), 1)
+    split = tma_cheapest_split(K, {width: rem}, slots, TMA_SPLIT_MARGIN * cdiv(K, TMA_BK) * tma_kstep_cost(width))
+    return 1 if split is None else split[1]
+
+
+def tma_cheapest_split(K: int, tiles: dict[int, int], slots: dict[int, int], bound: float) -> tuple[int, int] | None:
+    """(width, split) of the split launch that costs least (tma_split_cost) and less than `bound`, over the widths
+    of `tiles` (width -> the launch's tiles at that width), among those whose grid fits at once (tiles x split <=
+    slots[split]) and gives each block TMA_SPLIT_MIN_KSTEPS k-steps at least; None when none does. Ties go to the
+    smaller split, then to the width first in `tiles`."""
+    best = None
     for split in TMA_SPLITS:
-        if ksteps >= TMA_SPLIT_MIN_KSTEPS * split and rem * split <= slots.get(split, 0):
-            c = tma_split_cost(K, width, split)
-            if c < best[0]:
-                best = (c, split)
-    return best[1]
+        if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
+            continue
+        for width, n in tiles.items():
+            if n * split <= slots.get(split, 0) and (c := tma_split_cost(K, width, split)) < bound:
+                best, bound = (width, split), c
+    return best
 
 
 def tma_residual_width(M: int, N: int, slots2: int) -> int:
