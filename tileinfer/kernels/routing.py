@@ -311,7 +311,8 @@ def tma_split_cost(K: int, width: int, split: int) -> float:
 class TmaPlan:
     """How `gemm` runs one product on gemm_tma.cu: tiles `width` wide, `split` blocks (a cluster) per tile; for
     the persistent kernel (split 1) `tail` blocks per tile of the last round's tiles, launched apart as a
-    split launch when the round would leave SMs idle (1: no such launch)."""
+    split launch when the round would leave SMs idle (1: no such launch), and `multicast`: its multicast build
+    (2-block clusters on pairs of row tiles sharing their W tiles, tma_multicast)."""
     width: int
     split: int
     tail: int = 1
