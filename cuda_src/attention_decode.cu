@@ -8,8 +8,9 @@
 // The _h8 builds take blocks of at most 8 rows (a decode step: one token x a group of G <= 8), whose score
 // accumulator rows 8-15 would be padding: the BF16 one skips their scaling, softmax and P packing, and both
 // keep O transposed, O^T = V^T P^T with the 8 rows as the mma's N (half the P V mmas and accumulators); the
-// INT8 one transposes Q K^T too (direct_qk_t), which leaves it the registers for 4 blocks an SM. They also take
-// the fused input (attention.cuh).
+// INT8 one transposes Q K^T too (direct_qk_t), which leaves it the registers for 4 blocks an SM. Their _fused
+// builds take the fused input (attention.cuh): entry points of their own, so that the plain builds carry none of
+// its code (with both in one kernel, selected by a null qkv, the plain launches ran slower).
 #include "attention.cuh"
 
 constexpr float REF_SLACK = 8.f;  // the _h8 builds: how far above the reference maximum a tile may go (softmax)
@@ -71,38 +72,33 @@ __device__ __forceinline__ void fused_tasks(const AttnArgs &a, const FusedInput 
     __syncthreads();
 }
 
-// The _h8 builds' Q tile: from q, or with the fused input (fin.qkv) made here, this warp's first head prepared
-// before the wait (what no kernel writes). Waits for the kernel before (pdl_start).
+// The _fused builds' Q tile, made here from fin.qkv, this warp's first head prepared before the wait (what no
+// kernel writes). Waits for the kernel before (pdl_start).
 template <bool Q8>
-__device__ __forceinline__ void queries_or_fused_input(const AttnArgs &a, const FusedInput &fin, const Block &w,
-                                                       bf16 *sQ) {
-    const bool fused = fin.qkv != nullptr;
+__device__ __forceinline__ void fused_input(const AttnArgs &a, const FusedInput &fin, const Block &w, bf16 *sQ) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kt_new = (w.kv_len - 1) / KT;
     const int n_tasks = w.G + (kt_new >= w.kt_begin && kt_new < w.kt_end ? 1 : 0);
     HeadInput hin;
     bool hwork = false;
     float f0 = 1.f, f1 = 1.f;
-    if (fused) {
-        if (Q8 && fin.smooth) { f0 = fin.smooth[2 * lane]; f1 = fin.smooth[2 * lane + 1]; }
-        if (warp < n_tasks)
-            hwork = prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq, w.q0,
-                                 fused_task_head(a, w, warp), a.num_heads, a.num_kv_heads, hin);
-    }
+    if (Q8 && fin.smooth) { f0 = fin.smooth[2 * lane]; f1 = fin.smooth[2 * lane + 1]; }
+    if (warp < n_tasks)
+        hwork = prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq, w.q0,
+                             fused_task_head(a, w, warp), a.num_heads, a.num_kv_heads, hin);
     pdl_start();
-    if (fused) fused_tasks<Q8>(a, fin, w, n_tasks, f0, f1, hin, hwork, sQ);
-    else load_q<16>(a, w, sQ);
+    fused_tasks<Q8>(a, fin, w, n_tasks, f0, f1, hin, hwork, sQ);
 }
 
-// Prologue: the old tiles (request_old_tiles), the wait, Q (the kernel before's output, or the fused input's) in
-// a commit group of its own (an empty one when fused: the waits count it all the same), the rest of the first
-// STAGES - 1 tiles. Returns `early`: tile kt is then commit group i or i + 1 (i = kt - kt_begin).
-template <bool Q8, int STAGES, bool FUSABLE>
+// Prologue: the old tiles (request_old_tiles), the wait, Q (the kernel before's output, or in the _fused builds
+// the fused input's) in a commit group of its own (an empty one when fused: the waits count it all the same), the
+// rest of the first STAGES - 1 tiles. Returns `early`: tile kt is then commit group i or i + 1 (i = kt - kt_begin).
+template <bool Q8, int STAGES, bool FUSED>
 __device__ __forceinline__ int decode_prologue(const AttnArgs &a, const FusedInput &fin, const Block &w,
                                                const Tiles &sm) {
     const int early = request_old_tiles<STAGES, Q8>(a, w, sm);
-    if constexpr (FUSABLE) {
-        queries_or_fused_input<Q8>(a, fin, w, sm.sQ);
+    if constexpr (FUSED) {
+        fused_input<Q8>(a, fin, w, sm.sQ);
     } else {
         pdl_start();
         load_q<16>(a, w, sm.sQ);
@@ -483,13 +479,14 @@ __device__ __forceinline__ void decode_int8(const AttnArgs &a, const FusedInput 
     merge_warps(a, w, mb);
 }
 
+template <bool FUSED>
 __device__ __forceinline__ void decode_bf16_h8(const AttnArgs &a, const FusedInput &fin) {
     using S = Smem<false, true, true>;
     constexpr int STAGES = S::STAGES;
     Block w;
     if (!block_work<S::ROWS>(a, w)) return;
     const Tiles sm = shared_tiles<S>();
-    const int early = decode_prologue<false, STAGES, true>(a, fin, w, sm);
+    const int early = decode_prologue<false, STAGES, FUSED>(a, fin, w, sm);
     TileRows<false> next_rows = first_refill<STAGES, false, true>(a, w);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int qpos[2] = {query_position(w, w.row0 + g), query_position(w, w.row0 + g + 8)};
@@ -511,13 +508,14 @@ __device__ __forceinline__ void decode_bf16_h8(const AttnArgs &a, const FusedInp
     merge_warps(a, w, mb);
 }
 
+template <bool FUSED>
 __device__ __forceinline__ void decode_int8_h8(const AttnArgs &a, const FusedInput &fin) {
     using S = Smem<true, true, true>;
     constexpr int STAGES = S::STAGES;
     Block w;
     if (!block_work<S::ROWS>(a, w)) return;
     const Tiles sm = shared_tiles<S>();
-    const int early = decode_prologue<true, STAGES, true>(a, fin, w, sm);
+    const int early = decode_prologue<true, STAGES, FUSED>(a, fin, w, sm);
     TileRows<true> next_rows = first_refill<STAGES, true, true>(a, w);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int qpos[2] = {query_position(w, w.row0 + 2 * t), query_position(w, w.row0 + 2 * t + 1)};
@@ -551,9 +549,11 @@ __device__ __forceinline__ void decode_int8_h8(const AttnArgs &a, const FusedInp
 #define KERNEL_PARTS 2
 #if IN_PART(0)
 ATTENTION_KERNEL(attention_decode, __launch_bounds__(THREADS), decode_bf16)
-ATTENTION_KERNEL(attention_decode_h8, __launch_bounds__(THREADS), decode_bf16_h8)
+ATTENTION_KERNEL(attention_decode_h8, __launch_bounds__(THREADS), decode_bf16_h8<false>)
+ATTENTION_KERNEL(attention_decode_h8_fused, __launch_bounds__(THREADS), decode_bf16_h8<true>)
 #endif
 #if IN_PART(1)
 ATTENTION_KERNEL(attention_int8_decode, __launch_bounds__(THREADS), decode_int8)
-ATTENTION_KERNEL(attention_int8_decode_h8, __launch_bounds__(THREADS, 4), decode_int8_h8)
+ATTENTION_KERNEL(attention_int8_decode_h8, __launch_bounds__(THREADS, 4), decode_int8_h8<false>)
+ATTENTION_KERNEL(attention_int8_decode_h8_fused, __launch_bounds__(THREADS, 4), decode_int8_h8<true>)
 #endif

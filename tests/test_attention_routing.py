@@ -56,6 +56,8 @@ def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds():
     for rows in (1, 2, 4, 8):
         assert name(keys_mode=True, rows=rows) == "attention_decode_h8"
         assert name(keys_mode=True, rows=rows, int8=True, num_splits=33) == "attention_int8_decode_h8"
+        assert name(keys_mode=True, rows=rows, fused=True) == "attention_decode_h8_fused"
+        assert name(keys_mode=True, rows=rows, int8=True, fused=True) == "attention_int8_decode_h8_fused"
     assert name(keys_mode=True, rows=9) == "attention_decode"        # e.g. verify steps: 16-row tiles
     assert name(keys_mode=True, rows=20, int8=True) == "attention_int8_decode"
     assert name(rows=4) == "attention_wg"                              # the prefill shape has no _h8 build
@@ -98,7 +100,8 @@ def test_combine_constants_match_the_launcher(tmp_path, monkeypatch):
     ("attention_wg", "attention_wg.cu"), ("attention", "attention_prefill.cu"),
     ("attention_int8", "attention_prefill.cu"), ("attention_decode", "attention_decode.cu"),
     ("attention_int8_decode", "attention_decode.cu"), ("attention_decode_h8", "attention_decode.cu"),
-    ("attention_int8_decode_h8", "attention_decode.cu"), ("attention_combine", "attention_combine.cu")])
+    ("attention_int8_decode_h8", "attention_decode.cu"), ("attention_decode_h8_fused", "attention_decode.cu"),
+    ("attention_int8_decode_h8_fused", "attention_decode.cu"), ("attention_combine", "attention_combine.cu")])
 def test_each_kernel_loads_from_its_file(name, file):
     assert kernel_file(name) == file
     assert (cuda_src_dir() / file).is_file()

@@ -95,7 +95,7 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
     keys = keys_mode(max_q_len=max_q_len, group=group, decode_shape=decode_shape)
     name = kernel_name(int8=int8, keys_mode=keys, num_splits=num_splits,
                        pool_elements=pages * KV * page_size * hd, arch=get_device().info.arch,
-                       rows=max_q_len * group, wg=wg)
+                       rows=max_q_len * group, wg=wg, fused=fused is not None)
     args = [q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens, block_tables,
             I32(block_tables.shape[1]), I32(H), I32(KV), I32(page_size), I32(num_splits), I32(T),
             F32(LOG2E / math.sqrt(hd))]
@@ -110,7 +110,7 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         args += [fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, fused.smoothing,
                  F32(fused.eps)]
     grid = (cdiv(max_q_len * group, rows_per_block(keys)), KV, B * num_splits)
-    kernel(kernel_file(name), name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys, name.endswith("_h8")))
+    kernel(kernel_file(name), name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys, "_h8" in name))
     if num_splits > 1:
         kernel("attention_combine.cu", "attention_combine").launch(
             (T, H), (COMBINE_THREADS,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)

@@ -60,17 +60,20 @@ def int8_decode_blocks(rows: int) -> int:
 
 
 def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str,
-                rows: int = KEYS_MAX_ROWS, wg: bool = True) -> str:
+                rows: int = KEYS_MAX_ROWS, wg: bool = True, fused: bool = False) -> str:
     """The entry point a launch runs: attention_wg (attention_wg.cu) for the prefill shape over a BF16
     cache without a key split on Hopper (arch sm_90, compiled as sm_90a: wgmma), unless the pool is too
     large for its 32-bit offsets (or wg=False: the tests that compare the two kernels); otherwise
     attention_prefill.cu's attention / attention_int8, or attention_decode.cu's attention_decode /
     attention_int8_decode for the decode shape (keys mode), + "_h8" when a block has at most HALF_ROWS rows
-    (`rows`: query rows per sequence and KV head, max_q_len x the group)."""
+    (`rows`: query rows per sequence and KV head, max_q_len x the group), + "_fused" for the fused input (an _h8
+    build's entry point of its own, so that the other carries none of its code)."""
     if wg and not int8 and not keys_mode and num_splits == 1 and arch == "sm_90" and pool_elements < WG_MAX_POOL:
         return "attention_wg"
     name = ("attention_int8" if int8 else "attention") + ("_decode" if keys_mode else "")
-    return name + "_h8" if half_build(keys_mode, rows) else name
+    if not half_build(keys_mode, rows):
+        return name
+    return name + ("_h8_fused" if fused else "_h8")
 
 
 def kernel_file(name: str) -> str:
