@@ -28,11 +28,12 @@
 // kv_lens[b] counts sequence b's positions including this step's, so the step's first token
 // sits at position kv_lens[b] - q_len and attends to every position up to its own.
 //
-// Fused input (the decode _h8 builds, a step of one token a sequence): given the QKV product (`qkv` not
-// null), a block does attn_input's work for its own token instead of reading q: its warps RMSNorm and rotate
-// the group's query heads into the Q tile (bf16, times the smoothing factors: what attn_input writes), and the
-// block whose split holds the new position stores the new key and value into the cache before it requests
-// that tile. The step then skips the attn_input launch (tileinfer/kernels/routing.py fuses_input).
+// Fused input (the decode _h8 builds' _fused entry points, a step of one token a sequence): given the QKV
+// product (`qkv`), a block does attn_input's work for its own token instead of reading q: its warps RMSNorm
+// and rotate the group's query heads into the Q tile (bf16, times the smoothing factors: what attn_input
+// writes), and the block whose split holds the new position stores the new key and value into the cache
+// before it requests that tile. The step then skips the attn_input launch (tileinfer/kernels/routing.py
+// fuses_input).
 #pragma once
 #include "attn_input.cuh"
 
@@ -76,7 +77,7 @@ struct AttnArgs {
     float scale_log2;
 };
 
-// The fused input's arguments (see the top of the file); qkv null: the queries come from q (attn_input ran).
+// The fused input's arguments (see the top of the file), which only the _fused builds read (null in the others).
 struct FusedInput {
     const bf16 *qkv;
     const int *positions, *slots;
