@@ -718,8 +718,8 @@ FUSED_CASES = [
     pytest.param([(1, 4097)], 32, 16, 4, id="kv4097-page16-splits4"),
     pytest.param([(1, 300), (1, 63), (1, 64), (1, 1000)], 32, 64, 16, id="batch-splits16-padding"),
     pytest.param([(1, 130), (0, 0), (1, 7)], 64, 24, 3, id="G8-page24-splits3"),
-    # The new position's tile among the first STAGES - 1 a block requests (its row written by the block itself),
-    # at a tile's first row, on a page of 16; or past them (requested after the store).
+    # The new position at a tile's first row, on a page of 16, and in a tile past the first STAGES - 1 its block
+    # requests (so requested in the main loop, well after the block stored it).
     pytest.param([(1, 129)], 32, 64, 2, id="kv129-row0-splits2"),
     pytest.param([(1, 100)], 16, 16, 1, id="kv100-page16"),
     pytest.param([(1, 200), (1, 3)], 32, 64, 1, id="kv200-past-the-prologue"),
