@@ -162,11 +162,17 @@ __device__ __forceinline__ int tile_row(int i) {
 // more instructions than the rest of the lookup, and decode attention is short of issue slots.)
 // Decode shape (KEYS): pages of KT positions (the engine's default) make a key tile one page, looked
 // up with one block-table read and no division (key0 is a multiple of KT and below kv_len). (Not in
-// the prefill builds, where the second path costs some 30 registers a thread.)
+// the prefill builds, where the second path costs some 30 registers a thread.) In the decode builds other
+// page sizes take the general path through a call (lookup_rows_paged), so that a kernel holds one copy of it
+// rather than one at each of its five lookups: the plain BF16 _h8 build has 2,328 instructions instead of
+// 3,232, and the engine's pages of KT ran 0.1-0.4% faster for it (docs/benchmarks.md).
+template <bool Q8>
+__device__ __noinline__ TileRows<Q8> lookup_rows_paged(const int *__restrict__ table, int kv_head, int num_kv_heads,
+                                                       int page_size, int kv_len, int key0);
+
 template <bool Q8, bool KEYS>
 __device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ table, int kv_head, int num_kv_heads,
                                                     int page_size, int kv_len, int key0) {
-    constexpr int SPACED = Q8 ? 4 : 8, STEP = Q8 ? 16 : 8;
     TileRows<Q8> rows;
     if (KEYS && page_size == KT) {
         const int base = (__ldg(table + key0 / KT) * num_kv_heads + kv_head) * KT;
@@ -177,6 +183,8 @@ __device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ tabl
         }
         return rows;
     }
+    if constexpr (KEYS) return lookup_rows_paged<Q8>(table, kv_head, num_kv_heads, page_size, kv_len, key0);
+    constexpr int SPACED = Q8 ? 4 : 8, STEP = Q8 ? 16 : 8;
     int p = key0 + tile_row<Q8>(0), page = p / page_size, off = p - page * page_size;
 #pragma unroll
     for (int i = 0; i < SPACED; ++i) {
@@ -194,6 +202,13 @@ __device__ __forceinline__ TileRows<Q8> lookup_rows(const int *__restrict__ tabl
                                  : -1;
     }
     return rows;
+}
+
+// The decode builds' lookup of pages other than KT positions: the general path, out of line (see lookup_rows).
+template <bool Q8>
+__device__ __noinline__ TileRows<Q8> lookup_rows_paged(const int *__restrict__ table, int kv_head, int num_kv_heads,
+                                                       int page_size, int kv_len, int key0) {
+    return lookup_rows<Q8, false>(table, kv_head, num_kv_heads, page_size, kv_len, key0);
 }
 
 // BF16: copy a K and V tile into sK / sV (zero past kv_len).
