@@ -147,7 +147,7 @@ TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 TMA_RESIDUAL_SPLIT_ROWS = 1024
 # From this many rows on, the persistent kernel's last round, when it leaves SMs idle, may run as a separate split
 # launch (tma_tail_split): its tiles' K ranges shared by 2-4 blocks so that the idle SMs take part. On the H200
-# qwen3-4b's gate/up at 4,096 rows took 630.3 us so against 651.9 with its last round unsplit
+# qwen3-4b's gate/up at 4,096 rows took 630.3 us against 651.9 with its last round unsplit
 # (`scripts/bench_gemm_small.py`); smaller products, whose rounds are fewer and shorter, were not measured with it.
 TMA_TAIL_SPLIT_ROWS = 1024
 # From this many rows on, the persistent kernel runs in clusters of 2 blocks on a pair of row tiles under one column
