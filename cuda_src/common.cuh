@@ -147,14 +147,14 @@ __device__ __forceinline__ bool tile_weight_row(int r, int n0, int N, bool silu,
 // Shared by the rmsnorm kernel and the GEMV that normalizes its own input (gemv.cu), so both round
 // identically: with the same block size the thread-to-element mapping, hence every sum, is the same.
 
+// A chunk's part of the sum of squares.
+__device__ __forceinline__ float sum_squares4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+
 // 1 / sqrt(mean(x^2) + eps) of one float32 row (dim % 4 == 0), by the whole block.
 __device__ __forceinline__ float row_inv_rms(const float *__restrict__ x, int dim, float eps, float *scratch) {
     const float4 *xr = reinterpret_cast<const float4 *>(x);
     float ss = 0.f;
-    for (int c = threadIdx.x; c < dim / 4; c += blockDim.x) {
-        float4 v = xr[c];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
+    for (int c = threadIdx.x; c < dim / 4; c += blockDim.x) ss += sum_squares4(xr[c]);
     return rsqrtf(block_sum(ss, scratch) / dim + eps);
 }
 
@@ -174,12 +174,15 @@ __device__ __forceinline__ void load_norm_weights(const bf16 *__restrict__ w, in
 
 // Chunk c (4 elements) of a normed row: out[4c .. 4c+3] = bf16(x * r * w), with the weights' pieces
 // wa = w[4c], w[4c+1] and wb = w[4c+2], w[4c+3].
-__device__ __forceinline__ void store_normed_chunk(const float *__restrict__ x, float r, u32 wa, u32 wb, bf16 *out,
-                                                   int c) {
-    const float4 v = reinterpret_cast<const float4 *>(x)[c];
+// store_normed4 is the same with the chunk's values v already loaded.
+__device__ __forceinline__ void store_normed4(float4 v, float r, u32 wa, u32 wb, bf16 *out, int c) {
     u32 *o = reinterpret_cast<u32 *>(out);
     o[2 * c] = pack_bf16x2(v.x * r * bf16lo(wa), v.y * r * bf16hi(wa));
     o[2 * c + 1] = pack_bf16x2(v.z * r * bf16lo(wb), v.w * r * bf16hi(wb));
+}
+__device__ __forceinline__ void store_normed_chunk(const float *__restrict__ x, float r, u32 wa, u32 wb, bf16 *out,
+                                                   int c) {
+    store_normed4(reinterpret_cast<const float4 *>(x)[c], r, wa, wb, out, c);
 }
 
 // out = bf16(x * r * w) for one row, by the whole block (out: 4-byte aligned), chunks from c0 on
