@@ -16,8 +16,9 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda.bindings import driver
 
-from tileinfer.cuda import DeviceArray, PinnedBuffer
+from tileinfer.cuda import DeviceArray, PinnedBuffer, kernel
 from tileinfer.runner import sampler
 from tileinfer.kernels import (FusedInput, argmax, attention, attn_input, attn_input_int8, embedding, fetch_step,
                                fuses_input, linear, norm_linear, rmsnorm, sample)
@@ -231,6 +232,14 @@ def test_rmsnorm(n, dim, gather, buf, stream):
     # bf16 output: rounding <= 2^-8 relative (rtol 1e-2); atol 1e-2 * rms(ref) for entries near zero.
     assert_close(got, ref, atol=1e-2 * rms(ref), rtol=1e-2, rel_norm=1e-2,
                  label=f"rmsnorm n={n} dim={dim} rows={None if rows is None else rows.tolist()}")
+
+
+def test_rmsnorm_runs_in_the_shared_memory_configuration(buf, stream):
+    # Its launches ask for the SM configuration with the most shared memory, the GEMMs' around it.
+    x, w = np.ones((2, 128), np.float32), np.ones(128, ml_dtypes.bfloat16)
+    rmsnorm(buf.upload(x), buf.upload(w), buf.poisoned((2, 128), BF16), 1e-6, stream)
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    assert kernel("rmsnorm.cu", "rmsnorm").attribute(attr) == int(driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED)
 
 
 # ============================================================================= linear (GEMM / GEMV)

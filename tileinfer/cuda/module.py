@@ -74,6 +74,7 @@ class Kernel:
         self.module, self.name = module, name
         self.function = module.function(name)
         self.max_dynamic_smem = 0
+        self.prefers_shared = False
         self._config = driver.CUlaunchConfig()
         attrs = _pdl_attributes()
         if attrs:
@@ -86,6 +87,18 @@ class Kernel:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             call(driver.cuFuncSetAttribute, self.function, attr, nbytes, detail=self.name)
             self.max_dynamic_smem = nbytes
+
+    def prefer_shared_memory(self) -> None:
+        """Run this kernel in the SM configuration with the most shared memory (the least L1 cache), the one
+        the kernels that fill shared memory (the tensor-core GEMMs, attention) run in; for a kernel with
+        little shared memory the driver otherwise picks one with a large L1 (Nsight Compute: rmsnorm 32 KB
+        of shared memory, the swap-AB GEMM and decode attention 228 KB). Blocks of two kernels share an SM
+        only in one configuration, so a small kernel between two such kernels is better in theirs."""
+        if not self.prefers_shared:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            carveout = driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED
+            call(driver.cuFuncSetAttribute, self.function, attr, int(carveout), detail=self.name)
+            self.prefers_shared = True
 
     def attribute(self, attr) -> int:
         return call(driver.cuFuncGetAttribute, attr, self.function)
