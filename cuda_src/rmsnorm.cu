@@ -6,7 +6,7 @@
 // so the final norm can pick each sequence's last token. dim % 4 == 0.
 // A thread's first RMSNORM_CHUNKS chunks of 4 elements (rows of up to 4,096: every Qwen3 model up to 8B)
 // stay in registers from the sum of squares to the store, so the row is read once; longer rows read the
-// rest again. The sums and products are row_inv_rms's and store_normed_chunk's, in the same order (the
+// rest twice. The sums and products are row_inv_rms's and store_normed_chunk's, in the same order (the
 // GEMV that normalizes its own input rounds the same way: tests/gpu/test_kernels.py checks it bit for bit),
 // so nothing here needs the L1 cache: the launcher gives its SM configuration to shared memory.
 // The weights' pieces are loaded before the PDL wait (load_norm_weights).

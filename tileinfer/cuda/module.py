@@ -92,8 +92,9 @@ class Kernel:
         """Run this kernel in the SM configuration with the most shared memory (the least L1 cache), the one
         the kernels that fill shared memory (the tensor-core GEMMs, attention) run in; for a kernel with
         little shared memory the driver otherwise picks one with a large L1 (Nsight Compute: rmsnorm 32 KB
-        of shared memory, the swap-AB GEMM and decode attention 228 KB). Blocks of two kernels share an SM
-        only in one configuration, so a small kernel between two such kernels is better in theirs."""
+        of shared memory, the swap-AB GEMM and decode attention 228 KB). An SM is in one configuration at a
+        time, so blocks of kernels in two cannot share it; a small kernel between two such kernels ran faster
+        in their configuration (docs/benchmarks.md, "RMSNorm in the GEMMs' shared-memory configuration")."""
         if not self.prefers_shared:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
             carveout = driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED
