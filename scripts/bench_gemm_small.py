@@ -18,7 +18,9 @@ more than one wave.
 Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
 cycle through enough copies of W to exceed the L2 cache three times over, so every call reads its
-weights from HBM as in a decode step; x and out stay the same (they are hot in a real step too).
+weights from HBM as in a decode step; x and out stay the same (they are hot in a real step too). --hot
+keeps one copy of W instead, so that a matrix smaller than the L2 cache is read from there: what a product
+would cost with its weights fetched into L2 beforehand.
 x is the first M rows of a larger array, as in a step; --exact-x gives it exactly M rows, so that the TMA GEMM's
 map of x ends at row M (linear.tile_rows otherwise runs it to a whole 128-row tile: the comparison behind it).
 Prints a markdown table (GPU, dtype bf16, fraction of the 4.3 TB/s roofline) and writes JSON to $OUT or --out.
@@ -57,11 +59,12 @@ def model_matrices(name: str) -> list[tuple[str, int, int, str]]:
 class Case:
     """Device buffers for one (N, K, epilogue): copies of W, and x / out for the largest M."""
 
-    def __init__(self, N: int, K: int, epilogue: str, max_m: int, l2_bytes: int, rng: np.random.Generator):
+    def __init__(self, N: int, K: int, epilogue: str, max_m: int, l2_bytes: int, rng: np.random.Generator,
+                 hot: bool = False):
         self.N, self.K, self.epilogue = N, K, epilogue
         self.w_bytes = N * K * 2
         w = (rng.standard_normal((N, K), dtype=np.float32) / np.float32(math.sqrt(K))).astype(BF16)
-        copies = max(2, math.ceil(3 * l2_bytes / self.w_bytes))
+        copies = 1 if hot else max(2, math.ceil(3 * l2_bytes / self.w_bytes))
         self.weights = [DeviceArray.from_host(w) for _ in range(copies)]
         self.x = DeviceArray.from_host(rng.standard_normal((max_m, K), dtype=np.float32).astype(BF16))
         cols = N // 2 if epilogue == "silu_mul" else N
@@ -108,6 +111,7 @@ def main() -> None:
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
     ap.add_argument("--exact-x", action="store_true", help="x an array of exactly M rows (not a view of a larger "
                     "one): the TMA GEMM's map of x ends at row M")
+    ap.add_argument("--hot", action="store_true", help="one copy of W, read from the L2 cache where it fits")
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--graph-bytes", type=float, default=4e9, help="weight bytes one graph replay reads")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -117,7 +121,8 @@ def main() -> None:
     dev = get_device()
     info = dev.info
     print(f"# linear's default path on {info.name} ({info.num_sms} SMs, L2 {info.l2_bytes >> 20} MB), bf16 weights, "
-          f"float32 accumulation; GB/s = weight bytes / time; roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s")
+          f"float32 accumulation; GB/s = weight bytes / time; roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s; "
+          f"{'one copy of W (hot in L2 where it fits)' if args.hot else 'W cycled through copies of 3x the L2'}")
     stream = Stream()
     rng = np.random.default_rng(0)
     rows = []
@@ -135,7 +140,7 @@ def main() -> None:
         for matrix, N, K, epilogue in model_matrices(model):
             if args.no_lm_head and matrix == "lm_head":
                 continue
-            case = Case(N, K, epilogue, max(ms), info.l2_bytes, rng)
+            case = Case(N, K, epilogue, max(ms), info.l2_bytes, rng, args.hot)
             calls = int(min(400, max(10, args.graph_bytes // case.w_bytes)))
             gbs = lambda us: case.w_bytes / us / 1e3  # noqa: E731 (bytes per microsecond -> GB/s)
             try:
@@ -184,7 +189,7 @@ def main() -> None:
     path = Path(args.out) / "bench_gemm_small.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(gpu=info.name, sms=info.num_sms, roofline_bytes_per_s=ROOFLINE_BYTES_PER_S,
-                                    exact_x=args.exact_x, rows=rows), indent=1))
+                                    exact_x=args.exact_x, hot=args.hot, rows=rows), indent=1))
     print(f"wrote {path}")
 
 
