@@ -34,10 +34,14 @@
 // Split K (KS, a compile-time thread-block cluster of KS in {1, 2, 4, 8} blocks, grid (KS, tiles)):
 // block `rank` of a cluster takes the k-chunks rank, rank + KS, ..., so the KS blocks read consecutive
 // 128-byte pieces of the same rows. Each block writes its partial D tile to its own shared memory
-// (transposed to P[m][r], rows of TR + 4 floats: conflict-free writes, 16-byte aligned float4 reads);
-// after a cluster barrier block `rank` finishes units rank, rank + KS, ... (in 128-thread strides) of
-// the tile, summing the KS partials over distributed shared memory in rank order 0, 1, ..., KS - 1.
-// No workspace, no atomics, and the same bits on every run; KS = 1 goes through the same shared-memory
+// (transposed to P[m][r], rows of TR + 4 floats: conflict-free writes, 16-byte aligned float4 reads).
+// Block `rank` finishes units rank, rank + KS, ... (in 128-thread strides) of the tile, summing the KS
+// partials in rank order 0, 1, ..., KS - 1 (Partials): after a relaxed cluster barrier (every block is past
+// its main loop, so its pipeline's shared memory is free) each block pushes its pieces of the units the others
+// finish into their shared memory (st.async), counted as transaction bytes on the receiver's mbarrier, and
+// each block waits on its own. No memory fence: a release cluster barrier is a GPU-wide memory barrier on
+// sm_90 (MEMBAR.ALL.GPU, which waits for the block's global stores), and reading the others' partials from
+// their shared memory would need one before the reads and another before exiting. No workspace, no atomics, and the same bits on every run; KS = 1 goes through the same shared-memory
 // path (a block barrier instead), which makes every store a 8- or 16-byte vector of 4 consecutive columns.
 //
 // Fragments (PTX ISA, wgmma .m64nNk16 D): warp w of a warpgroup holds D rows 16 w + g and 16 w + g + 8
@@ -75,6 +79,7 @@
 // wgmma exists only on sm_90a: a plain sm_90 build (which test_compile also checks) gets kernels
 // that trap.
 #include "cluster.cuh"
+#include "mbarrier.cuh"
 #include "wgmma.cuh"
 
 enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, EPI_XIELU = 4 };
@@ -114,21 +119,69 @@ template <int B, int WG, bool DEEP = false> struct Cfg {
 __device__ __forceinline__ u32 swz_bytes(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
 // ----------------------------------------------------------------------------- split K (the cluster helpers are in cluster.cuh)
-// Sum of the float4 at P + offset over the KS blocks of the cluster, in rank order (the local one when KS == 1).
-template <int KS> __device__ __forceinline__ float4 sum_ranks(const float *p) {
-    if (KS == 1) return *reinterpret_cast<const float4 *>(p);
-    const u32 at = smem_addr(p);
-    float4 v = ld_cluster_f4(at, 0);
-#pragma unroll
-    for (int r = 1; r < KS; ++r) {
-        const float4 u = ld_cluster_f4(at, r);
-        v.x += u.x;
-        v.y += u.y;
-        v.z += u.z;
-        v.w += u.w;
+// A block's partial tile P and, with KS > 1, the other blocks' partials of the units this block sums, pushed into
+// its receive region by those blocks (see the header). Unit u (4 outputs: TR / 4 a batch row, SILU_MUL TR / 8) is
+// summed by block (u / THREADS) % KS; its float4s are the pieces of P at first(u) (SILU_MUL: gate at first(u),
+// up at first(u) + 8). The receive region holds, for each source rank s and each unit this block sums (local
+// index li = (u / (KS THREADS)) THREADS + u % THREADS), its pieces: slot (s UPB + li) PIECES + piece.
+template <int B, int TR, int KS> struct Partials {
+    static constexpr int THREADS = 2 * TR, PS = TR + 4;
+    static constexpr int UPB = (B * TR / 4 + KS * THREADS - 1) / (KS * THREADS) * THREADS;  // units a block sums, at most
+    static constexpr int RECV = (B * PS * 4 + 15) / 16 * 16;  // the receive region's byte offset from P
+    const float *P;  // this block's partial tile; its receive region follows at P + RECV / 4
+    u32 bar;         // this block's mbarrier: its phase 0 completes when every other block's pushes have landed
+    int rank;
+
+    static __device__ __forceinline__ int first(int u, bool silu) {
+        const int per_m = silu ? TR / 8 : TR / 4, m = u / per_m, q = u % per_m;
+        return m * PS + (silu ? (q >> 1) * 16 + (q & 1) * 4 : 4 * q);
     }
-    return v;
-}
+    static __device__ __forceinline__ int local_index(int u) { return (u / (KS * THREADS)) * THREADS + u % THREADS; }
+    // Bytes the other blocks push into block `rank`: its units (whole groups of THREADS), PIECES float4s each.
+    static __device__ __forceinline__ u32 expected_bytes(int rank, bool silu) {
+        const int groups = (silu ? B * TR / 8 : B * TR / 4) / THREADS;  // groups g of units, summed by g % KS
+        const int mine = rank < groups ? (groups - rank + KS - 1) / KS : 0;
+        return (u32)((KS - 1) * mine * THREADS * (silu ? 2 : 1) * 16);
+    }
+    // Pushes this block's pieces of every unit another block sums into that block's receive region.
+    __device__ __forceinline__ void push(bool silu) const {
+        const int pieces = silu ? 2 : 1, groups = (silu ? B * TR / 8 : B * TR / 4) / THREADS, tid = threadIdx.x;
+#pragma unroll
+        for (int g = 0; g < B * TR / 4 / THREADS; ++g) {
+            const int owner = g % KS;
+            if (g >= groups || owner == rank) continue;
+            const int u = g * THREADS + tid, li = (g / KS) * THREADS + tid;
+            const u32 dst = cluster_addr(smem_addr(P) + RECV, owner), remote_bar = cluster_addr(bar, owner);
+            for (int piece = 0; piece < pieces; ++piece)
+                st_async_f4(dst + ((rank * UPB + li) * pieces + piece) * 16,
+                            *reinterpret_cast<const float4 *>(P + first(u, silu) + 8 * piece), remote_bar);
+        }
+    }
+    // Unit u's piece summed over the KS partials in rank order (this block's own from P).
+    __device__ __forceinline__ float4 sum(int u, bool silu, int piece) const {
+        const float *own = P + first(u, silu) + 8 * piece;
+        if (KS == 1) return *reinterpret_cast<const float4 *>(own);
+        const int pieces = silu ? 2 : 1, li = local_index(u);
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            const float *at = s == rank ? own : P + RECV / 4 + ((s * UPB + li) * pieces + piece) * 4;
+            const float4 x = *reinterpret_cast<const float4 *>(at);
+            if (s == 0) {
+                v = x;
+            } else {
+                v.x += x.x;
+                v.y += x.y;
+                v.z += x.z;
+                v.w += x.w;
+            }
+        }
+        return v;
+    }
+    __device__ __forceinline__ void wait() const {
+        if (KS > 1) mbar_wait(bar, 0);
+    }
+};
 
 // ----------------------------------------------------------------------------- wgmma (sm_90a): the products of the batch widths (the basics are in wgmma.cuh)
 // d (64 W rows x n batch rows per warpgroup, n / 2 floats a thread) += A (64 x 16, W) * B (16 x n, x^T).
@@ -197,6 +250,12 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
 __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Partials' mbarrier (a function so that only the split builds have it).
+template <int KS> __device__ __forceinline__ u32 parts_bar() {
+    __shared__ __align__(8) unsigned long long bar;
+    return smem_addr(&bar);
+}
+
 // The consumer's 1 / rms a row, from the prologue to the epilogue (a function so that only the consumer
 // builds have the static shared array).
 template <int B> __device__ __forceinline__ float *row_scale_smem() {
@@ -214,7 +273,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
     using C = Cfg<B, WG, DEEP>;
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    unsigned char *smem = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);
+    unsigned char *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // 1024-aligned
     const u32 smem0 = smem_addr(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int rank = KS > 1 ? cluster_rank() : 0;  // == blockIdx.x: this block's k-chunks
@@ -223,6 +282,15 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
     const int chunks = ceil_div(K, BK);
     const int mine = rank < chunks ? ceil_div(chunks - rank, KS) : 0;  // chunks rank, rank + KS, ...
     const int c = tid & 7;  // this thread's 16-byte piece of every 128-byte row it copies
+    using Parts = Partials<B, TR, KS>;
+    static_assert(KS == 1 || Parts::RECV + KS * Parts::UPB * 2 * 16 <= STAGES * C::STAGE,
+                  "the receive region (SILU_MUL: two pieces a unit) lies in the pipeline's shared memory");
+    const u32 bar = KS > 1 ? parts_bar<KS>() : 0u;
+    if (KS > 1 && tid == 0) {  // Parts' barrier: one arrival (this one) and the bytes the other blocks push
+        mbar_init(bar, 1);
+        mbar_fence_init_cluster();  // visible to their pushes from the cluster barrier before those on
+        mbar_arrive_expect_tx(bar, Parts::expected_bytes(rank, silu));
+    }
 
     // Thread piece p copies row (tid / 8) + p * THREADS / 8 of a tile, chunk c; (row % 8) == (tid / 8) % 8.
     const bf16 *wsrc[C::WP];
@@ -296,11 +364,15 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
                 if (s < mine && x_here(p) && r < M && gk < K) xv[s][p] = ld16(X + (size_t)r * K + gk);
             }
         }
+        // Stored through a generic pointer: ptxas cannot tell these stores from global ones, so it keeps every
+        // load above ahead of them, all in flight at once (through a shared one it pairs each load with its store,
+        // one L2 latency a chunk).
+        unsigned char *generic = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);  // == smem
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s)
 #pragma unroll
             for (int p = 0; p < C::XP; ++p)
-                if (s < mine && x_here(p)) st16(smem + s * C::STAGE + C::TILE_W + swz_bytes(x_row(p), c), xv[s][p]);
+                if (s < mine && x_here(p)) st16(generic + s * C::STAGE + C::TILE_W + swz_bytes(x_row(p), c), xv[s][p]);
     }
     if constexpr (NORM == NORM_CONSUMER) {  // row_scale is read in the epilogue, past the main loop's barriers
 #pragma unroll
@@ -349,8 +421,12 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 #pragma unroll
             for (int e = 0; e < 4; ++e) P[(8 * j + 2 * t + (e & 1)) * C::PS + r0 + 8 * (e >> 1)] = d[4 * j + e];
     }
-    if (KS > 1) cluster_sync();
-    else __syncthreads();
+    __syncthreads();  // P is whole: the threads below read each other's entries
+    const Parts parts{P, bar, rank};
+    if constexpr (KS > 1) {
+        cluster_sync_relaxed();  // every block of the cluster is past its main loop: its receive region is free
+        parts.push(silu);
+    }
 
     // Units of 4 outputs: (m, 4 consecutive tile rows) or, for SILU_MUL, (m, 4 gate rows and their 4 up rows).
     const int per_m = silu ? TR / 8 : TR / 4;
@@ -359,11 +435,12 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         // lanes of one half-warp, and B * per_m is a multiple of 32: every lane of a warp runs the same
         // iterations and meets the shuffles (rows past M and columns past N add 0).
         static_assert(TR / 4 == 16, "the producer's row sums take a half-warp a row");
+        parts.wait();
         for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
             const int m = u / per_m, q = u % per_m, n = tile * TR + 4 * q;
             float ss = 0.f;
             if (m < M && n < N) {
-                const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
+                const float4 v = parts.sum(u, false, 0);
                 float4 *o = reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + (size_t)m * N + n);
                 const float4 old = *o;
                 const float4 r = make_float4(old.x + v.x, old.y + v.y, old.z + v.z, old.w + v.w);
@@ -380,40 +457,40 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             if (q == 0 && m < M) ss_out[(size_t)m * gridDim.y + tile] = ss;
         }
     } else if (epi == EPI_RESIDUAL) {
-        // Every old residual value of a thread's units is loaded before it stores any: through one pointer the
-        // compiler must keep each load after the store before it, so unit by unit each would wait one memory
-        // latency (as in gemm_tma.cu's add_residual).
+        // Every old residual value of a thread's units is loaded before it stores any (and before the wait for
+        // the other blocks' partials): through one pointer the compiler must keep each load after the store
+        // before it, so unit by unit each would wait one memory latency (as in gemm_tma.cu's add_residual).
         constexpr int UNITS = B * (TR / 4), ITER = (UNITS + KS * THREADS - 1) / (KS * THREADS);
         float *o = reinterpret_cast<float *>(out);
-        float4 v[ITER], old[ITER];
+        float4 old[ITER];
         bool ok[ITER];
 #pragma unroll
         for (int i = 0; i < ITER; ++i) {
             const int u = rank * THREADS + tid + i * KS * THREADS, m = u / (TR / 4), n = tile * TR + 4 * (u % (TR / 4));
             ok[i] = u < UNITS && m < M && n < N;
-            if (ok[i]) {
-                v[i] = sum_ranks<KS>(P + m * C::PS + 4 * (u % (TR / 4)));
-                if (NORM == NORM_CONSUMER) v[i] = scale4(v[i], row_scale_smem<B>()[m]);  // 1 / rms of row m
-                old[i] = *reinterpret_cast<const float4 *>(o + (size_t)m * N + n);
-            }
+            if (ok[i]) old[i] = *reinterpret_cast<const float4 *>(o + (size_t)m * N + n);
         }
+        parts.wait();
 #pragma unroll
         for (int i = 0; i < ITER; ++i) {
             if (!ok[i]) continue;
             const int u = rank * THREADS + tid + i * KS * THREADS, m = u / (TR / 4), n = tile * TR + 4 * (u % (TR / 4));
-            const float4 r = make_float4(old[i].x + v[i].x, old[i].y + v[i].y, old[i].z + v[i].z, old[i].w + v[i].w);
+            float4 v = parts.sum(u, false, 0);
+            if (NORM == NORM_CONSUMER) v = scale4(v, row_scale_smem<B>()[m]);  // 1 / rms of row m
+            const float4 r = make_float4(old[i].x + v.x, old[i].y + v.y, old[i].z + v.z, old[i].w + v.w);
             *reinterpret_cast<float4 *>(o + (size_t)m * N + n) = r;
             if (cap) *reinterpret_cast<float4 *>(cap + (size_t)m * cap_stride + n) = r;
         }
     } else {
+        parts.wait();
         for (int u = rank * THREADS + tid; u < B * per_m; u += KS * THREADS) {
             const int m = u / per_m, q = u % per_m;
             if (m >= M) break;  // u only grows
             const float rs = NORM == NORM_CONSUMER ? row_scale_smem<B>()[m] : 1.f;  // consumer: 1 / rms of row m
             if (silu) {
-                const int half = N >> 1, r = (q >> 1) * 16 + (q & 1) * 4, j = tile * (TR / 2) + (q >> 1) * 8 + (q & 1) * 4;
+                const int half = N >> 1, j = tile * (TR / 2) + (q >> 1) * 8 + (q & 1) * 4;
                 if (j >= half) continue;
-                float4 g = sum_ranks<KS>(P + m * C::PS + r), v = sum_ranks<KS>(P + m * C::PS + r + 8);
+                float4 g = parts.sum(u, true, 0), v = parts.sum(u, true, 1);
                 if constexpr (NORM == NORM_CONSUMER) {
                     g = scale4(g, rs);
                     v = scale4(v, rs);
@@ -424,12 +501,13 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             } else {
                 const int n = tile * TR + 4 * q;
                 if (n >= N) continue;
-                const float4 v = sum_ranks<KS>(P + m * C::PS + 4 * q);
+                const float4 v = parts.sum(u, false, 0);
                 store4(out, N, epi, m, n, NORM == NORM_CONSUMER ? scale4(v, rs) : v, act);
             }
         }
     }
-    if (KS > 1) cluster_sync();  // no block exits (freeing its shared memory) while another still reads it
+    // No barrier before exiting: no block reads another's shared memory, and every push into this block has
+    // landed (parts.wait) before it exits.
 }
 
 #else
