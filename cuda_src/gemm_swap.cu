@@ -41,8 +41,9 @@
 // finish into their shared memory (st.async), counted as transaction bytes on the receiver's mbarrier, and
 // each block waits on its own. No memory fence: a release cluster barrier is a GPU-wide memory barrier on
 // sm_90 (MEMBAR.ALL.GPU, which waits for the block's global stores), and reading the others' partials from
-// their shared memory would need one before the reads and another before exiting. No workspace, no atomics, and the same bits on every run; KS = 1 goes through the same shared-memory
-// path (a block barrier instead), which makes every store a 8- or 16-byte vector of 4 consecutive columns.
+// their shared memory would need one before the reads and another before exiting. No workspace, no atomics,
+// and the same bits on every run; KS = 1 goes through the same shared-memory path (a block barrier instead),
+// which makes every store a 8- or 16-byte vector of 4 consecutive columns.
 //
 // Fragments (PTX ISA, wgmma .m64nNk16 D): warp w of a warpgroup holds D rows 16 w + g and 16 w + g + 8
 // (g = lane / 4, t = lane % 4); d[4 j + e] is row 16 w + g + 8 (e >> 1), column (batch row m)
@@ -123,10 +124,12 @@ __device__ __forceinline__ u32 swz_bytes(int r, int c) { return (u32)(r * 128 + 
 // its receive region by those blocks (see the header). Unit u (4 outputs: TR / 4 a batch row, SILU_MUL TR / 8) is
 // summed by block (u / THREADS) % KS; its float4s are the pieces of P at first(u) (SILU_MUL: gate at first(u),
 // up at first(u) + 8). The receive region holds, for each source rank s and each unit this block sums (local
-// index li = (u / (KS THREADS)) THREADS + u % THREADS), its pieces: slot (s UPB + li) PIECES + piece.
+// index li = (u / (KS THREADS)) THREADS + u % THREADS), its pieces (2 for SILU_MUL, else 1) in 16-byte slots
+// (s UPB + li) pieces + piece.
 template <int B, int TR, int KS> struct Partials {
     static constexpr int THREADS = 2 * TR, PS = TR + 4;
-    static constexpr int UPB = (B * TR / 4 + KS * THREADS - 1) / (KS * THREADS) * THREADS;  // units a block sums, at most
+    // Units a block sums, at most: whole groups of THREADS.
+    static constexpr int UPB = (B * TR / 4 + KS * THREADS - 1) / (KS * THREADS) * THREADS;
     static constexpr int RECV = (B * PS * 4 + 15) / 16 * 16;  // the receive region's byte offset from P
     const float *P;  // this block's partial tile; its receive region follows at P + RECV / 4
     u32 bar;         // this block's mbarrier: its phase 0 completes when every other block's pushes have landed
@@ -137,7 +140,7 @@ template <int B, int TR, int KS> struct Partials {
         return m * PS + (silu ? (q >> 1) * 16 + (q & 1) * 4 : 4 * q);
     }
     static __device__ __forceinline__ int local_index(int u) { return (u / (KS * THREADS)) * THREADS + u % THREADS; }
-    // Bytes the other blocks push into block `rank`: its units (whole groups of THREADS), PIECES float4s each.
+    // Bytes the other blocks push into block `rank`: its units (whole groups of THREADS), one float4 a piece.
     static __device__ __forceinline__ u32 expected_bytes(int rank, bool silu) {
         const int groups = (silu ? B * TR / 8 : B * TR / 4) / THREADS;  // groups g of units, summed by g % KS
         const int mine = rank < groups ? (groups - rank + KS - 1) / KS : 0;
@@ -366,8 +369,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         }
         // Stored through a generic pointer: ptxas cannot tell these stores from global ones, so it keeps every
         // load above ahead of them, all in flight at once (through a shared one it pairs each load with its store,
-        // one L2 latency a chunk).
-        unsigned char *generic = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);  // == smem
+        // one L2 latency a chunk). The same address as smem.
+        unsigned char *generic = reinterpret_cast<unsigned char *>(((size_t)smem_raw + 1023) & ~(size_t)1023);
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s)
 #pragma unroll
