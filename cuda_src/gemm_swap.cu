@@ -140,23 +140,25 @@ template <int B, int TR, int KS> struct Partials {
         return m * PS + (silu ? (q >> 1) * 16 + (q & 1) * 4 : 4 * q);
     }
     static __device__ __forceinline__ int local_index(int u) { return (u / (KS * THREADS)) * THREADS + u % THREADS; }
-    // Bytes the other blocks push into block `rank`: its units (whole groups of THREADS), one float4 a piece.
+    // Groups g of THREADS units, summed by block g % KS; float4 pieces a unit.
+    static __device__ __forceinline__ int groups(bool silu) { return (silu ? B * TR / 8 : B * TR / 4) / THREADS; }
+    static __device__ __forceinline__ int pieces(bool silu) { return silu ? 2 : 1; }
+    // Bytes the other blocks push into block `rank`: its units, one float4 a piece.
     static __device__ __forceinline__ u32 expected_bytes(int rank, bool silu) {
-        const int groups = (silu ? B * TR / 8 : B * TR / 4) / THREADS;  // groups g of units, summed by g % KS
-        const int mine = rank < groups ? (groups - rank + KS - 1) / KS : 0;
-        return (u32)((KS - 1) * mine * THREADS * (silu ? 2 : 1) * 16);
+        const int mine = rank < groups(silu) ? (groups(silu) - rank + KS - 1) / KS : 0;
+        return (u32)((KS - 1) * mine * THREADS * pieces(silu) * 16);
     }
     // Pushes this block's pieces of every unit another block sums into that block's receive region.
     __device__ __forceinline__ void push(bool silu) const {
-        const int pieces = silu ? 2 : 1, groups = (silu ? B * TR / 8 : B * TR / 4) / THREADS, tid = threadIdx.x;
+        const int tid = threadIdx.x;
 #pragma unroll
         for (int g = 0; g < B * TR / 4 / THREADS; ++g) {
             const int owner = g % KS;
-            if (g >= groups || owner == rank) continue;
+            if (g >= groups(silu) || owner == rank) continue;
             const int u = g * THREADS + tid, li = (g / KS) * THREADS + tid;
             const u32 dst = cluster_addr(smem_addr(P) + RECV, owner), remote_bar = cluster_addr(bar, owner);
-            for (int piece = 0; piece < pieces; ++piece)
-                st_async_f4(dst + ((rank * UPB + li) * pieces + piece) * 16,
+            for (int piece = 0; piece < pieces(silu); ++piece)
+                st_async_f4(dst + ((rank * UPB + li) * pieces(silu) + piece) * 16,
                             *reinterpret_cast<const float4 *>(P + first(u, silu) + 8 * piece), remote_bar);
         }
     }
@@ -164,11 +166,11 @@ template <int B, int TR, int KS> struct Partials {
     __device__ __forceinline__ float4 sum(int u, bool silu, int piece) const {
         const float *own = P + first(u, silu) + 8 * piece;
         if (KS == 1) return *reinterpret_cast<const float4 *>(own);
-        const int pieces = silu ? 2 : 1, li = local_index(u);
+        const int li = local_index(u);
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int s = 0; s < KS; ++s) {
-            const float *at = s == rank ? own : P + RECV / 4 + ((s * UPB + li) * pieces + piece) * 4;
+            const float *at = s == rank ? own : P + RECV / 4 + ((s * UPB + li) * pieces(silu) + piece) * 4;
             const float4 x = *reinterpret_cast<const float4 *>(at);
             if (s == 0) {
                 v = x;
