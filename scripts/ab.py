@@ -4,8 +4,8 @@
 A change's gain is measured against the code before it on the same machine start, each tree run more than
 once, in turns: between machine starts the same code moves by more than most changes gain. Two steps:
 
-Here, in the git checkout: each revision's package (tileinfer/ without the demo model's files, and cuda_src/)
-into .carry/ab/NAME, which travels with a GPU call (`carry: [".carry"]`):
+Here, in the git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/)
+and its tests into .carry/ab/NAME, which travels with a GPU call (`carry: [".carry"]`):
 
     python3 scripts/ab.py prepare main tma-split-push
 
@@ -14,11 +14,11 @@ out of the timing), then each command under each tree, `--repeats` rounds, the t
 other round (A B, B A, ...), each run's output kept under --logs; last a table of every figure found:
 
     python3 scripts/ab.py run --trees main,tma-split-push --repeats 2 \\
-        --check "python3 -m pytest -q -x tests/gpu/test_gemm.py" \\
+        --check 'cd $TREE && python3 -m pytest -q -x tests/gpu/test_gemm.py' \\
         --cmd "python3 scripts/bench.py --models qwen3-4b --no-single --prefill '' --batches 144,256"
 
-A tree is a package first on PYTHONPATH: the commands (this checkout's scripts and tests) import its `tileinfer`,
-and its kernels compile from its own cuda_src (each tree's cubins are cached under their own keys). The tree `.` is this checkout as it is. A figure is
+A tree is a package first on PYTHONPATH: the commands (this checkout's scripts, the tree's tests from $TREE) import
+its `tileinfer`, and its kernels compile from its own cuda_src (each tree's cubins are cached under their own keys). The tree `.` is this checkout as it is. A figure is
 a number followed by one of --units on a line of a run's output; the text before it names the row, so the n-th
 row of a label in one run meets the n-th of that label in the others.
 """
@@ -39,6 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".carry" / "ab"
 UNITS = ("output tok/s", "tok/s", "TFLOP/s", "GB/s")
+# A revision's tree: the package as installed (graphs/ inside it; cuda_src/ beside it, where the compiler looks
+# first), and its tests with their configuration, which a check runs from $TREE.
+TREE_PATHS = ("tileinfer", "graphs", "cuda_src", "tests", "pyproject.toml")
 
 
 def slug(name: str) -> str:
@@ -53,7 +56,7 @@ def tree_dir(name: str) -> Path:
 def prepare(revisions: list[str]) -> None:
     for rev in revisions:
         out = tree_dir(rev)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "tileinfer", "cuda_src"],
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, *TREE_PATHS],
                                  capture_output=True)
         if archive.returncode != 0:
             sys.exit(f"ab.py: git archive {rev} failed: {archive.stderr.decode().strip()}")
@@ -61,6 +64,7 @@ def prepare(revisions: list[str]) -> None:
         out.mkdir(parents=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(out, filter="data")
+        (out / "graphs").rename(out / "tileinfer" / "graphs")  # installed as tileinfer.graphs (pyproject.toml)
         demo = out / "tileinfer" / "demo"
         for path in demo.iterdir() if demo.is_dir() else ():
             if path.suffix != ".py":  # the demo model's weights and logs: megabytes no benchmark reads
@@ -74,9 +78,10 @@ def prepare(revisions: list[str]) -> None:
 def tree_env(name: str) -> dict[str, str]:
     """The tree first on PYTHONPATH, then scripts/ (the benchmarks import their neighbours); PYTHONSAFEPATH keeps
     Python from putting the working directory (this checkout, with its own tileinfer) or a script's folder
-    before them."""
+    before them. $TREE names the tree's folder (its tests: `cd $TREE && python3 -m pytest tests/gpu/...`)."""
     path = (str(tree_dir(name)), str(ROOT / "scripts"), os.environ.get("PYTHONPATH"))
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1", PYTHONPATH=os.pathsep.join(p for p in path if p))
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1", PYTHONPATH=os.pathsep.join(p for p in path if p),
+                TREE=str(tree_dir(name)))
 
 
 def imported_from(name: str) -> Path:

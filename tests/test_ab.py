@@ -45,10 +45,17 @@ def test_prepare_writes_a_revision_without_the_demo_weights(tmp_path, monkeypatc
     head = subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:cuda_src/gemm_swap.cu"], capture_output=True,
                           text=True, check=True).stdout
     assert (tree / "cuda_src" / "gemm_swap.cu").read_text() == head
-    assert (tree / "tileinfer" / "__init__.py").exists()
-    assert not (tree / "ab").exists()
+    assert (tree / "tests" / "gpu" / "test_kernels.py").exists() and (tree / "pyproject.toml").exists()
     assert all(p.suffix == ".py" for p in (tree / "tileinfer" / "demo").iterdir())
     assert (tree / "REVISION").read_text().startswith("HEAD ")
+    # The tree is the package as installed: tileinfer.graphs and the kernels' sources come from it.
+    code = ("import tileinfer.graphs, tileinfer.cuda.compiler as c; "
+            "print(tileinfer.graphs.__file__); print(c.cuda_src_dir())")
+    r = subprocess.run([sys.executable, "-c", code], env=ab.tree_env("HEAD"), cwd=ROOT, capture_output=True,
+                       text=True, check=True)
+    graphs, src = r.stdout.split()
+    assert Path(graphs).resolve() == (tree / "tileinfer" / "graphs" / "__init__.py").resolve()
+    assert Path(src).resolve() == (tree / "cuda_src").resolve()
 
 
 def fake_tree(trees: Path, name: str, rate: float, check_ok: bool) -> None:
