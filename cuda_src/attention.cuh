@@ -225,7 +225,8 @@ __device__ __forceinline__ void load_tile_bf16(bf16 *sK, bf16 *sV, const bf16 *_
 }
 
 // INT8: copy the codes of a K and V tile into stage ([K codes KT x HD][V codes KT x HD][K scales KT]
-// [V scales KT]; chunk c of row r at chunk c ^ (r % 8)), zero past kv_len. Threads 0..63 copy keys' scales, 64..127 values'.
+// [V scales KT]; chunk c of row r at chunk c ^ (r % 8)), zero past kv_len. Threads 0..63 copy keys' scales,
+// 64..127 values'.
 __device__ __forceinline__ void load_tile_int8(unsigned char *stage, const signed char *__restrict__ k_pool,
                                                const signed char *__restrict__ v_pool,
                                                const float *__restrict__ k_scale, const float *__restrict__ v_scale,
@@ -241,8 +242,8 @@ __device__ __forceinline__ void load_tile_int8(unsigned char *stage, const signe
     }
     const int r = tile_row<true>(4), which = threadIdx.x / KT;
     const bool ok = rows.vec[4] >= 0;
-    cp_async4(smem_addr(stage + 2 * KT * HD + (which * KT + r) * 4), (which ? v_scale : k_scale) + (ok ? rows.vec[4] : 0),
-              ok);
+    cp_async4(smem_addr(stage + 2 * KT * HD + (which * KT + r) * 4),
+              (which ? v_scale : k_scale) + (ok ? rows.vec[4] : 0), ok);
 }
 
 // Key tile kt's rows (lookup_rows for the block's sequence and KV head).

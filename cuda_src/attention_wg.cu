@@ -479,7 +479,8 @@ __device__ __forceinline__ void attention_wg_body(
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         u32 *dst = reinterpret_cast<u32 *>(out + row * HD);
 #pragma unroll
-        for (int jj = 0; jj < HD / 8; ++jj) dst[jj * 4 + t] = pack_bf16x2(o[4 * jj + 2 * h] * inv, o[4 * jj + 2 * h + 1] * inv);
+        for (int jj = 0; jj < HD / 8; ++jj)
+            dst[jj * 4 + t] = pack_bf16x2(o[4 * jj + 2 * h] * inv, o[4 * jj + 2 * h + 1] * inv);
     }
 }
 

@@ -74,8 +74,9 @@ __device__ __forceinline__ size_t cache_vector(const HeadInput &h, int num_heads
 }
 
 // A key head (rotated) and its value head (copied unchanged) into a BF16 cache.
-__device__ __forceinline__ void store_key_value(const HeadInput &h, bf16 *__restrict__ k_pool, bf16 *__restrict__ v_pool,
-                                                int num_heads, int num_kv_heads, int page_size) {
+__device__ __forceinline__ void store_key_value(const HeadInput &h, bf16 *__restrict__ k_pool,
+                                                bf16 *__restrict__ v_pool, int num_heads, int num_kv_heads,
+                                                int page_size) {
     const int lane = h.lane;
     const size_t at = cache_vector(h, num_heads, num_kv_heads, page_size) * HD;
     reinterpret_cast<u32 *>(k_pool + at)[lane] = pack_bf16x2(h.a0, h.a1);
@@ -111,7 +112,8 @@ __device__ __forceinline__ void store_key_value_int8(const HeadInput &h, float f
 
     // The value head, unchanged but quantized: lane l owns channels 4l .. 4l+3.
     const bf16 *vsrc = h.src + (size_t)num_kv_heads * HD;
-    const u32 v01 = reinterpret_cast<const u32 *>(vsrc)[2 * lane], v23 = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
+    const u32 v01 = reinterpret_cast<const u32 *>(vsrc)[2 * lane];
+    const u32 v23 = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
     const float v0 = bf16lo(v01), v1 = bf16hi(v01), v2 = bf16lo(v23), v3 = bf16hi(v23);
     const float vmax = warp_max(fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3))));
     const float vs = __fdiv_rn(vmax, 127.f);

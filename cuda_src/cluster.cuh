@@ -40,6 +40,7 @@ __device__ __forceinline__ void st_async_f4(u32 remote, float4 v, u32 remote_bar
 // The float2 at this shared-memory address in the block of cluster rank `rank`.
 __device__ __forceinline__ float2 ld_cluster_f2(u32 local, int rank) {
     float2 v;
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr(local, rank)) : "memory");
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];"
+                 : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr(local, rank)) : "memory");
     return v;
 }

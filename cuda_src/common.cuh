@@ -224,7 +224,9 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
     return g * r * u;
 }
 
-__device__ __forceinline__ float4 load_act(const float *__restrict__ act) { return *reinterpret_cast<const float4 *>(act); }
+__device__ __forceinline__ float4 load_act(const float *__restrict__ act) {
+    return *reinterpret_cast<const float4 *>(act);
+}
 
 // expm1(x) for x <= 0 (xIELU's negative side): a degree-6 Taylor polynomial near 0, where exp(x) - 1 would
 // cancel (relative error < 1e-7 for -0.25 < x <= 0), exp(x) - 1 below (error < 1e-6 of a result < -0.22).

@@ -121,8 +121,8 @@ extern "C" __global__ void next_block_inputs(const int *__restrict__ rows, int t
                                              const int *__restrict__ argmax, const int *__restrict__ drafted,
                                              int mask_token, int page_size, int *__restrict__ tokens,
                                              int *__restrict__ positions, int *__restrict__ slots,
-                                             int *__restrict__ kv_lens, int *__restrict__ cu_q, int *__restrict__ last_rows,
-                                             int *__restrict__ block_tables) {
+                                             int *__restrict__ kv_lens, int *__restrict__ cu_q,
+                                             int *__restrict__ last_rows, int *__restrict__ block_tables) {
     pdl_start();
     const int *r = rows + (size_t)(7 + table_width) * blockIdx.x;
     const int src = r[0], m = r[1], first = r[2], start = r[3], entry = r[4], count = r[5], out = r[6];

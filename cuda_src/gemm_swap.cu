@@ -20,16 +20,16 @@
 //
 // Streaming. STAGES cp.async stages (6..12: ~96-100 KB per block for WG = 1, two blocks per SM; ~217-221 KB
 // for WG = 2, one), AHEAD = STAGES - 1 chunks requested ahead (40-72 KB of W in flight per block for
-// WG = 1, 128-176 KB for WG = 2; the deep B = 16 builds: 20 stages, ~201 KB, 152 KB ahead). A cp.async pipeline with no wgmma group left in flight (the
-// tensor-core work per chunk is tiny next to its load): at the top of iteration i the block waits for
-// chunk i's copies, makes them visible to the async proxy (fence.proxy.async) and meets at a barrier,
-// then requests chunk i + AHEAD into the stage chunk i - 1 used (every warpgroup waited for its wgmma
-// group before that barrier), then runs chunk i's wgmmas and waits for them. The first AHEAD chunks of W
-// are requested (one cp.async group each) before pdl_start(): with programmatic dependent launch the
-// weight stream starts while the kernel before is finishing (no kernel writes weights). x of those
-// chunks is then copied with plain loads and shared stores (it is small and L2-resident), which keeps
-// cp.async group i = chunk i, so the first wait is for chunk 0 alone; later chunks carry their x tile
-// in their own group.
+// WG = 1, 128-176 KB for WG = 2; the deep B = 16 builds: 20 stages, ~201 KB, 152 KB ahead). A cp.async
+// pipeline with no wgmma group left in flight (the tensor-core work per chunk is tiny next to its load): at the
+// top of iteration i the block waits for chunk i's copies, makes them visible to the async proxy
+// (fence.proxy.async) and meets at a barrier, then requests chunk i + AHEAD into the stage chunk i - 1 used
+// (every warpgroup waited for its wgmma group before that barrier), then runs chunk i's wgmmas and waits for
+// them. The first AHEAD chunks of W are requested (one cp.async group each) before pdl_start(): with
+// programmatic dependent launch the weight stream starts while the kernel before is finishing (no kernel writes
+// weights). x of those chunks is then copied with plain loads and stores (it is small and L2-resident), which
+// keeps cp.async group i = chunk i, so the first wait is for chunk 0 alone; later chunks carry their x tile in
+// their own group.
 //
 // Split K (KS, a compile-time thread-block cluster of KS in {1, 2, 4, 8} blocks, grid (KS, tiles)):
 // block `rank` of a cluster takes the k-chunks rank, rank + KS, ..., so the KS blocks read consecutive
@@ -119,7 +119,7 @@ template <int B, int WG, bool DEEP = false> struct Cfg {
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile.
 __device__ __forceinline__ u32 swz_bytes(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
-// ----------------------------------------------------------------------------- split K (the cluster helpers are in cluster.cuh)
+// ------------------------------------------------------------------- split K (the cluster helpers: cluster.cuh)
 // A block's partial tile P and, with KS > 1, the other blocks' partials of the units this block sums, pushed into
 // its receive region by those blocks (see the header). Unit u (4 outputs: TR / 4 a batch row, SILU_MUL TR / 8) is
 // summed by block (u / THREADS) % KS; its float4s are the pieces of P at first(u) (SILU_MUL: gate at first(u),
@@ -188,7 +188,7 @@ template <int B, int TR, int KS> struct Partials {
     }
 };
 
-// ----------------------------------------------------------------------------- wgmma (sm_90a): the products of the batch widths (the basics are in wgmma.cuh)
+// ------------------------------------------------- wgmma (sm_90a): the batch widths' products (the basics: wgmma.cuh)
 // d (64 W rows x n batch rows per warpgroup, n / 2 floats a thread) += A (64 x 16, W) * B (16 x n, x^T).
 // Both operands K-major in shared memory (transpose flags 0), scale-d on (d is zeroed first).
 __device__ __forceinline__ void wgmma_n16(float (&d)[8], u64 da, u64 db) {
@@ -211,15 +211,22 @@ __device__ __forceinline__ void wgmma_n64(float (&d)[32], u64 da, u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
         : WGMMA_D16(0), WGMMA_D16(16)
         : "l"(da), "l"(db), "r"(1));
 }
 
 template <int B> struct Mma;
-template <> struct Mma<16> { static __device__ __forceinline__ void run(float (&d)[8], u64 a, u64 b) { wgmma_n16(d, a, b); } };
-template <> struct Mma<32> { static __device__ __forceinline__ void run(float (&d)[16], u64 a, u64 b) { wgmma_n32(d, a, b); } };
-template <> struct Mma<64> { static __device__ __forceinline__ void run(float (&d)[32], u64 a, u64 b) { wgmma_n64(d, a, b); } };
+template <> struct Mma<16> {
+    static __device__ __forceinline__ void run(float (&d)[8], u64 a, u64 b) { wgmma_n16(d, a, b); }
+};
+template <> struct Mma<32> {
+    static __device__ __forceinline__ void run(float (&d)[16], u64 a, u64 b) { wgmma_n32(d, a, b); }
+};
+template <> struct Mma<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], u64 a, u64 b) { wgmma_n64(d, a, b); }
+};
 
 // ----------------------------------------------------------------------------- tile rows
 // The W row that row r of tile `tile` (TR rows) loads (gn); false past the end. With SILU_MUL (W = [gate;
@@ -246,7 +253,8 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
             const float4 a = load_act(act);
             v = make_float4(xielu(v.x, a), xielu(v.y, a), xielu(v.z, a), xielu(v.w, a));
         }
-        *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + at) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+        *reinterpret_cast<uint2 *>(reinterpret_cast<bf16 *>(out) + at) =
+            make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
     } else {
         *reinterpret_cast<float4 *>(reinterpret_cast<float *>(out) + at) = v;
     }
@@ -412,7 +420,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks) Mma<B>::run(d, smem_desc(a_base + ks * 32), smem_desc(b_base + ks * 32));
         wgmma_commit();
-        wgmma_wait<0>();  // the stage is refilled at the next iteration (a few hundred cycles: the loads are what take time)
+        wgmma_wait<0>();  // the stage is refilled at the next iteration (a few hundred cycles: the loads take longer)
     }
     cp_async_wait<0>();
     __syncthreads();  // no tensor-core read or copy into the pipeline's shared memory is left: reuse it
@@ -529,8 +537,8 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS(       \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {             \
-        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f, act, \
-                                               cap, cap_stride);                                            \
+        swap_block<B, WG, KS, NORM_NONE, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, nullptr, 0, 0.f, \
+                                               act, cap, cap_stride);                                       \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_np(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
@@ -542,8 +550,8 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     extern "C" __global__ void __launch_bounds__(128 * WG) CLUSTER gemm_swap_##TAG##_w##WG##_c##KS##_nc(  \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ ss_in, int ss_tiles, float eps, const float *__restrict__ act) { \
-        swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in, ss_tiles, eps, \
-                                                   act, nullptr, 0);                                        \
+        swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in,     \
+                                                   ss_tiles, eps, act, nullptr, 0);                         \
     }
 // Each width's splits in two halves, KS = 1, 2 and KS = 4, 8 (6 kernels each).
 #define SWAP_SPLITS_1_2(TAG, B, WG, DEEP)                                                                   \

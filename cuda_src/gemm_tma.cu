@@ -177,7 +177,7 @@ template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
-// ----------------------------------------------------------------------------- split K (the cluster helpers are in cluster.cuh)
+// ------------------------------------------------------------------- split K (the cluster helpers: cluster.cuh)
 // The 256 consumer threads (warpgroups 1 and 2) only: named barrier 1 (0 is __syncthreads').
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 __device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {

@@ -323,8 +323,9 @@ GEMV_ARGMAX_KERNEL(gemv_pipe_argmax_m1_e3, true)
         __shared__ float scratch[32];                                                                   \
         extern __shared__ __align__(16) unsigned char xs_bytes[];                                       \
         const int warp = threadIdx.x >> 5;                                                              \
-        gemv_rows<M, EPI, true, false>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, W, out, \
-                                N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit, partial, act); \
+        gemv_rows<M, EPI, true, false>(nullptr, resid, norm_w, eps, reinterpret_cast<bf16 *>(xs_bytes), scratch, \
+                                       W, out, N, K, (blockIdx.x * WARPS + warp) / ksplit, warp % ksplit, ksplit,  \
+                                       partial, act);                                                           \
     }
 #if IN_PART(1)
 GEMV_NORM_KERNEL(gemv_norm_m1_e0, 1, 0, 1) GEMV_NORM_KERNEL(gemv_norm_m1_e0_b4, 1, 0, 4)

@@ -266,9 +266,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
     extern __shared__ __align__(16) u32 smask[];  // mask_words: row r's bitmask
     if (mask_row >= 0) load_mask(masks + (size_t)mask_row * mask_words, mask_words, smask);
     const bool keyed = r == 0 && num_keys > 0 && !penalized && mask_row < 0;
+    // (block_argmax's barriers make the -inf visible to the block)
     const ArgMax m = keyed ? keyed_argmax(head_keys, num_keys, sk)
-                           : block_argmax(mask_row >= 0 ? thread_argmax<true>(z, vocab, smask) : thread_argmax<false>(z, vocab),
-                                          sv, si);  // block_argmax's barriers make the -inf visible to the block
+                           : block_argmax(mask_row >= 0 ? thread_argmax<true>(z, vocab, smask)
+                                                        : thread_argmax<false>(z, vocab),
+                                          sv, si);
     if (!(temp > 0.f)) {
         if (threadIdx.x == 0) emit(out, host_out, host_slot, host_stride, r, m.i);
         return;

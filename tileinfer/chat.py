@@ -109,8 +109,8 @@ class ChatSession:
     """
 
     def __init__(self, model, *, max_context: int | None = None, kv_quantize: str | None = None,
-                 system: str | None = None, on_overflow: str = "error", chat_template: str | None = None, kv_smoothing: bool = True,
-                 draft_model=None, num_draft_tokens: int | None = None):
+                 system: str | None = None, on_overflow: str = "error", chat_template: str | None = None,
+                 kv_smoothing: bool = True, draft_model=None, num_draft_tokens: int | None = None):
         self.kv_quantize = "int8" if check_kv_quantize(kv_quantize) else None
         self.kv_smoothing = bool(kv_smoothing)
         self.num_draft_tokens = draft_tokens(draft_model, num_draft_tokens)
@@ -133,7 +133,8 @@ class ChatSession:
         if max_context is None:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if not isinstance(max_context, int) or isinstance(max_context, bool) or not 1 < max_context <= limit:
-            raise ValueError(f"max_context must be an integer in 2..{limit} (the model's positions), got {max_context!r}")
+            raise ValueError(f"max_context must be an integer in 2..{limit} (the model's positions), "
+                             f"got {max_context!r}")
         self.max_context = max_context
         self.on_overflow = on_overflow
         self.template = chat_template or model.checkpoint.chat_template or CHAT_TEMPLATE

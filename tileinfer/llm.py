@@ -111,7 +111,8 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: "
+                                 "give one, or one per prompt")
             if not all(isinstance(p, SamplingParams) for p in params):
                 raise ValueError("sampling_params must be a SamplingParams or a list of them")
         made = []

@@ -7,6 +7,7 @@ from .stream import Event, Graph, Stream
 
 __all__ = [
     "CompileError", "compile_file", "compile_source", "CudaError", "Device", "NoDeviceError", "call",
-    "get_device", "gpu_available", "pci_bus_id", "DeviceArray", "PinnedBuffer", "allocated_bytes", "F32", "I32", "I64", "U32", "U64",
+    "get_device", "gpu_available", "pci_bus_id", "DeviceArray", "PinnedBuffer", "allocated_bytes",
+    "F32", "I32", "I64", "U32", "U64",
     "Kernel", "Module", "kernel", "load_module", "Event", "Graph", "Stream",
 ]

@@ -62,7 +62,8 @@ class Communicator:
             raise ValueError(f"a communicator's id is the {UNIQUE_ID_BYTES} bytes unique_id() returns, got "
                              f"{type(uid).__name__} of length {len(uid) if isinstance(uid, bytes) else '?'}")
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-            raise ValueError(f"rank {rank!r} of world_size {world_size!r}: need 0 <= rank < world_size, world_size >= 1")
+            raise ValueError(f"rank {rank!r} of world_size {world_size!r}: "
+                             "need 0 <= rank < world_size, world_size >= 1")
         nb = _bindings()
         self.world_size, self.rank = world_size, rank
         self._comm = nb.comm_init_rank(world_size, nb.UniqueId.from_buffer(bytearray(uid)), rank)

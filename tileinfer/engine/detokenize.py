@@ -169,7 +169,8 @@ class IncrementalDetokenizer:
         start a stop string."""
         if finished:
             self.flush()
-        end = len(self.text) if finished or self.stopped_by is not None else max(self._streamed, len(self.text) - self._hold)
+        held = finished or self.stopped_by is not None
+        end = len(self.text) if held else max(self._streamed, len(self.text) - self._hold)
         delta = self.text[self._streamed:end]
         self._streamed = end
         return delta

@@ -183,8 +183,9 @@ class Engine:
             for t in req.prompt_ids if p.has_penalties else ():
                 req.penalties.add(t, output=False)
         if p.stop or stream:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                                     stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                include_stop_str_in_output=p.include_stop_str_in_output)
         if p.logprobs is not None:
             req.logprobs = []
         # a ban needs only the count of tokens (known ahead); penalties and logprobs need the tokens

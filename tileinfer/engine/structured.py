@@ -46,7 +46,8 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
                              f"got {', '.join(given) or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"structured_outputs.json is a JSON schema (dict or JSON text), got {type(self.json).__name__}")
+            raise ValueError(f"structured_outputs.json is a JSON schema (dict or JSON text), "
+                             f"got {type(self.json).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

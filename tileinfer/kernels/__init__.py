@@ -7,4 +7,6 @@ from .linear import linear, norm_linear
 from .rmsnorm import rmsnorm
 from .sampling import argmax, sample
 
-__all__ = ["FusedInput", "attention", "engine_fuses_input", "fuses_input", "int8_decode_blocks", "keys_mode", "FUSED_MIN_SPLITS", "attn_input", "attn_input_int8", "embedding", "fetch_step", "gather_states", "next_block_inputs", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample"]
+__all__ = ["FusedInput", "attention", "engine_fuses_input", "fuses_input", "int8_decode_blocks", "keys_mode",
+           "FUSED_MIN_SPLITS", "attn_input", "attn_input_int8", "embedding", "fetch_step", "gather_states",
+           "next_block_inputs", "resolve_tokens", "linear", "norm_linear", "rmsnorm", "argmax", "sample"]

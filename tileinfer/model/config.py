@@ -151,9 +151,9 @@ class _DecoderConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         kwargs = {k: raw[k] for k in required}
         # transformers derives head_dim from the hidden size when config.json has none (Apertus' has none).
-        kwargs["head_dim"] = raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]
-                                     if isinstance(raw["hidden_size"], int) and isinstance(raw["num_attention_heads"], int)
-                                     and raw["num_attention_heads"] > 0 else None)
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        derivable = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+        kwargs["head_dim"] = raw.get("head_dim", hidden // heads if derivable else None)
         theta, kwargs["rope_scaling"] = cls._rope_from(raw, source)
         eos = raw.get("eos_token_id", defaults["eos_token_id"])
         if isinstance(eos, list):

@@ -4,9 +4,9 @@ One call enqueues a whole step on a stream: no allocation, no host synchronisati
 launches whose arguments are fixed addresses. That is what lets a decode step be captured
 once into a CUDA graph and replayed as the sequence grows.
 
-    resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm, RoPE, store K/V,
-    quantized for an INT8 cache; a decode step over a long cache does this inside the attention launch) ->
-    paged attention -> O GEMM (+= residual) -> rmsnorm -> MLP input GEMM with its activation ->
+    resolve tokens sampled by the previous step -> embed -> per layer [rmsnorm -> QKV GEMM -> attn_input (q/k norm,
+    RoPE, store K/V, quantized for an INT8 cache; a decode step over a long cache does this inside the attention
+    launch) -> paged attention -> O GEMM (+= residual) -> rmsnorm -> MLP input GEMM with its activation ->
     down GEMM (+= residual)] -> final rmsnorm (selected rows) -> LM head (float32 logits)
 
 The two families run the same launches. What differs is data, fixed at load time: the MLP's input

@@ -132,7 +132,8 @@ def synthetic_tensor(config: ModelConfig, seed: int, name: str, shape: tuple[int
 def outlier_channels(config: ModelConfig, seed: int) -> np.ndarray:
     """The channels of layer 0's outlier rotary pairs (i, i + head_dim/2), the same for q_norm and k_norm."""
     half = config.head_dim // 2
-    pairs = np.random.default_rng(_entropy(seed, "k_norm outliers", 0)).choice(half, K_NORM_OUTLIER_PAIRS, replace=False)
+    rng = np.random.default_rng(_entropy(seed, "k_norm outliers", 0))
+    pairs = rng.choice(half, K_NORM_OUTLIER_PAIRS, replace=False)
     return np.concatenate([pairs, pairs + half])
 
 
@@ -161,8 +162,8 @@ def shard_file_names(num_shards: int) -> list[str]:
     return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
 
 
-def write_checkpoint(config: ModelConfig | DFlashConfig, out: str | Path, seed: int = 0, max_shard_bytes: int = 4 * 10**9,
-                     workers: int | None = None, progress: bool = True) -> int:
+def write_checkpoint(config: ModelConfig | DFlashConfig, out: str | Path, seed: int = 0,
+                     max_shard_bytes: int = 4 * 10**9, workers: int | None = None, progress: bool = True) -> int:
     """Write a complete HF-layout checkpoint for `config` into `out`; returns the weight bytes written."""
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")

@@ -136,7 +136,8 @@ class DeviceWeights:
                 p = f"model.layers.{i}."
                 self.layers.append(LayerWeights(
                     input_norm=tensor(p + attention_norm + ".weight"),
-                    w_qkv=tensor(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                    w_qkv=tensor(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                 p + "self_attn.v_proj.weight"),
                     q_norm=tensor(p + "self_attn.q_norm.weight"),
                     k_norm=tensor(p + "self_attn.k_norm.weight"),
                     w_o=tensor(p + "self_attn.o_proj.weight"),
@@ -157,7 +158,8 @@ class DeviceWeights:
         seconds = time.perf_counter() - start
         self.nbytes = sum(a.nbytes for a in self.arrays)
         self.load_seconds = seconds
-        log.info("loaded %.2f GB of weights in %.2f s (%.2f GB/s)", up.bytes / 1e9, seconds, up.bytes / 1e9 / max(seconds, 1e-9))
+        log.info("loaded %.2f GB of weights in %.2f s (%.2f GB/s)", up.bytes / 1e9, seconds,
+                 up.bytes / 1e9 / max(seconds, 1e-9))
 
     def free(self) -> None:
         for a in self.arrays:

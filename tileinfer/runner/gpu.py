@@ -508,7 +508,8 @@ class GPURunner(CheckpointRunner):
             raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
         n = sum(len(item[1]) for item in batch)
         if not batch or n > self.max_verify_tokens:
-            raise ValueError(f"verify: {n} tokens in {len(batch)} rows; a verify step takes 1..{self.max_verify_tokens}")
+            raise ValueError(f"verify: {n} tokens in {len(batch)} rows; "
+                             f"a verify step takes 1..{self.max_verify_tokens}")
         sources = _draft_sources(batch, drafted) if drafted is not None else None
         self._copy_pending_pages()
         self._set_captured(n)

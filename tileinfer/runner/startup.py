@@ -13,8 +13,8 @@ After that nothing is allocated: steps only launch kernels over persistent buffe
 
 With a draft model (speculative decoding) the draft runs on its own pool of as many pages as the
 target's, the memory split between them; a DFlash drafter (runner/gpu_dflash.py) likewise, plus a block's
-pages per sequence, and the target captures the hidden states it reads from the warm-up on. The target's logits workspace holds max_num_seqs x (k + 1)
-rows for the verify step.
+pages per sequence, and the target captures the hidden states it reads from the warm-up on. The target's logits
+workspace holds max_num_seqs x (k + 1) rows for the verify step.
 
 Under tensor parallelism (runner/tensor_parallel.py) every rank runs start_gpu for its own shards with its
 group: it joins the communicator before its weights load, and after step 3 the ranks take the smallest pool

@@ -58,7 +58,8 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     _add_error_handlers(app)
-    template, tokenizer, max_context, metrics = engine.chat_template, engine.tokenizer, engine.max_context, engine.metrics
+    template, tokenizer = engine.chat_template, engine.tokenizer
+    max_context, metrics = engine.max_context, engine.metrics
 
     @app.get("/health")
     async def health():

@@ -300,7 +300,8 @@ class ChatCompletionRequest(_Sampling):
             if name not in [t.function["name"] for t in self.tools]:
                 raise APIError(400, f"tool_choice names the function '{name}', which is not among the tools",
                                param="tool_choice")
-        grammar = forced_grammar([t.model_dump() for t in self.tools], name, parallel=self.parallel_tool_calls is not False)
+        grammar = forced_grammar([t.model_dump() for t in self.tools], name,
+                                 parallel=self.parallel_tool_calls is not False)
         return asked + [("tool_choice", {"grammar": grammar})]
 
     def reply_budget(self) -> int | None:
