@@ -18,9 +18,10 @@ other round (A B, B A, ...), each run's output kept under --logs; last a table o
         --cmd "python3 scripts/bench.py --models qwen3-4b --no-single --prefill '' --batches 144,256"
 
 A tree is a package first on PYTHONPATH: the commands (this checkout's scripts, the tree's tests from $TREE) import
-its `tileinfer`, and its kernels compile from its own cuda_src (each tree's cubins are cached under their own keys). The tree `.` is this checkout as it is. A figure is
-a number followed by one of --units on a line of a run's output; the text before it names the row, so the n-th
-row of a label in one run meets the n-th of that label in the others.
+its `tileinfer`, and its kernels compile from its own cuda_src (each tree's cubins are cached under their own
+keys). The tree `.` is this checkout as it is. A figure is a number followed by one of --units on a line of a
+run's output; the text before it names the row, so the n-th row of a label in one run meets the n-th of that
+label in the others.
 """
 from __future__ import annotations
 
