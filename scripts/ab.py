@@ -4,8 +4,8 @@
 A change's gain is measured against the code before it on the same machine start, each tree run more than
 once, in turns: between machine starts the same code moves by more than most changes gain. Two steps:
 
-Here, in the git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/)
-and its tests into .carry/ab/NAME, which travels with a GPU call (`carry: [".carry"]`):
+Here, in the git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/),
+its tests and scripts into .carry/ab/NAME, which travels with a GPU call (`carry: [".carry"]`):
 
     python3 scripts/ab.py prepare main tma-split-push
 
@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".carry" / "ab"
 UNITS = ("output tok/s", "tok/s", "TFLOP/s", "GB/s")
 # A revision's tree: the package as installed (graphs/ inside it; cuda_src/ beside it, where the compiler looks
-# first), and its tests with their configuration, which a check runs from $TREE.
-TREE_PATHS = ("tileinfer", "graphs", "cuda_src", "tests", "pyproject.toml")
+# first), its tests with their configuration, which a check runs from $TREE, and its scripts (a script only a
+# branch has: $TREE/scripts/NAME.py; its neighbours still come from this checkout's scripts/).
+TREE_PATHS = ("tileinfer", "graphs", "cuda_src", "tests", "scripts", "pyproject.toml")
 
 
 def slug(name: str) -> str:

@@ -46,6 +46,7 @@ def test_prepare_writes_a_revision_without_the_demo_weights(tmp_path, monkeypatc
                           text=True, check=True).stdout
     assert (tree / "cuda_src" / "gemm_swap.cu").read_text() == head
     assert (tree / "tests" / "gpu" / "test_kernels.py").exists() and (tree / "pyproject.toml").exists()
+    assert (tree / "scripts" / "bench.py").exists()
     assert all(p.suffix == ".py" for p in (tree / "tileinfer" / "demo").iterdir())
     assert (tree / "REVISION").read_text().startswith("HEAD ")
     # The tree is the package as installed: tileinfer.graphs and the kernels' sources come from it.
