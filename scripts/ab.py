@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Revisions of TileInfer measured against each other in one call, their runs alternated.
+"""Revisions of TileInfer measured against each other on one machine, their runs alternated.
 
 A change's gain is measured against the code before it on the same machine start, each tree run more than
 once, in turns: between machine starts the same code moves by more than most changes gain. Two steps:
 
-Here, in the git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/),
-its tests and scripts into .carry/ab/NAME, which travels with a GPU call (`carry: [".carry"]`):
+In a git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/), its
+tests and scripts into .carry/ab/NAME (copy .carry/ along where the GPU is on a machine without the history):
 
     python3 scripts/ab.py prepare main tma-split-push
 
-On the GPU machine, from this checkout's root: a check under each tree first (a tree whose check fails is left
+On the GPU machine, from the checkout's root: a check under each tree first (a tree whose check fails is left
 out of the timing), then each command under each tree, `--repeats` rounds, the trees' order reversed every
 other round (A B, B A, ...), each run's output kept under --logs; last a table of every figure found:
 
