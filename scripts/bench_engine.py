@@ -23,11 +23,6 @@ def vocab(llm: LLM) -> int:
     return min(VOCAB, llm.runner.config.vocab_size)
 
 
-def _run_until_done(llm: LLM) -> None:
-    while llm.has_unfinished_requests():
-        llm.step()
-
-
 def batch_decode(llm: LLM, batch: int, context: int, new: int, params: list[SamplingParams] | None = None) -> dict:
     """Steady-state decode: tokens/s over the steps in which all `batch` requests decode together
     (prompts are admitted over several steps, so the first and last steps run fewer rows). params: each

@@ -12,7 +12,6 @@ from pathlib import Path
 from .kv.paged_cache import check_kv_quantize
 from .kv.sizing import DEFAULT_UTILIZATION, check_utilization
 
-DEVICES = ("cuda", "cpu")
 DEFAULT_DRAFT_TOKENS = 4  # a draft model's proposals a round unless told otherwise
 
 

@@ -457,16 +457,11 @@ class ReferenceModel:
         out = r(attention(r(q), keys, values, positions, key_positions))
         return out.reshape(n, c.q_size) @ layer.o_proj.T  # [n, hidden]
 
-    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, cache, rows: slice | None = None) -> np.ndarray:
-        """Logits of the given rows (default all) of tokens `ids` at `positions`, over any cache with
-        `write(layer, start, k, v)`, `read(layer) -> (keys, values, positions)` and `smoothing` (the CPU
-        runner's paged numpy cache). The caller has placed the positions in the cache."""
-        h, _ = self.hidden_rows(ids, positions, cache)
-        return self.head(h if rows is None else h[rows])
-
     def hidden_rows(self, ids: np.ndarray, positions: np.ndarray, cache,
                     capture: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
-        """forward_rows' residual stream after the last layer [n, hidden] and, in the same pass, the outputs
+        """The residual stream after the last layer [n, hidden] of tokens `ids` at `positions`, over any cache with
+        `write(layer, start, k, v)`, `read(layer) -> (keys, values, positions)` and `smoothing` (the CPU runner's
+        paged numpy cache; the caller has placed the positions in it), and, in the same pass, the outputs
         of the layers in `capture` side by side [n, len(capture) * hidden] (None without). A captured last
         layer gives the final-normed state, as transformers' hidden_states[num_layers] does."""
         return self._layers(np.asarray(ids, np.int64), np.asarray(positions, np.int64), cache, 0, _rounding(False),
