@@ -6,6 +6,8 @@ import importlib
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
@@ -109,6 +111,25 @@ def test_tma_plan_splits_only_within_one_wave():
             assert width in (128, 256) and plan.tail == 1  # no split last round below TMA_TAIL_SPLIT_ROWS
             assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
             assert split == 1 or -(-k // 64) >= 2 * split
+
+
+@settings(max_examples=400, deadline=None)
+@given(M=st.integers(65, 8192), n8=st.integers(1, 20000), k8=st.integers(1, 2048),
+       epilogue=st.sampled_from(sorted(L.EPILOGUES)), slots=st.sampled_from([H200_SLOTS, {2: 120, 3: 117, 4: 120},
+                                                                            {3: 117}, {}]))
+def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
+    # Any product shape: the plan's kernels are gemm_tma.cu builds, a split only as a whole resident wave (but the
+    # prefill-sized residual products', which take as many waves as they need).
+    N, K = 8 * n8 * (2 if epilogue == "silu_mul" else 1), 8 * k8
+    plan = tma_plan(M, N, K, epilogue, 132, slots)
+    builds = every_kernel_name()["gemm_tma.cu"]
+    assert tma_kernel_name(plan.width, plan.split, epilogue, plan.multicast) in builds
+    if plan.tail > 1:
+        assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
+    tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width)
+    assert tiles >= 1
+    if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS):
+        assert tiles * plan.split <= slots[plan.split]
 
 
 def test_tma_plan_splits_prefill_residual_products_two_ways():
@@ -234,6 +255,7 @@ def every_kernel_name() -> dict[str, set[str]]:
             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))
             for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
+    tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}
     return {"gemv.cu": gemv, "gemm_swap.cu": swap, "gemm_tma.cu": tma}
 
 
