@@ -5,7 +5,8 @@ A change's gain is measured against the code before it on the same machine start
 once, in turns: between machine starts the same code moves by more than most changes gain. Two steps:
 
 In a git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/), its
-tests and scripts into .carry/ab/NAME (copy .carry/ along where the GPU is on a machine without the history):
+tests and scripts into ab-trees/NAME (a GPU machine without the repository's history needs only that folder
+beside a checkout):
 
     python3 scripts/ab.py prepare main tma-split-push
 
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TREES = ROOT / ".carry" / "ab"
+TREES = ROOT / "ab-trees"
 UNITS = ("output tok/s", "tok/s", "TFLOP/s", "GB/s")
 # A revision's tree: the package as installed (graphs/ inside it; cuda_src/ beside it, where the compiler looks
 # first), its tests with their configuration, which a check runs from $TREE, and its scripts (a script only a
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="step", required=True)
-    pp = sub.add_parser("prepare", help="write each revision's package into .carry/ab/NAME (needs git)")
+    pp = sub.add_parser("prepare", help="write each revision's package into ab-trees/NAME (needs git)")
     pp.add_argument("revisions", nargs="+")
     pr = sub.add_parser("run", help="check, then time the trees in turns")
     pr.add_argument("--trees", required=True, help="comma-separated: names given to prepare, or . for this checkout")
