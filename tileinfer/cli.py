@@ -425,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tp_worker(args) -> int:
-    from tileinfer.config import parse_device
-    from tileinfer.runner.tensor_parallel import parse_address, shared_key, worker_main
+    from tileinfer.config import parse_address, parse_device
+    from tileinfer.runner.tensor_parallel import shared_key, worker_main
     address, key = parse_address(args.address), shared_key()
     kind, ordinal = parse_device(args.device)
     if kind != "cuda":

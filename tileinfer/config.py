@@ -35,13 +35,21 @@ def parse_device(device) -> tuple[str, int]:
                      f"slow, exact), got {device!r}")
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """("host", port) from "HOST:PORT"; ValueError naming the problem."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) < 65536:
+        raise ValueError(f"tensor_parallel_address must be HOST:PORT (a port in 1..65535 every rank's host "
+                         f"reaches), got {address!r}")
+    return host, int(port)
+
+
 def check_tensor_parallel(size: int, address: str | None, *, cpu: bool, speculative: bool, option=str) -> None:
     """ValueError unless a group of `size` ranks (and `address`, where ranks started by hand connect) can run
     with these options; option(name) is how the caller spells an option (the CLI: --tensor-parallel-size)."""
     if size > 1 and cpu:
         raise ValueError(f"{option('tensor_parallel_size')} > 1 splits a model over GPUs; the CPU runner runs it whole")
     if address is not None:
-        from .runner.tensor_parallel import parse_address
         parse_address(address)
         if size < 2:
             raise ValueError(f"{option('tensor_parallel_address')} is where the other ranks of a group connect: it "

@@ -49,6 +49,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection, Listener, wait
 
+from ..config import parse_address
 from ..kv import Sequence
 
 log = logging.getLogger(__name__)
@@ -305,15 +306,6 @@ class _WorkerGroup:
     def agree_pages(self, pages: int) -> int:
         self.conn.send(("pages", pages))
         return self.conn.recv()[1]
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """("host", port) from "HOST:PORT"; ValueError naming the problem."""
-    host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) < 65536:
-        raise ValueError(f"tensor_parallel_address must be HOST:PORT (a port in 1..65535 every rank's host "
-                         f"reaches), got {address!r}")
-    return host, int(port)
 
 
 def shared_key() -> bytes:
