@@ -64,7 +64,7 @@ def _check_dflash(config: EngineConfig, draft: DFlashConfig, model) -> None:
 
 class LLM:
     def __init__(self, model: str | Path, **options):
-        """model: a Hugging Face Qwen3 checkpoint directory (or Apertus, with device="cpu"); options:
+        """model: a Hugging Face Qwen3 or Apertus checkpoint directory; options:
         EngineConfig's fields (max_num_seqs, max_context, page_size, enable_prefix_caching, max_num_batched_tokens,
         gpu_memory_utilization, num_pages, max_tokens, kv_quantize, kv_smoothing, use_graphs, batch_invariant,
         async_scheduling, device, progress, draft_model, num_draft_tokens, load_format, tensor_parallel_size,
