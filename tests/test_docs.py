@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
+import inspect
 import re
 import shlex
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import tileinfer
 from tileinfer.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,3 +136,60 @@ def test_the_commands_are_found():
     assert len(scripts) > 50
     assert ("generate", "--device", "cpu", "--prompt", "The capital of France is", "--max-new-tokens", "16") in {
         argv for _, argv in cli_commands()}
+
+
+def python_calls() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(where, callable, keyword names) of each call the README's Python blocks make of a tileinfer public name
+    (imported from tileinfer, or tileinfer.NAME), or of a method of an object a block made from a public class
+    (`llm = LLM(...)` or `with LLM(...) as llm`, then `llm.generate(...)`: "LLM.generate")."""
+    def public(f) -> str | None:
+        if isinstance(f, ast.Name):
+            return f.id if f.id in tileinfer.__all__ else None
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tileinfer":
+            return f.attr if f.attr in tileinfer.__all__ else None
+        return None
+
+    found = []
+    for doc in DOCS:
+        for n, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)):
+            tree, made = ast.parse(block), {}
+            for node in ast.walk(tree):  # the objects made from public classes, by variable
+                pairs = ([(node.targets[0], node.value)] if isinstance(node, ast.Assign) else
+                         [(item.optional_vars, item.context_expr) for item in node.items] if isinstance(node, ast.With)
+                         else [])
+                for target, value in pairs:
+                    if isinstance(target, ast.Name) and isinstance(value, ast.Call) and inspect.isclass(
+                            getattr(tileinfer, public(value.func) or "", None)):
+                        made[target.id] = public(value.func)
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                name = public(f) or (f"{made[f.value.id]}.{f.attr}" if isinstance(f, ast.Attribute)
+                                     and isinstance(f.value, ast.Name) and f.value.id in made else None)
+                if name:
+                    found.append((f"{doc.name}, python block {n + 1}", name,
+                                  tuple(k.arg for k in node.keywords if k.arg is not None)))
+    return found
+
+
+# What a public callable taking **kwargs hands them to: the names it accepts that way.
+FORWARDS = {
+    "LLM": lambda: {f.name for f in dataclasses.fields(tileinfer.EngineConfig)},       # LLM(model, **options)
+    "ChatSession.send": lambda: set(inspect.signature(tileinfer.ChatSession.stream).parameters) - {"self"},
+}
+
+
+@pytest.mark.parametrize("where, name, keywords", python_calls(), ids=lambda v: v if isinstance(v, str) else None)
+def test_documented_python_call_takes_its_keywords(where, name, keywords):
+    """What a call in the README passes by name is a parameter of that callable (or of what it hands its
+    **kwargs to: FORWARDS)."""
+    cls, _, method = name.partition(".")
+    target = getattr(getattr(tileinfer, cls), method) if method else getattr(tileinfer, cls)
+    params = inspect.signature(target).parameters
+    accepted = {p for p, v in params.items() if v.kind is not inspect.Parameter.VAR_KEYWORD}
+    if any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values()):
+        if name not in FORWARDS:
+            pytest.fail(f"{where}: {name} takes **kwargs; say in FORWARDS what it hands them to")
+        accepted |= FORWARDS[name]()
+    assert set(keywords) <= accepted, f"{where}: {name}() takes no {sorted(set(keywords) - accepted)}"
