@@ -193,3 +193,12 @@ def test_documented_python_call_takes_its_keywords(where, name, keywords):
             pytest.fail(f"{where}: {name} takes **kwargs; say in FORWARDS what it hands them to")
         accepted |= FORWARDS[name]()
     assert set(keywords) <= accepted, f"{where}: {name}() takes no {sorted(set(keywords) - accepted)}"
+
+
+def test_every_environment_variable_the_package_reads_is_documented():
+    """The README's table of environment variables names exactly the TILEINFER_* variables the package's code
+    (tileinfer/, graphs/, cuda_src/) mentions: none read in secret, none documented that nothing reads."""
+    used = {name for part in ("tileinfer", "graphs", "cuda_src") for path in (ROOT / part).rglob("*")
+            if path.suffix in (".py", ".cu", ".cuh") for name in re.findall(r"TILEINFER_[A-Z_]+", path.read_text())}
+    table = set(re.findall(r"^\| `(TILEINFER_[A-Z_]+)`", (ROOT / "README.md").read_text(), re.M))
+    assert used == table
