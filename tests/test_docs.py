@@ -41,6 +41,12 @@ def code_spans(text: str) -> list[str]:
     return [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", FENCE.sub("", text))]
 
 
+def doc_lines(doc: Path) -> list[str]:
+    """A document's fenced lines and inline code spans, the file read once."""
+    text = doc.read_text()
+    return fenced_lines(text) + code_spans(text)
+
+
 def commands(line: str) -> list[list[str]]:
     """The commands of a shell line (`a && b`, `a | b`: two), redirections and comments left out; a command with
     [optional] parts is syntax, not a command, and is left out too."""
@@ -67,7 +73,7 @@ def docstring_lines(path: Path) -> list[str]:
 def script_commands() -> list[tuple[str, str, tuple[str, ...]]]:
     """(where, script name, arguments) of every `python scripts/NAME.py` command the README, docs/ and the
     scripts' docstrings show, once each."""
-    sources = [(doc.name, fenced_lines(doc.read_text()) + code_spans(doc.read_text())) for doc in DOCS]
+    sources = [(doc.name, doc_lines(doc)) for doc in DOCS]
     sources += [(f"scripts/{path.name}", docstring_lines(path)) for path in sorted((ROOT / "scripts").glob("*.py"))]
     found = {}
     for where, lines in sources:
@@ -124,8 +130,8 @@ def test_documented_cli_command_parses(doc, argv):
 
 
 def test_documented_paths_exist():
-    missing = sorted({(doc.name, path) for doc in DOCS for span in code_spans(doc.read_text()) + fenced_lines(
-        doc.read_text()) for path in REPO_PATH.findall(span) if not (ROOT / path).exists()})
+    missing = sorted({(doc.name, path) for doc in DOCS for span in doc_lines(doc) for path in REPO_PATH.findall(span)
+                      if not (ROOT / path).exists()})
     assert missing == []
 
 
