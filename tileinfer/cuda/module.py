@@ -94,7 +94,7 @@ class Kernel:
         little shared memory the driver otherwise picks one with a large L1 (Nsight Compute: rmsnorm 32 KB
         of shared memory, the swap-AB GEMM and decode attention 228 KB). An SM is in one configuration at a
         time, so blocks of kernels in two cannot share it; a small kernel between two such kernels ran faster
-        in their configuration (docs/benchmarks.md, "RMSNorm in the GEMMs' shared-memory configuration")."""
+        in their configuration (docs/benchmarks.md, "The batched products")."""
         if not self.prefers_shared:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
             carveout = driver.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED

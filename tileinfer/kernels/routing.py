@@ -155,7 +155,7 @@ TMA_TAIL_SPLIT_ROWS = 1024
 # third less traffic from L2 into the SMs. On the H200, alone (`gemm(..., multicast=True)` against False), qwen3-4b's
 # QKV and gate/up took the same time with it at 2,048 rows (106.0 us; 314 against 316) and at 1,024 up to 8%
 # longer; qwen3-4b's whole 4,096-token prefill, back to back at the power limit, ran 549-550 TFLOP/s with it
-# against 544-547 without (docs/benchmarks.md).
+# against 544-547 without (`scripts/bench.py --models qwen3-4b --prefill 4096 --repeats 5`, alternated).
 TMA_MULTICAST_ROWS = 2048
 
 
