@@ -311,6 +311,9 @@ def test_a_non_streaming_client_that_goes_away_aborts_its_request(served):
     (dict(extra_body={"min_tokens": 9}), "min_tokens", "min_tokens must be an integer in [0, max_tokens=4]"),
     (dict(top_p=0), "top_p", "top_p must be in (0, 1]"),
     (dict(max_tokens=MAX_CONTEXT + 88), "prompt", f"exceeds max_context ({MAX_CONTEXT})"),
+    (dict(logit_bias={"5": 10}), "logit_bias", "logit_bias is not supported"),
+    (dict(suffix=" the end"), "suffix", "suffix (text to follow the completion"),
+    (dict(best_of=3, n=2), "best_of", "best_of=3 (keeping the best"),
 ])
 def test_bad_completions_are_400_naming_the_problem(served, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -318,6 +321,16 @@ def test_bad_completions_are_400_naming_the_problem(served, kwargs, param, words
     err = error_of(e.value)
     assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
     assert err["param"] == param and words in err["message"], err
+
+
+def test_what_is_refused_when_it_asks_for_something_is_taken_when_it_asks_for_nothing(served, reference):
+    r = served.client().completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0, logit_bias={},
+                                           suffix="", best_of=2, n=2)
+    assert [c.text for c in r.choices] == [greedy(reference, "Hi", 3)] * 2
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=3, logit_bias={"7": -100})
+    assert error_of(e.value)["param"] == "logit_bias"
 
 
 def test_a_prompt_longer_than_the_context_is_400_with_both_lengths(served, reference):

@@ -119,6 +119,8 @@ def test_tool_choice_none_and_auto_leave_plain_text_alone(served):
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
      "ask for one structured output"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+     "parameters must be a JSON schema"),
 ])
 def test_bad_tool_choices_are_400(served, extra, words):
     with pytest.raises(openai.BadRequestError) as e:

@@ -1,8 +1,9 @@
 """The request bodies of the OpenAI endpoints, validated by pydantic, and their mapping to SamplingParams.
 
 Fields the server does not know are ignored with one log line naming them, as vLLM does (`ignored`); the
-ones it knows but cannot honour (echo with logprobs) are refused with a 400 naming them. Ranges are checked
-once, by SamplingParams, whose ValueError names the field.
+ones it knows but cannot honour (logit_bias, a completion's suffix, best_of beyond n, echo with logprobs) are
+refused with a 400 naming them, so that a client never gets text made without what it asked for. Ranges are
+checked once, by SamplingParams, whose ValueError names the field.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None   # refused unless empty (`refuse_unsupported`)
     user: str | None = None
     # Extensions vLLM also takes:
     top_k: int | None = None
@@ -141,8 +143,15 @@ class _Sampling(BaseModel):
         """The body's fields this server does not know (it ignores them)."""
         return sorted(self.model_extra or {})
 
+    def refuse_unsupported(self) -> None:
+        """APIError for a field this server knows but does not honour, when it asks for something."""
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server; to keep tokens out or force a choice, "
+                                "use structured_outputs (regex or choice) or stop_token_ids", param="logit_bias")
+
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """SamplingParams' keyword arguments (the ones given); checked where the request is made."""
+        self.refuse_unsupported()
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         given = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
@@ -166,6 +175,17 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None     # refused unless empty
+    best_of: int | None = None    # refused unless it is n
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise APIError(400, "suffix (text to follow the completion, for insertion) is not supported by this "
+                                "server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of={self.best_of} (keeping the best of several completions) is not supported "
+                                f"by this server; n={self.n} returns that many choices", param="best_of")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one (text or token ids) or a list of them, each continued n times."""
@@ -249,6 +269,8 @@ class Tool(BaseModel):
     def _named(self):
         if not isinstance(self.function.get("name"), str) or not self.function["name"]:
             raise ValueError("a tool's function needs a name")
+        if not isinstance(self.function.get("parameters", {}), dict):
+            raise ValueError("a tool's function parameters must be a JSON schema (an object)")
         return self
 
 
