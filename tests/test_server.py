@@ -362,6 +362,20 @@ def test_malformed_chat_bodies_and_keys(served):
     assert served.client().completions.create(model=NAME, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("kwargs, param, words", [
+    (dict(extra_body={"chat_template_kwargs": {"tools": 5}}), "chat_template_kwargs",
+     "the chat template failed to render: TypeError"),
+    (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs", "cannot set messages"),
+    (dict(max_completion_tokens=0), "max_completion_tokens", "max_tokens must be an integer >= 1"),
+])
+def test_bad_chats_are_400_naming_the_problem(served, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                **{"max_tokens": 4, **kwargs})
+    err = error_of(e.value)
+    assert err["param"] == param and words in err["message"], err
+
+
 def test_a_stream_closed_early_aborts_its_request(served):
     before = generated(served)
     stream = served.client().completions.create(model=NAME, prompt="Tell me a long story", max_tokens=480,

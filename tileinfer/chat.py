@@ -79,8 +79,9 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
         variables["enable_thinking"] = enable_thinking
     try:
         return env.from_string(template).render(**variables)
-    except TemplateError as e:
-        raise ValueError(f"the chat template failed to render: {e}") from None
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        # what a template raises over values it cannot use (a tools variable that is not a list, ...)
+        raise ValueError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
 
 
 def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False) -> str:

@@ -130,12 +130,13 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
         try:
             prompt = render_chat(template, [m.as_template_dict() for m in body.messages], **body.template_variables())
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param=body.template_param) from None
         top_n = body.top_n()
         sampling = body.sampling(body.reply_budget(), top_n)
         sub = await _start(engine, [prompt], sampling, body.stream, body.n,
                            renames={"logprobs": "top_logprobs", "prompt": "messages",
-                                    "structured_outputs": body.structured_param})
+                                    "structured_outputs": body.structured_param,
+                                    "max_tokens": body.reply_budget_param})
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name}
         if body.stream:

@@ -303,6 +303,9 @@ class ChatCompletionRequest(_Sampling):
 
     def template_variables(self) -> dict:
         extra = dict(self.chat_template_kwargs or {})
+        if "messages" in extra:
+            raise APIError(400, "chat_template_kwargs cannot set messages (the request's messages are the "
+                                "template's)", param="chat_template_kwargs")
         if self.uses_tools:
             extra.setdefault("tools", [t.model_dump() for t in self.tools])
         return extra
@@ -326,8 +329,19 @@ class ChatCompletionRequest(_Sampling):
                                  parallel=self.parallel_tool_calls is not False)
         return asked + [("tool_choice", {"grammar": grammar})]
 
+    @property
+    def template_param(self) -> str:
+        """The field to name when the chat template fails to render: what the request passed it besides messages,
+        if anything."""
+        return "chat_template_kwargs" if self.chat_template_kwargs else "messages"
+
     def reply_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def reply_budget_param(self) -> str:
+        """The field reply_budget came from (to name in errors)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def top_n(self) -> int | None:
         """SamplingParams' logprobs: None (off) or how many alternatives per token."""
