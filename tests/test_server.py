@@ -407,6 +407,24 @@ def test_chat_template_kwargs_reach_the_template(served, reference):
     assert r.choices[0].message.content == greedy(reference, prompt, 4)
 
 
+def test_a_stop_string_is_kept_with_include_stop_str_in_output(served, reference):
+    full = greedy(reference, "Hello", 8)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    for include, text in ((False, cut), (True, cut + stop)):
+        r = served.client().completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0, stop=stop,
+                                               extra_body={"include_stop_str_in_output": include})
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text, (include, stop, r.choices[0])
+
+
+def test_skip_special_tokens_reaches_the_request():
+    from tileinfer.server.protocol import ChatCompletionRequest
+    body = ChatCompletionRequest(model=NAME, messages=[{"role": "user", "content": "Hi"}], skip_special_tokens=False)
+    assert body.sampling(4, None)["skip_special_tokens"] is False
+    assert "skip_special_tokens" not in ChatCompletionRequest(model=NAME, messages=[{"role": "user", "content": "Hi"}]
+                                                              ).sampling(4, None)  # SamplingParams' default
+
+
 def test_stop_token_ids_end_a_reply(served, reference):
     full = reference.generate("Hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     stop = full.token_ids[2]

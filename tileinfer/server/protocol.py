@@ -82,6 +82,8 @@ class _Sampling(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
@@ -159,7 +161,8 @@ class _Sampling(BaseModel):
                      frequency_penalty=self.frequency_penalty, top_k=self.top_k, min_p=self.min_p,
                      repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
                      stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
-                     structured_outputs=self.structured())
+                     include_stop_str_in_output=self.include_stop_str_in_output,
+                     skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured())
         out = {k: v for k, v in given.items() if v is not None}
         out["max_tokens"] = max_tokens  # None: what the context leaves (resolved with the prompt's length)
         out.setdefault("temperature", 1.0)  # OpenAI's default
