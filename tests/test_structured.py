@@ -273,6 +273,18 @@ def test_constrained_requests_pipeline_and_give_the_unpipelined_tokens(tiny_chec
     assert re.fullmatch(r"[0-9]{2}-[a-z]{3,6}", code.text) and choice.text in ("yes", "no", "perhaps")
 
 
+def test_a_constrained_prompt_of_several_chunks_alone(tiny_checkpoint):
+    # The prompt's chunks before the last sample nothing; the last chunk's step samples under a mask. While
+    # the step before it is in flight (pipelined), that mask must be published before waiting for that step.
+    prompt = list(range(1000, 1100))
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(regex="[a-z]{3,6}"))
+    outs = []
+    for budget in (32, 256):  # four chunks; one
+        with LLM(tiny_checkpoint, **{**SETTINGS, "max_num_batched_tokens": budget}) as llm:
+            outs.append(llm.generate(prompt, params)[0])
+    assert outs[0].token_ids == outs[1].token_ids and re.fullmatch("[a-z]{3,6}", outs[0].text)
+
+
 def test_a_token_the_grammar_refuses_ends_only_its_request(llm, caplog):
     # A bitmask that (wrongly) allows only a token the grammar refuses: that request ends ("abort",
     # stop reason "grammar"), logged; the other constrained request and the free one are untouched.

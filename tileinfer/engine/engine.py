@@ -385,6 +385,11 @@ class Engine:
         are published as soon as the matchers have consumed these tokens (before the detokenizer and the
         stop checks run: a request they end drops that step's row anyway)."""
         self._wait_grammar()
+        if step.slot is None:
+            # A step that samples nothing (prompt chunks only) advances no matcher, so the next step's masks are
+            # known now; and waiting for it waits for the device's whole queue, that next step included, whose
+            # sampling waits for its masks.
+            self._publish_masks(then_masks_of)
         sampled = self.runner.collect(step.slot, len(step.rows))
         self.scheduler.register(step.rows)
         # requests ended by a stop or an abort in an earlier step are skipped (their placeholders are gone)
