@@ -160,6 +160,26 @@ def test_stream_closed_early_leaves_nothing_behind():
     assert llm.scheduler.manager.num_free_pages == 64
 
 
+def test_abort_request_ends_it_with_the_tokens_read_back():
+    prompts, params = workload(250)
+    llm = fake_llm()
+    ids = [llm.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts[:3]]
+    for _ in range(5):
+        llm.step()
+    assert llm.engine._inflight is not None  # a step in flight holds a placeholder of the request aborted
+    llm.abort_request(ids[1])
+    llm.abort_request(10**6)  # unknown: nothing happens
+    while llm.has_unfinished_requests():
+        llm.step()
+    outs = {o.request_id: o for o in llm.finished_outputs()}
+    full = [expected(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts[:3]]
+    aborted = outs[ids[1]]
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 20
+    assert aborted.token_ids == full[1][:len(aborted.token_ids)]  # read back, no placeholder
+    assert [outs[ids[0]].token_ids, outs[ids[2]].token_ids] == [full[0], full[2]]
+    assert llm.scheduler.manager.num_free_pages == 64
+
+
 def test_bad_requests_are_refused_and_the_engine_keeps_serving():
     prompts, params = workload(300)
     llm = fake_llm()

@@ -136,6 +136,15 @@ class LLM:
         return [(req.request_id, token, req.status == FINISHED and not req.unresolved)
                 for req, token, _ in self.engine.step()]
 
+    def abort_request(self, request_id: int) -> None:
+        """End a request queued with add_request where it stands (its pages go back at once); its output,
+        with finish reason "abort" and the tokens read back so far, is then in `finished_outputs()`. A request
+        that has already finished, or an unknown id, is left alone."""
+        self._check_open()
+        req = self._requests.get(request_id)
+        if req is not None and req.status != FINISHED:
+            self.engine.abort(req)
+
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished
 

@@ -171,10 +171,14 @@ class Scheduler:
         request.finish_time = time.perf_counter()
 
     def abort(self, request: Request) -> None:
+        """End a request where it stands: the tokens of steps still in flight are dropped with their
+        placeholders, so its output holds only tokens read back."""
         if request.status != FINISHED:
             self.finish(request, "abort")
         request.closed = True
-        request.unresolved = 0
+        if request.unresolved:
+            del request.token_ids[len(request.token_ids) - request.unresolved:]
+            request.unresolved = 0
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[ScheduledRow]:
