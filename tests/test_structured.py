@@ -285,6 +285,19 @@ def test_a_constrained_prompt_of_several_chunks_alone(tiny_checkpoint):
     assert outs[0].token_ids == outs[1].token_ids and re.fullmatch("[a-z]{3,6}", outs[0].text)
 
 
+def test_a_request_ended_by_length_beside_a_constrained_one(tiny_checkpoint):
+    # Pipelined, each step is launched while the one before waits for its masks; the CPU runner runs it once
+    # they are published. A request that reaches max_tokens at such a launch has given its pages back by then.
+    params = [SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputs(regex="[a-z ]{12}")),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+    prompts = [[5, 6, 7], [9, 10]]
+    with LLM(tiny_checkpoint, **SETTINGS) as llm:
+        together = llm.generate(prompts, params)
+        alone = [llm.generate(p, sp)[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert len(together[1].token_ids) == 3 and re.fullmatch("[a-z ]{12}", together[0].text)
+
+
 def test_a_token_the_grammar_refuses_ends_only_its_request(llm, caplog):
     # A bitmask that (wrongly) allows only a token the grammar refuses: that request ends ("abort",
     # stop reason "grammar"), logged; the other constrained request and the free one are untouched.

@@ -83,11 +83,14 @@ class NumpyPagedCache:
 class _SequenceView:
     """One sequence's entries start..start+n-1 of a step, as ReferenceModel's layers read a cache: a write at
     `at` goes to the slots of entries start + at, ..., reads gather positions 0..end-1 through the block
-    table."""
+    table. Slots and block table are taken when the view is made, as a GPU step's are when it is launched: a
+    step that runs later (behind one that waits for its bitmasks) still runs over them if the engine has given
+    the sequence's pages back since (a request ended by length at that launch)."""
 
     def __init__(self, cache: NumpyPagedCache, seq: Sequence, start: int, n: int):
-        self.cache, self.seq, self.end = cache, seq, start + n
+        self.cache, self.end = cache, start + n
         self.slots = cache.manager.slots(seq, start, n).astype(np.int64)
+        self.block_table = list(seq.block_table)
         self.smoothing = cache.smoothing
 
     def write(self, layer: int, at: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -96,7 +99,7 @@ class _SequenceView:
         self.cache.write(layer, self.slots[at:at + len(k)], k, v)
 
     def read(self, layer: int):
-        keys, values = self.cache.gather(layer, self.seq.block_table, self.end)
+        keys, values = self.cache.gather(layer, self.block_table, self.end)
         return keys, values, np.arange(self.end)
 
 
@@ -180,16 +183,15 @@ class CPURunner(CheckpointRunner):
         return cache
 
     # ------------------------------------------------------------------ steps
-    def _rows_logits(self, seq: Sequence, ids: list[int], start: int, every_row: bool) -> np.ndarray:
-        """One sequence's new tokens through the reference: [n or 1, vocab] logits."""
-        view = _SequenceView(self.cache, seq, start, len(ids))
-        positions = np.arange(start, start + len(ids))
+    def _rows_logits(self, view: _SequenceView, ids: list[int], every_row: bool) -> np.ndarray:
+        """One sequence's new tokens (the view's entries) through the reference: [n or 1, vocab] logits."""
+        positions = np.arange(view.end - len(ids), view.end)
         h, features = self.reference.hidden_rows(np.asarray(ids), positions, view, self.capture_layers)
         if features is not None:
             self._features.append(features)
         return self.reference.head(h if every_row else h[-1:])
 
-    def _check_step(self, batch) -> list[tuple[Sequence, list[int], int]]:
+    def _check_step(self, batch) -> list[tuple[_SequenceView, list[int], int]]:
         rows = []
         for i, item in enumerate(batch):
             seq, ids = item[0], [int(t) for t in item[1]]
@@ -197,7 +199,7 @@ class CPURunner(CheckpointRunner):
             if not ids or start < 0 or start + len(ids) > seq.num_positions:
                 raise ValueError(f"step: sequence {i} computes positions [{start}, {start + len(ids)}) but has "
                                  f"{seq.num_positions} reserved")
-            rows.append((seq, ids, start))
+            rows.append((_SequenceView(self.cache, seq, start, len(ids)), ids, start))
         if sum(len(ids) for _, ids, _ in rows) > self.max_batch_tokens:
             raise ValueError(f"step of {sum(len(ids) for _, ids, _ in rows)} tokens exceeds max_batch_tokens "
                              f"({self.max_batch_tokens})")
@@ -232,9 +234,9 @@ class CPURunner(CheckpointRunner):
         self._copy_pending_pages()
         self._features = []
         if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
-            rows = [(seq, [int(self._prev[src])] if src >= 0 else ids, start)
-                    for (seq, ids, start), src in zip(rows, token_src)]
-        last = np.concatenate([self._rows_logits(seq, ids, start, False) for seq, ids, start in rows])
+            rows = [(view, [int(self._prev[src])] if src >= 0 else ids, start)
+                    for (view, ids, start), src in zip(rows, token_src)]
+        last = np.concatenate([self._rows_logits(view, ids, False) for view, ids, _ in rows])
         if slot is None:
             return
         self._unsampled = (slot, rows, last, sampling, penalties, masked)
@@ -265,7 +267,7 @@ class CPURunner(CheckpointRunner):
         slot, rows, last, sampling, penalties, masked = self._unsampled
         out = np.zeros(len(rows), np.int32)
         k = 0
-        for i, (seq, ids, start) in enumerate(rows):
+        for i, (_, ids, start) in enumerate(rows):
             row = sampling[i] if sampling else SamplingRow()
             if penalties is not None and penalties[i] is not None:
                 last[i] = apply_penalties(last[i], *penalties[i], row.repetition, row.presence, row.frequency)
@@ -308,7 +310,7 @@ class CPURunner(CheckpointRunner):
             raise ValueError(f"verify: {n} tokens in {len(rows)} rows; a verify step takes 1..{self.max_verify_tokens}")
         self._copy_pending_pages()
         self._features = []
-        out = np.concatenate([self._rows_logits(seq, ids, start, True) for seq, ids, start in rows])
+        out = np.concatenate([self._rows_logits(view, ids, True) for view, ids, _ in rows])
         if meanwhile is not None:
             meanwhile()
         return out.argmax(axis=1).astype(np.int32) if logits == "argmax" else out
@@ -330,7 +332,8 @@ class CPURunner(CheckpointRunner):
             part = ids[start:start + chunk]
             self.cache.manager.reserve(seq, len(part))
             self._copy_pending_pages()
-            parts.append(self._rows_logits(seq, part, seq.num_positions - len(part), True))
+            view = _SequenceView(self.cache, seq, seq.num_positions - len(part), len(part))
+            parts.append(self._rows_logits(view, part, True))
         rows = np.concatenate(parts)
         if logits == "none":
             return None
