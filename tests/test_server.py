@@ -509,10 +509,29 @@ def test_health_is_503_until_the_app_starts(served):
     assert TestClient(create_app(served.engine, NAME)).get("/health").status_code == 503  # lifespan not run
 
 
+def test_allowed_origins_get_cors_headers_and_others_none(served):
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    open_app = TestClient(create_app(served.engine, NAME, api_key=KEY, allowed_origins=[page]))
+    r = open_app.options("/v1/chat/completions", headers=preflight)  # a preflight carries no key
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.headers
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = open_app.get("/v1/models", headers={"Origin": page, "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+    assert open_app.get("/v1/models", headers={"Origin": page}).status_code == 401  # the key is still needed
+    r = open_app.get("/v1/models", headers={"Origin": "http://elsewhere", "Authorization": f"Bearer {KEY}"})
+    assert "access-control-allow-origin" not in r.headers
+    closed = TestClient(create_app(served.engine, NAME, api_key=KEY))  # the default: no CORS at all
+    assert "access-control-allow-origin" not in closed.options("/v1/chat/completions", headers=preflight).headers
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--model", "/no/such/dir"], "no such checkpoint directory"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
+    (["--allowed-origins", "localhost:3000"], "--allowed-origins: 'localhost:3000' is not an origin"),
+    (["--allowed-origins", "http://a.example/path"], "'http://a.example/path' is not an origin"),
 ])
 def test_serve_checks_its_arguments_before_loading(capsys, tiny_checkpoint, argv, words):
     rc = cli.main(["serve", "--device", "cpu", "--model", str(tiny_checkpoint), *argv])

@@ -17,6 +17,7 @@ exit with status 1 (a malformed command line: status 2); Ctrl-C exits with statu
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -245,12 +246,25 @@ def _check_serve_arguments(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
+    args.allowed_origins = _origins(args.allowed_origins)
     if args.load_format == "dummy" and not args.model:
         raise ValueError("--load-format dummy needs --model DIR: a directory with the model's config.json and "
                          "tokenizer (scripts/make_checkpoint.py --config-only writes one)")
     check_tensor_parallel(args.tensor_parallel_size, args.tensor_parallel_address, cpu=args.device == "cpu",
                           speculative=bool(args.draft_model), option=_flag)
     _check_model_options(args, args.load_format)
+
+
+def _origins(value: str | None) -> list[str]:
+    """--allowed-origins: comma-separated origins (scheme://host[:port]) or "*"."""
+    if value is None:
+        return []
+    origins = [o.strip() for o in value.split(",")]
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise ValueError(f"--allowed-origins: '{o}' is not an origin: give scheme://host[:port] (e.g. "
+                             f"http://localhost:3000, no path), comma-separated, or *")
+    return origins
 
 
 def _serve_engine_options(args) -> dict:
@@ -283,7 +297,7 @@ def _serve(args) -> int:
     engine = EngineClient(model, _serve_engine_options(args), max_waiting=args.max_waiting)
     try:
         engine.start()  # the engine process loads the model
-        app = create_app(engine, name, api_key=args.api_key)
+        app = create_app(engine, name, api_key=args.api_key, allowed_origins=args.allowed_origins)
         print(f"tileinfer: serving '{name}' at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops: requests "
               f"in flight get {args.shutdown_timeout:g} s to finish; a second Ctrl-C aborts them)", file=sys.stderr)
         forced = serve(app, host=args.host, port=args.port, grace=args.shutdown_timeout)
@@ -313,6 +327,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: no key)")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="origins whose browser pages may call the server (CORS), comma-separated, e.g. "
+                        "http://localhost:3000, or * for any (default: none)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the checkpoint folder's name)")
     p.add_argument("--max-num-seqs", type=int, default=None,

@@ -4,6 +4,10 @@
     engine = EngineClient(model_dir, llm_options); engine.start()
     app = create_app(engine, "my-model", api_key=None)   # served by uvicorn (tileinfer serve)
 
+With allowed_origins (--allowed-origins), browser pages from those origins may call it: CORS preflights are
+answered and responses carry Access-Control-Allow-Origin; without it no CORS header is sent, so a page from
+another origin cannot read a response.
+
 Handlers run on the asyncio loop and never call the engine, which runs in a process of its own: they hand
 each request to the EngineClient and await its events (engine_client.py, events.py). A request is refused
 with OpenAI's error shape and status 400 before anything streams, so a streaming client sees a bad request
@@ -25,6 +29,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -42,8 +47,10 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
 log = logging.getLogger("tileinfer.server")
 
 
-def create_app(engine: EngineClient, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app over a started EngineClient; the app's shutdown stops the engine."""
+def create_app(engine: EngineClient, served_model_name: str, api_key: str | None = None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
+    """The app over a started EngineClient; the app's shutdown stops the engine. allowed_origins: origins
+    (scheme://host[:port], or "*") whose browser pages may call it."""
     lifecycle = Lifecycle(engine)  # loading -> serving -> stopping: what /health says
 
     @asynccontextmanager
@@ -58,6 +65,9 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     _add_error_handlers(app)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     template, tokenizer = engine.chat_template, engine.tokenizer
     max_context, metrics = engine.max_context, engine.metrics
 
