@@ -9,6 +9,7 @@ import pytest
 import tileinfer
 from tileinfer import LLM, SamplingParams
 from tileinfer.chat import common_prefix
+from tileinfer.model.chat_template import render_chat
 from tileinfer.model.checkpoint import Checkpoint
 from tileinfer.model.config import preset
 from tileinfer.model.reference import ReferenceModel
@@ -120,6 +121,30 @@ def test_generate_over_an_idle_llm_runs_in_its_engine(tiny_checkpoint, reference
             tileinfer.generate(llm, prompt, max_new_tokens=5, kv_quantize="int8", num_draft_tokens=2)
         with pytest.raises(ValueError, match="max_context"):
             tileinfer.generate(llm, prompt, max_new_tokens=60)
+
+
+def test_llm_chat_replies_to_each_conversation_as_generate_continues_its_rendered_prompt(tiny_checkpoint):
+    hi = [{"role": "user", "content": "Hi"}]
+    long = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "How are you?"}]
+    tools = [{"type": "function", "function": {"name": "now", "description": "The time.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    with cpu_llm(tiny_checkpoint) as llm:
+        template = llm.runner.checkpoint.chat_template
+        want = llm.generate([render_chat(template, hi), render_chat(template, hi, enable_thinking=False),
+                             render_chat(template, long, enable_thinking=False),
+                             render_chat(template, hi, tools=tools)], greedy(5))
+        one = llm.chat(hi, greedy(5))
+        both = llm.chat([hi, long], greedy(5), chat_template_kwargs={"enable_thinking": False})
+        with_tools = llm.chat(hi, greedy(5), tools=tools)
+        for bad in ([], "Hi", [[]], [hi[0], [hi[0]]]):
+            with pytest.raises(ValueError, match="messages must be a conversation"):
+                llm.chat(bad)
+        with pytest.raises(ValueError, match="cannot set messages"):
+            llm.chat(hi, chat_template_kwargs={"messages": []})
+    got = one + both + with_tools
+    assert [(o.prompt_token_ids, o.token_ids) for o in got] == [(o.prompt_token_ids, o.token_ids) for o in want]
+    assert len({tuple(o.prompt_token_ids) for o in want}) == 4  # thinking off and the tools change the prompt
 
 
 def test_chat_reuses_its_prefix_and_says_what_it_computed(tiny_checkpoint):

@@ -18,8 +18,6 @@ user/assistant turns (the system message stays) until it fits. Nothing is ever c
 """
 from __future__ import annotations
 
-import json
-
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from .generate import draft_tokens, engine_over
 from .kv import Sequence
 from .kv.paged_cache import check_kv_quantize
 from .llm import LLM
+from .model.chat_template import render_chat
 from .model.tokenizer import CHAT_TEMPLATE
 
 
@@ -58,35 +57,6 @@ class TurnStats:
     def decode_tokens_per_second(self) -> float:
         steps = self.new_tokens - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
-
-
-def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                enable_thinking: bool | None = None, **extra) -> str:
-    """Render a Hugging Face chat template the way transformers does: jinja2 in an immutable
-    sandbox, trim_blocks and lstrip_blocks, `raise_exception` available to the template."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = _tojson
-    variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
-    if enable_thinking is not None:
-        variables["enable_thinking"] = enable_thinking
-    try:
-        return env.from_string(template).render(**variables)
-    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        # what a template raises over values it cannot use (a tools variable that is not a list, ...)
-        raise ValueError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
-
-
-def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False) -> str:
-    """JSON as chat templates expect it: plain json.dumps (jinja's own tojson escapes <, > and & for HTML)."""
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

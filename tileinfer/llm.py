@@ -22,10 +22,12 @@ from .engine.params import SamplingParams
 from .engine.scheduler import FINISHED, Request
 from .engine.speculative import make_drafter
 from .kv import Sequence
+from .model.chat_template import render_chat
 from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.dflash_config import DFlashConfig
 from .model.forward import check_supported
 from .model.sharding import check_world
+from .model.tokenizer import CHAT_TEMPLATE
 from .runner.startup import Started, start_cpu, start_gpu
 from .runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, tensor_parallel_group
 
@@ -173,6 +175,29 @@ class LLM:
             self.engine.drain()  # a step launched ahead for requests that ended: nothing is left in flight
         self.engine.stats.cached_prompt_tokens += sum(req.num_cached_tokens for req, _ in made)
         return [self.engine.output(req, text) for req, text in made]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Reply to each conversation, as vLLM's LLM.chat: messages is one conversation (a list of {"role",
+        "content"} dicts) or a list of them, each rendered with the checkpoint's chat template and a generation
+        prompt (tools and chat_template_kwargs, e.g. {"enable_thinking": False}, go to the template), then
+        continued as generate continues a prompt; outputs in the order given. The text is the reply as the model
+        wrote it (a Qwen3 reply may open with its <think> block). For one conversation over many turns, with
+        its cache kept between them, use ChatSession."""
+        self._check_open()
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, list) and messages and all(isinstance(c, list) and c for c in messages):
+            conversations = messages
+        else:
+            raise ValueError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) or "
+                             "a list of them")
+        template = self.runner.checkpoint.chat_template or CHAT_TEMPLATE
+        extra = dict(chat_template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        prompts = [render_chat(template, c, **extra) for c in conversations]
+        return self.generate(prompts, sampling_params)
 
     def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                         ) -> Iterator[StreamOutput]:

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..chat import render_chat
+from ..model.chat_template import render_chat
 from .engine_client import EngineClient, Submission
 from .events import Added, Busy, Failed, Finished, Rejected, is_delta
 from .lifecycle import Lifecycle

@@ -306,9 +306,6 @@ class ChatCompletionRequest(_Sampling):
 
     def template_variables(self) -> dict:
         extra = dict(self.chat_template_kwargs or {})
-        if "messages" in extra:
-            raise APIError(400, "chat_template_kwargs cannot set messages (the request's messages are the "
-                                "template's)", param="chat_template_kwargs")
         if self.uses_tools:
             extra.setdefault("tools", [t.model_dump() for t in self.tools])
         return extra
