@@ -126,6 +126,14 @@ def test_unsupported_model_type(micro):
         Checkpoint.open(micro)
 
 
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_tie_word_embeddings_must_be_a_boolean(micro, value):
+    # bool("false") is True: a string read as a truth value would tie the LM head and ignore lm_head.weight
+    edit_json(micro / "config.json", lambda c: c.update(tie_word_embeddings=value))
+    with pytest.raises(CheckpointError, match=f"tie_word_embeddings must be true or false, got {value!r}"):
+        Checkpoint.open(micro)
+
+
 def test_not_a_directory_and_no_weights(tmp_path, micro):
     with pytest.raises(CheckpointError, match="not a directory"):
         Checkpoint.open(tmp_path / "nope")

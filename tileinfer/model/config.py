@@ -155,6 +155,9 @@ class _DecoderConfig:
         derivable = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
         kwargs["head_dim"] = raw.get("head_dim", hidden // heads if derivable else None)
         theta, kwargs["rope_scaling"] = cls._rope_from(raw, source)
+        tied = raw.get("tie_word_embeddings", defaults["tie_word_embeddings"])
+        if not isinstance(tied, bool):  # bool("false") is True: a string would silently tie the LM head
+            raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tied!r}")
         eos = raw.get("eos_token_id", defaults["eos_token_id"])
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -162,7 +165,7 @@ class _DecoderConfig:
             rms_norm_eps=raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
             rope_theta=float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else theta,
             max_position_embeddings=raw.get("max_position_embeddings", defaults["max_position_embeddings"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", defaults["tie_word_embeddings"])),
+            tie_word_embeddings=tied,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
         )
