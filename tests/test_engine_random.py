@@ -6,6 +6,8 @@ grammar; they arrive over several steps, some are aborted mid-way, and they run 
 small page pool (preemption), a small token budget (chunked prefill), prefix caching and pipelined steps. Every
 request that was not aborted must give exactly what it gives alone on a roomy engine; an aborted one, a prefix
 of that; the pool must be whole afterwards. The seeds are fixed: each failure is reproducible with its seed.
+`pytest --serve-device cuda [--serve-model qwen3-0.6b]` runs the same on the GPU runner (batch-invariant kernels,
+tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -73,15 +75,16 @@ def run_crowded(llm: LLM, requests) -> tuple[dict, set]:
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_checkpoint):
-    with LLM(tiny_checkpoint, device="cpu", progress=False, max_num_seqs=1, max_context=MAX_CONTEXT) as llm:
+def alone(serve_target):
+    with LLM(serve_target.checkpoint, **serve_target.engine_options(1, MAX_CONTEXT)) as llm:
         yield llm
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_crowded_engine_gives_each_request_what_it_gives_alone(tiny_checkpoint, alone, seed):
+def test_a_crowded_engine_gives_each_request_what_it_gives_alone(serve_target, alone, seed):
     requests, settings = workload(seed)
-    with LLM(tiny_checkpoint, device="cpu", progress=False, max_context=MAX_CONTEXT, **settings) as llm:
+    options = {**serve_target.engine_options(settings["max_num_seqs"], MAX_CONTEXT), **settings}
+    with LLM(serve_target.checkpoint, **options) as llm:
         outputs, aborted = run_crowded(llm, requests)
         assert llm.engine.scheduler.manager.num_free_pages == settings["num_pages"], "pages were not given back"
     for i, (prompt, params, _, _) in enumerate(requests):

@@ -273,25 +273,25 @@ def test_constrained_requests_pipeline_and_give_the_unpipelined_tokens(tiny_chec
     assert re.fullmatch(r"[0-9]{2}-[a-z]{3,6}", code.text) and choice.text in ("yes", "no", "perhaps")
 
 
-def test_a_constrained_prompt_of_several_chunks_alone(tiny_checkpoint):
+def test_a_constrained_prompt_of_several_chunks_alone(serve_target):
     # The prompt's chunks before the last sample nothing; the last chunk's step samples under a mask. While
     # the step before it is in flight (pipelined), that mask must be published before waiting for that step.
     prompt = list(range(1000, 1100))
     params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(regex="[a-z]{3,6}"))
     outs = []
     for budget in (32, 256):  # four chunks; one
-        with LLM(tiny_checkpoint, **{**SETTINGS, "max_num_batched_tokens": budget}) as llm:
+        with LLM(serve_target.checkpoint, **serve_target.engine_options(2, 512), max_num_batched_tokens=budget) as llm:
             outs.append(llm.generate(prompt, params)[0])
     assert outs[0].token_ids == outs[1].token_ids and re.fullmatch("[a-z]{3,6}", outs[0].text)
 
 
-def test_a_request_ended_by_length_beside_a_constrained_one(tiny_checkpoint):
+def test_a_request_ended_by_length_beside_a_constrained_one(serve_target):
     # Pipelined, each step is launched while the one before waits for its masks; the CPU runner runs it once
     # they are published. A request that reaches max_tokens at such a launch has given its pages back by then.
     params = [SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputs(regex="[a-z ]{12}")),
               SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
     prompts = [[5, 6, 7], [9, 10]]
-    with LLM(tiny_checkpoint, **SETTINGS) as llm:
+    with LLM(serve_target.checkpoint, **serve_target.engine_options(4, 512)) as llm:
         together = llm.generate(prompts, params)
         alone = [llm.generate(p, sp)[0] for p, sp in zip(prompts, params)]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
