@@ -15,7 +15,8 @@
 # 4. scripts/serve_load.py: 1,000 streamed requests at concurrency 256, 10% of the clients gone mid-stream,
 #    batch-invariant so that every finished reply is compared token for token with LLM.generate's; no KV page
 #    held after; the server still answering and exiting 0 (~135k tokens, the load ~13 s);
-# 5. the server's tests served by the GPU (pytest --serve-device cuda --serve-model qwen3-0.6b, tests/conftest.py).
+# 5. the server's tests served by the GPU (pytest --serve-device cuda --serve-model qwen3-0.6b, tests/conftest.py),
+#    and the engine's that take the served device (tests/test_engine_random.py: crowded workloads against alone).
 # Each step has a time limit, so a hang costs only its step. Logs and JSON go to $OUT (or /tmp/serve_gpu_checks);
 # a summary ends the output. Exit status 1 if any step failed.
 set -uo pipefail
@@ -63,8 +64,8 @@ step serve_goals 130 python3 scripts/serve_goals.py --model "$model" --num-reque
 step serve_load 100 python3 scripts/serve_load.py --model "$model" --batch-invariant --max-context 2048 \
     --num-requests 1000 --concurrency 256 --disconnect-fraction 0.1 --prompt-len 16 512 --max-tokens 16 256 \
     --server-log "$out/serve_load_server.log" --out "$out/serve_load.json"
-step serve_tests 290 python3 -m pytest tests/test_server.py tests/test_serve_process.py tests/test_bench_serve.py \
-    tests/test_structured.py tests/test_tools.py -q -p no:cacheprovider --durations=10 \
+step serve_tests 330 python3 -m pytest tests/test_server.py tests/test_serve_process.py tests/test_bench_serve.py \
+    tests/test_structured.py tests/test_tools.py tests/test_engine_random.py -q -p no:cacheprovider --durations=10 \
     --serve-device cuda --serve-model "$model"
 
 # ---------------------------------------------------------------------------- summary
