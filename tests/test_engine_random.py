@@ -16,6 +16,8 @@ import pytest
 
 from tileinfer import LLM, SamplingParams
 from tileinfer.engine.structured import StructuredOutputs
+from tileinfer.model.config import preset
+from tileinfer.model.synthetic import write_checkpoint
 
 MAX_CONTEXT = 192
 # Among them, workloads that failed before their fixes: 1 and 14, a constrained prompt in several chunks; 17 and
@@ -80,10 +82,28 @@ def alone(serve_target):
         yield llm
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_a_crowded_engine_gives_each_request_what_it_gives_alone(serve_target, alone, seed):
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-draft")
+    write_checkpoint(preset("tiny"), out, seed=1, progress=False)  # Qwen3's vocabulary: a draft for any Qwen3
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone_drafting(serve_target, draft_checkpoint):
+    with LLM(serve_target.checkpoint, **serve_target.engine_options(1, MAX_CONTEXT), **drafting(draft_checkpoint)) \
+            as llm:
+        yield llm
+
+
+def drafting(draft_checkpoint) -> dict:
+    return dict(draft_model=draft_checkpoint, num_draft_tokens=3)
+
+
+def crowded_against_alone(serve_target, alone: LLM, seed: int, **options) -> list:
+    """Checks the workload of `seed` on a crowded engine against `alone`; the crowded engine's outputs."""
     requests, settings = workload(seed)
-    options = {**serve_target.engine_options(settings["max_num_seqs"], MAX_CONTEXT), **settings}
+    options = {**serve_target.engine_options(settings["max_num_seqs"], MAX_CONTEXT), **settings, **options}
     with LLM(serve_target.checkpoint, **options) as llm:
         outputs, aborted = run_crowded(llm, requests)
         assert llm.engine.scheduler.manager.num_free_pages == settings["num_pages"], "pages were not given back"
@@ -96,3 +116,17 @@ def test_a_crowded_engine_gives_each_request_what_it_gives_alone(serve_target, a
             (seed, i, params)
         for a, b in zip(got.logprobs or [], want.logprobs or []):
             assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-4, (seed, i)
+    return list(outputs.values())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_crowded_engine_gives_each_request_what_it_gives_alone(serve_target, alone, seed):
+    crowded_against_alone(serve_target, alone, seed)
+
+
+@pytest.mark.parametrize("seed", [0, 2, 3, 17])
+def test_the_same_with_a_draft_model_speculating(serve_target, alone_drafting, draft_checkpoint, seed):
+    # the greedy and seeded requests speculate (rounds of drafts, verify, rejection, the cache cut back); the
+    # rest run plain steps beside them
+    outputs = crowded_against_alone(serve_target, alone_drafting, seed, **drafting(draft_checkpoint))
+    assert sum(o.speculation.drafted for o in outputs if o.speculation is not None) > 0, "nothing speculated"
