@@ -83,6 +83,12 @@ def alone(serve_target):
 
 
 @pytest.fixture(scope="module")
+def alone_int8(serve_target):
+    with LLM(serve_target.checkpoint, **serve_target.engine_options(1, MAX_CONTEXT), kv_quantize="int8") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def draft_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-draft")
     write_checkpoint(preset("tiny"), out, seed=1, progress=False)  # Qwen3's vocabulary: a draft for any Qwen3
@@ -100,7 +106,7 @@ def drafting(draft_checkpoint) -> dict:
     return dict(draft_model=draft_checkpoint, num_draft_tokens=3)
 
 
-def crowded_against_alone(serve_target, alone: LLM, seed: int, **options) -> list:
+def crowded_against_alone(serve_target, alone: LLM, seed: int, *, logprob_tolerance: float = 1e-4, **options) -> list:
     """Checks the workload of `seed` on a crowded engine against `alone`; the crowded engine's outputs."""
     requests, settings = workload(seed)
     options = {**serve_target.engine_options(settings["max_num_seqs"], MAX_CONTEXT), **settings, **options}
@@ -115,7 +121,7 @@ def crowded_against_alone(serve_target, alone: LLM, seed: int, **options) -> lis
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), \
             (seed, i, params)
         for a, b in zip(got.logprobs or [], want.logprobs or []):
-            assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-4, (seed, i)
+            assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < logprob_tolerance, (seed, i)
     return list(outputs.values())
 
 
@@ -130,3 +136,10 @@ def test_the_same_with_a_draft_model_speculating(serve_target, alone_drafting, d
     # rest run plain steps beside them
     outputs = crowded_against_alone(serve_target, alone_drafting, seed, **drafting(draft_checkpoint))
     assert sum(o.speculation.drafted for o in outputs if o.speculation is not None) > 0, "nothing speculated"
+
+
+@pytest.mark.parametrize("seed", [1, 3, 23])
+def test_the_same_with_the_int8_cache(serve_target, alone_int8, seed):
+    # The same tokens; logprobs to 1e-3 (with the INT8 cache they differed from the roomy engine's by up to 1.05e-4
+    # in random workloads of this kind, where the BF16 cache's stayed within 1e-4; why was not measured)
+    crowded_against_alone(serve_target, alone_int8, seed, logprob_tolerance=1e-3, kv_quantize="int8")
