@@ -76,6 +76,15 @@ def test_python_dash_m_is_the_same_cli():
     assert result.stdout == f"tileinfer {tileinfer.__version__}\n"
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["chat"], ["size", "qwen3-4b"], ["serve"]])
+def test_an_unknown_option_is_named_by_its_command(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--bogus", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"tileinfer {command[0]}: error: unrecognized arguments: --bogus 1 "
+                                         f"(see tileinfer {command[0]} --help)\n"), err
+
+
 # ---------------------------------------------------------------------------- checks before the GPU
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

@@ -438,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rank", type=int, required=True, help="this process's rank, 1..N-1")
     w.add_argument("--device", default="cuda", help="this rank's GPU: cuda (GPU 0) or cuda:K")
     w.set_defaults(run=_tp_worker)
+    parser.commands = {"generate": g, "chat": c, "size": s, "serve": v, "tp-worker": w}
     return parser
 
 
@@ -458,7 +459,10 @@ def _tp_worker(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, which names the command and its --help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.run(args)
     except KeyboardInterrupt:
