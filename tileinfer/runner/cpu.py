@@ -88,7 +88,7 @@ class _SequenceView:
     the sequence's pages back since (a request ended by length at that launch)."""
 
     def __init__(self, cache: NumpyPagedCache, seq: Sequence, start: int, n: int):
-        self.cache, self.end = cache, start + n
+        self.cache, self.start, self.end = cache, start, start + n
         self.slots = cache.manager.slots(seq, start, n).astype(np.int64)
         self.block_table = list(seq.block_table)
         self.smoothing = cache.smoothing
@@ -185,13 +185,13 @@ class CPURunner(CheckpointRunner):
     # ------------------------------------------------------------------ steps
     def _rows_logits(self, view: _SequenceView, ids: list[int], every_row: bool) -> np.ndarray:
         """One sequence's new tokens (the view's entries) through the reference: [n or 1, vocab] logits."""
-        positions = np.arange(view.end - len(ids), view.end)
+        positions = np.arange(view.start, view.end)
         h, features = self.reference.hidden_rows(np.asarray(ids), positions, view, self.capture_layers)
         if features is not None:
             self._features.append(features)
         return self.reference.head(h if every_row else h[-1:])
 
-    def _check_step(self, batch) -> list[tuple[_SequenceView, list[int], int]]:
+    def _check_step(self, batch) -> list[tuple[_SequenceView, list[int]]]:
         rows = []
         for i, item in enumerate(batch):
             seq, ids = item[0], [int(t) for t in item[1]]
@@ -199,9 +199,9 @@ class CPURunner(CheckpointRunner):
             if not ids or start < 0 or start + len(ids) > seq.num_positions:
                 raise ValueError(f"step: sequence {i} computes positions [{start}, {start + len(ids)}) but has "
                                  f"{seq.num_positions} reserved")
-            rows.append((_SequenceView(self.cache, seq, start, len(ids)), ids, start))
-        if sum(len(ids) for _, ids, _ in rows) > self.max_batch_tokens:
-            raise ValueError(f"step of {sum(len(ids) for _, ids, _ in rows)} tokens exceeds max_batch_tokens "
+            rows.append((_SequenceView(self.cache, seq, start, len(ids)), ids))
+        if sum(len(ids) for _, ids in rows) > self.max_batch_tokens:
+            raise ValueError(f"step of {sum(len(ids) for _, ids in rows)} tokens exceeds max_batch_tokens "
                              f"({self.max_batch_tokens})")
         return rows
 
@@ -234,9 +234,8 @@ class CPURunner(CheckpointRunner):
         self._copy_pending_pages()
         self._features = []
         if token_src is not None:  # a decode row's token is the previous sampled step's sample in that row
-            rows = [(view, [int(self._prev[src])] if src >= 0 else ids, start)
-                    for (view, ids, start), src in zip(rows, token_src)]
-        last = np.concatenate([self._rows_logits(view, ids, False) for view, ids, _ in rows])
+            rows = [(view, [int(self._prev[src])] if src >= 0 else ids) for (view, ids), src in zip(rows, token_src)]
+        last = np.concatenate([self._rows_logits(view, ids, False) for view, ids in rows])
         if slot is None:
             return
         self._unsampled = (slot, rows, last, sampling, penalties, masked)
@@ -267,7 +266,7 @@ class CPURunner(CheckpointRunner):
         slot, rows, last, sampling, penalties, masked = self._unsampled
         out = np.zeros(len(rows), np.int32)
         k = 0
-        for i, (_, ids, start) in enumerate(rows):
+        for i, (view, _) in enumerate(rows):
             row = sampling[i] if sampling else SamplingRow()
             if penalties is not None and penalties[i] is not None:
                 last[i] = apply_penalties(last[i], *penalties[i], row.repetition, row.presence, row.frequency)
@@ -275,7 +274,7 @@ class CPURunner(CheckpointRunner):
                 last[i] = apply_mask(last[i], masks[k])
                 k += 1
             out[i] = sample_token(last[i], temperature=row.temperature, top_k=row.top_k, top_p=row.top_p,
-                                  min_p=row.min_p, seed=row.seed, counter=start + len(ids))
+                                  min_p=row.min_p, seed=row.seed, counter=view.end)
         self._last_logits, self._prev = last, out
         self._pending[slot] = out
 
@@ -305,12 +304,12 @@ class CPURunner(CheckpointRunner):
         if logits not in ("argmax", "all"):
             raise ValueError(f"logits must be 'argmax' or 'all', got {logits!r}")
         rows = self._check_step(batch)
-        n = sum(len(ids) for _, ids, _ in rows)
+        n = sum(len(ids) for _, ids in rows)
         if not rows or n > self.max_verify_tokens:
             raise ValueError(f"verify: {n} tokens in {len(rows)} rows; a verify step takes 1..{self.max_verify_tokens}")
         self._copy_pending_pages()
         self._features = []
-        out = np.concatenate([self._rows_logits(view, ids, True) for view, ids, _ in rows])
+        out = np.concatenate([self._rows_logits(view, ids, True) for view, ids in rows])
         if meanwhile is not None:
             meanwhile()
         return out.argmax(axis=1).astype(np.int32) if logits == "argmax" else out
