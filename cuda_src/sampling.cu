@@ -1,5 +1,6 @@
 // Next-token selection from float32 logits: greedy argmax, seeded sampling with temperature,
-// min-p, top-k and top-p, and vLLM's repetition/presence/frequency penalties (in place, before).
+// min-p, top-k and top-p, after a request's logit bias and vLLM's repetition/presence/frequency penalties (in
+// place, before).
 //
 // Sampling is the Gumbel-max trick over the kept tokens: argmax_i (z_i + g_i) with
 // z = logits / T and g_i = -log(-log(u_i)), u_i a counter-based hash of (seed, counter, i).
@@ -169,17 +170,18 @@ __device__ u32 bisect_threshold(const float *z, int vocab, float inv_t, float zm
     return lo;
 }
 
-// In place on row r of logits [rows, vocab], vLLM's penalties: row r's entries e in [offsets[r],
-// offsets[r + 1]) name distinct token ids tokens[e] from its prompt or output, counts[e] = occurrences in
-// the output (0: prompt only). Repetition scales every such logit (divides a positive one, multiplies the
-// rest); presence and frequency subtract for output tokens only. A negative count bans its token (its
-// logit becomes -inf: min_tokens keeps EOS out this way). Ids outside [0, vocab) are skipped; a
-// row without entries is left alone. Each operation is rounded on its own (no fma), exactly as the numpy
-// mirror (runner/sampler.py) computes it. The block's threads share the entries.
+// In place on row r of logits [rows, vocab], the logit bias and vLLM's penalties: row r's entries e in
+// [offsets[r], offsets[r + 1]) name distinct token ids tokens[e], each with a bias biases[e] (the request's
+// logit_bias; 0: none) added first, and counts[e]: its occurrences in the output if it is one of the prompt's or
+// output's tokens (0: prompt only), -1 if it is banned (its logit becomes -inf: min_tokens keeps EOS out this
+// way), -2 if it is only biased. Repetition then scales the logit of every prompt or output token (divides a
+// positive one, multiplies the rest); presence and frequency subtract for output tokens only. Ids outside
+// [0, vocab) are skipped; a row without entries is left alone. Each operation is rounded on its own (no fma),
+// exactly as the numpy mirror (runner/sampler.py) computes it. The block's threads share the entries.
 __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const int *__restrict__ offsets,
                                              const int *__restrict__ tokens, const int *__restrict__ counts,
-                                             const float *__restrict__ repetition, const float *__restrict__ presence,
-                                             const float *__restrict__ frequency) {
+                                             const float *__restrict__ biases, const float *__restrict__ repetition,
+                                             const float *__restrict__ presence, const float *__restrict__ frequency) {
     const int begin = offsets[r], end = offsets[r + 1];
     if (begin >= end) return;
     const float rep = repetition[r], pres = presence[r], freq = frequency[r];
@@ -187,11 +189,17 @@ __device__ __forceinline__ void penalize_row(float *row, int vocab, int r, const
         const int tok = tokens[e];
         if (tok < 0 || tok >= vocab) continue;
         const int n = counts[e];
-        if (n < 0) {
+        if (n == -1) {
             row[tok] = -TI_INF;
             continue;
         }
         float l = row[tok];
+        const float bias = biases[e];
+        if (bias != 0.f) l = __fadd_rn(l, bias);  // (not 0: -0 + 0 would turn a -0 logit into +0)
+        if (n < 0) {
+            row[tok] = l;
+            continue;
+        }
         if (rep != 1.f) l = l > 0.f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
         const float penalty = __fadd_rn(__fmul_rn(freq, (float)n), n > 0 ? pres : 0.f);
         row[tok] = __fsub_rn(l, penalty);
@@ -234,7 +242,7 @@ __device__ __forceinline__ void emit(int *out, int *host_out, const int *host_sl
 // grid (rows), block (1024). Per row r: temperature[r] <= 0 means greedy (min-p, top-k, top-p
 // ignored); min_p[r] <= 0 disables min-p; top_k[r] <= 0 or >= vocab disables top-k; top_p[r] >= 1
 // disables top-p. counters[r] is the position being sampled. With pen_offsets (and the penalty
-// tokens, counts and factors) the block first applies row r's penalties in place (penalize_row; in
+// tokens, counts, biases and factors) the block first applies row r's bias and penalties in place (penalize_row; in
 // the same launch, not one of its own before it: one kernel less a step). num_keys > 0: the LM head
 // wrote row 0's per-block keys to head_keys (batch 1); unless row 0 has penalty entries or a mask, its
 // argmax comes from those keys. mask_rows[r] >= 0: row r keeps only the tokens its bitmask in `masks`
@@ -245,8 +253,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
         const int *__restrict__ top_k, const float *__restrict__ top_p, const float *__restrict__ min_p,
         const u64 *__restrict__ seeds, const int *__restrict__ counters, int *__restrict__ out,
         const u64 *__restrict__ head_keys, int num_keys, const int *__restrict__ pen_offsets,
-        const int *__restrict__ pen_tokens, const int *__restrict__ pen_counts, const float *__restrict__ repetition,
-        const float *__restrict__ presence, const float *__restrict__ frequency, const int *__restrict__ mask_rows,
+        const int *__restrict__ pen_tokens, const int *__restrict__ pen_counts, const float *__restrict__ pen_biases,
+        const float *__restrict__ repetition, const float *__restrict__ presence, const float *__restrict__ frequency,
+        const int *__restrict__ mask_rows,
         const int *__restrict__ masks, int mask_words, int *__restrict__ host_out, const int *__restrict__ host_slot,
         int host_stride) {
     pdl_start();
@@ -259,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(
 
     const bool penalized = pen_offsets != nullptr && pen_offsets[r + 1] > pen_offsets[r];
     if (penalized) {
-        penalize_row(z, vocab, r, pen_offsets, pen_tokens, pen_counts, repetition, presence, frequency);
+        penalize_row(z, vocab, r, pen_offsets, pen_tokens, pen_counts, pen_biases, repetition, presence, frequency);
         __syncthreads();  // the block's writes are visible to its own later reads
     }
     const int mask_row = mask_rows != nullptr ? mask_rows[r] : -1;

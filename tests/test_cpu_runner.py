@@ -123,6 +123,24 @@ def test_generate_over_an_idle_llm_runs_in_its_engine(tiny_checkpoint, reference
             tileinfer.generate(llm, prompt, max_new_tokens=60)
 
 
+def test_logit_bias_forces_and_bans_tokens_and_shifts_the_logits_it_names(tiny_checkpoint):
+    prompt = prompts_of([12], seed=9)[0]
+    with cpu_llm(tiny_checkpoint) as llm:
+        plain = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))[0]
+        forced = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                     logit_bias={4242: 100.0}))[0]
+        first = plain.token_ids[0]
+        banned = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logit_bias={first: -100.0},
+                                                     logprobs=3))[0]
+        with pytest.raises(ValueError, match=r"logit_bias: token ids \[151936\] are outside the vocabulary"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, logit_bias={151936: 1.0}))
+    assert forced.token_ids == [4242] * 6
+    assert banned.token_ids[0] != first
+    # the rest of the distribution is the plain one: the runner-up (the plain second choice) takes the lead
+    runner_up = sorted(plain.logprobs[0], key=plain.logprobs[0].get)[-2]
+    assert banned.token_ids[0] == runner_up
+
+
 def test_llm_chat_replies_to_each_conversation_as_generate_continues_its_rendered_prompt(tiny_checkpoint):
     hi = [{"role": "user", "content": "Hi"}]
     long = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},

@@ -185,10 +185,11 @@ def test_a_verify_step_never_exceeds_its_rows():
     assert sum(o.speculation.drafted for o in outs) > 0
 
 
-def test_requests_with_penalties_decode_without_speculating():
+@pytest.mark.parametrize("unspeculated", [dict(repetition_penalty=1.1), dict(logit_bias={3: -0.5})])
+def test_requests_with_penalties_or_a_bias_decode_without_speculating(unspeculated):
     prompts, params = workload(11)
     params = [SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True,
-                             stop_token_ids=sp.stop_token_ids, repetition_penalty=1.1 if i % 2 else 1.0)
+                             stop_token_ids=sp.stop_token_ids, **(unspeculated if i % 2 else {}))
               for i, sp in enumerate(params)]
     llm = spec_llm(k=3)
     outs = run_checked(llm, prompts, params)

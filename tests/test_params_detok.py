@@ -34,11 +34,22 @@ def hf():
     ("stop_token_ids", [-5], "stop_token_ids"),
     ("logprobs", 21, "logprobs must be None or an integer in [0, 20]"),
     ("ignore_eos", "yes", "ignore_eos must be True or False"),
+    ("logit_bias", {5: 101}, "logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]"),
+    ("logit_bias", {-1: 1.0}, "logit_bias must map token ids"),
+    ("logit_bias", {"5": 1.0}, "logit_bias must map token ids"),
+    ("logit_bias", {5: float("nan")}, "logit_bias must map token ids"),
+    ("logit_bias", [5], "logit_bias must map token ids"),
+    ("logit_bias", dict.fromkeys(range(513), 1.0), "logit_bias names 513 tokens; at most 512"),
 ])
 def test_invalid_values_name_the_field_and_range(field, value, words):
     with pytest.raises(ValueError) as e:
         SamplingParams(**{field: value})
     assert words in str(e.value)
+
+
+def test_logit_bias_drops_zeros():
+    assert SamplingParams(logit_bias={5: 0, 7: -2}).logit_bias == {7: -2.0}
+    assert SamplingParams(logit_bias={5: 0}).logit_bias is None
 
 
 def test_defaults_and_normalisation():

@@ -168,6 +168,18 @@ def test_penalties_hand_example():
     assert np.array_equal(row, [2.0, -1.0, 0.5, 3.0, -2.0, 0.0]), "the input row must not change"
 
 
+def test_logit_bias_comes_first_and_only_biased_tokens_skip_the_penalties():
+    row = np.array([2.0, -1.0, 0.5, -0.0, 1.0, 4.0], F32)
+    # 0 output once, biased +2: (2 + 2) / 2 - (0.25 + 0.5); 1 only biased (count -2): -1 - 3, no repetition;
+    # 2 prompt only, bias 0: 0.5 / 2; 3 only biased by 0 (-0 stays -0); 4 banned though biased; 5 untouched.
+    got = sampler.apply_penalties(row, [0, 1, 2, 3, 4], [1, -2, 0, -2, -1], repetition=2.0, presence=0.5,
+                                  frequency=0.25, biases=[2.0, -3.0, 0.0, 0.0, 50.0])
+    want = np.array([2.0 - 0.75, -4.0, 0.25, -0.0, -np.inf, 4.0], F32)
+    assert np.array_equal(got, want) and np.signbit(got[3]), got
+    with pytest.raises(ValueError, match="equal-length"):
+        sampler.apply_penalties(row, [0, 1], [0, 0], 1.0, 0.0, 0.0, biases=[1.0])
+
+
 def test_penalties_repetition_below_one_and_off():
     row = np.array([4.0, -4.0, 1.0], F32)
     got = sampler.apply_penalties(row, [0, 1], [0, 0], repetition=0.5, presence=9.0, frequency=9.0)

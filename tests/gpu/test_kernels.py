@@ -875,8 +875,9 @@ def test_sample_reads_the_lm_head_keys_unless_penalties_changed_the_row(buf, str
         out = buf.poisoned((1,), I32)
         ids = np.asarray(entries, np.int32)
         penalties = (buf.upload(np.array([0, ids.size], np.int32)), buf.upload(np.append(ids, np.int32(0))),
-                     buf.upload(np.ones(ids.size + 1, np.int32)), buf.upload(np.ones(1, np.float32)),
-                     buf.upload(np.array([presence], np.float32)), buf.upload(np.zeros(1, np.float32)))
+                     buf.upload(np.ones(ids.size + 1, np.int32)), buf.upload(np.zeros(ids.size + 1, np.float32)),
+                     buf.upload(np.ones(1, np.float32)), buf.upload(np.array([presence], np.float32)),
+                     buf.upload(np.zeros(1, np.float32)))
         sample(logits, buf.upload(np.array([temperature], np.float32)), buf.upload(np.array([0], np.int32)),
                buf.upload(np.array([1.0], np.float32)), buf.upload(np.zeros(1, np.float32)),
                buf.upload(np.array([7], np.uint64)), buf.upload(np.array([3], np.int32)), out, stream,

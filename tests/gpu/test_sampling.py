@@ -238,7 +238,8 @@ def test_min_p_sample_distribution_small_vocab(buf, stream):
 
 
 def penalty_rows(rng: np.random.Generator, vocab: int) -> list[dict]:
-    """Rows of (repetition, presence, frequency, tokens, counts); some without entries."""
+    """Rows of (repetition, presence, frequency, tokens, counts, biases); some without entries. Half the entries
+    carry a logit bias (the rest 0: none), and some rows have tokens that are only biased (count -2)."""
     def entries(n, forced=()):
         tokens = np.array(list(forced), np.int64)
         rest = np.setdiff1d(rng.choice(vocab, min(n, vocab), replace=False), tokens)[:max(n - len(forced), 0)]
@@ -247,7 +248,9 @@ def penalty_rows(rng: np.random.Generator, vocab: int) -> list[dict]:
         return tokens, counts
 
     def row(rep, pres, freq, tc):
-        return dict(repetition=rep, presence=pres, frequency=freq, tokens=tc[0], counts=tc[1])
+        tokens = tc[0]
+        biases = np.where(rng.random(tokens.size) < 0.5, rng.uniform(-100, 100, tokens.size), 0).astype(np.float32)
+        return dict(repetition=rep, presence=pres, frequency=freq, tokens=tokens, counts=tc[1], biases=biases)
 
     empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
     return [
@@ -262,6 +265,8 @@ def penalty_rows(rng: np.random.Generator, vocab: int) -> list[dict]:
         row(1.25, 0.3, 0.6, (np.array([-1, vocab, 9], np.int32), np.array([1, 1, 1], np.int32))),  # ids outside
         row(1.2, 0.4, 0.3, (np.array([3, 11, 40, vocab - 2], np.int32), np.array([-1, -1, 2, -1], np.int32))),
                                                                       # bans (min_tokens): -inf, 11 the largest
+        row(1.4, 0.5, 0.5, (entries(50)[0], np.full(50, -2, np.int32))),  # tokens only biased: no repetition
+        row(1.2, 0.3, 0.2, (np.array([1, 2, 3, 4], np.int32), np.array([-2, 0, -1, 3], np.int32))),  # every kind
         row(1.3, 0.5, 0.2, empty),                                    # the last row without entries
     ]
 
@@ -303,18 +308,19 @@ def test_sample_applies_penalties_as_numpy(vocab, buf, stream):
     # Five more valid entries after offsets[rows]: no row owns them, so they must never be applied.
     tokens = np.concatenate([s["tokens"] for s in spec] + [np.arange(5, dtype=np.int32)])
     counts = np.concatenate([s["counts"] for s in spec] + [np.full(5, 3, np.int32)])
+    biases = np.concatenate([s["biases"] for s in spec] + [np.full(5, 7, np.float32)])
 
     def per_row(key: str) -> DeviceArray:
         return buf.upload(np.array([s[key] for s in spec], np.float32))
 
     dev_logits = buf.upload(logits)
-    penalties = (buf.upload(offsets), buf.upload(tokens), buf.upload(counts), per_row("repetition"),
-                 per_row("presence"), per_row("frequency"))
+    penalties = (buf.upload(offsets), buf.upload(tokens), buf.upload(counts), buf.upload(biases),
+                 per_row("repetition"), per_row("presence"), per_row("frequency"))
     tokens_out = greedy(buf, stream, dev_logits, penalties)
     got = dev_logits.to_host(stream)
 
     want = np.stack([sampler.apply_penalties(logits[r], s["tokens"], s["counts"], s["repetition"], s["presence"],
-                                             s["frequency"]) for r, s in enumerate(spec)])
+                                             s["frequency"], s["biases"]) for r, s in enumerate(spec)])
     changed = int((want.view(np.uint32) != logits.view(np.uint32)).sum())
     print(f"penalties vocab={vocab}: rows {rows}, entries per row {np.diff(offsets).tolist()}, "
           f"{changed} logits changed by the mirror")
@@ -334,7 +340,7 @@ def test_penalties_without_entries_are_a_no_op(buf, stream):
     dev_logits = buf.upload(logits)
     tokens = greedy(buf, stream, dev_logits, (
         buf.upload(np.zeros(rows + 1, np.int32)), buf.upload(np.arange(16, dtype=np.int32)),
-        buf.upload(np.ones(16, np.int32)), buf.upload(np.full(rows, 1.5, np.float32)),
+        buf.upload(np.ones(16, np.int32)), buf.upload(np.full(16, 3.0, np.float32)), buf.upload(np.full(rows, 1.5, np.float32)),
         buf.upload(np.full(rows, 0.5, np.float32)), buf.upload(np.full(rows, 0.5, np.float32))))
     assert_bits_equal(dev_logits.to_host(stream), logits, "penalties with no entries")
     np.testing.assert_array_equal(tokens, logits.argmax(axis=1))
@@ -351,7 +357,8 @@ def sample_args(B):
 
 def penalty_args(B, *, offsets=3, counts=4, tokens=I32, presence=F32):
     """Penalty arrays for two rows, valid unless an argument says otherwise."""
-    return (B((offsets,), I32), B((4,), tokens), B((counts,), I32), B((2,), F32), B((2,), presence), B((2,), F32))
+    return (B((offsets,), I32), B((4,), tokens), B((counts,), I32), B((4,), F32), B((2,), F32), B((2,), presence),
+            B((2,), F32))
 
 
 LAUNCHER_ERRORS = {
@@ -363,7 +370,7 @@ LAUNCHER_ERRORS = {
     "penalties counts length": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, counts=5)),
     "penalties tokens int64": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, tokens=np.int64)),
     "penalties presence float64": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B, presence=np.float64)),
-    "penalties five arrays": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B)[:5]),
+    "penalties six arrays": lambda B, s: sample(*sample_args(B), s, penalties=penalty_args(B)[:6]),
 }
 
 

@@ -70,13 +70,15 @@ class _InFlight:
 
 @dataclass
 class _Penalties:
-    """One request's penalty entries: every distinct prompt/output token and its output count (with a
-    penalty on), and the tokens it bans (count -1) until its min_tokens-th output token."""
+    """One request's sampler entries: every distinct prompt/output token and its output count (with a penalty
+    on), the tokens it bans (count -1) until its min_tokens-th output token, and its logit bias (a token only
+    biased: count -2)."""
     index: dict[int, int] = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     banned: list[int] = field(default_factory=list)
     ban_until: int = 0   # output tokens before which `banned` is in force
+    bias: dict[int, float] = field(default_factory=dict)
 
     def add(self, token: int, output: bool) -> None:
         at = self.index.get(token)
@@ -87,16 +89,16 @@ class _Penalties:
         if output:
             self.counts[at] += 1
 
-    def arrays(self, num_output: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The entries for sampling output token `num_output` (None: nothing to apply)."""
-        ids, counts = self.ids, self.counts
-        if num_output < self.ban_until:
-            extra = [t for t in self.banned if t not in self.index]
-            ids = ids + extra
-            counts = [-1 if t in self.banned else c for t, c in zip(self.ids, counts)] + [-1] * len(extra)
+    def arrays(self, num_output: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The entries (ids, counts, biases) for sampling output token `num_output` (None: nothing to apply)."""
+        banned = set(self.banned) if num_output < self.ban_until else set()
+        ids = self.ids + [t for t in self.bias if t not in self.index]
+        ids += [t for t in banned if t not in self.index and t not in self.bias]
         if not ids:
             return None
-        return np.asarray(ids, np.int32), np.asarray(counts, np.int32)
+        counts = [-1 if t in banned else self.counts[self.index[t]] if t in self.index else -2 for t in ids]
+        return (np.asarray(ids, np.int32), np.asarray(counts, np.int32),
+                np.asarray([self.bias.get(t, 0.0) for t in ids], np.float32))
 
 
 def sampling_row(params: SamplingParams, seed: int) -> SamplingRow:
@@ -157,6 +159,10 @@ class Engine:
         shares_prompt_with: an earlier request of the same prompt (another of n choices), whose computed
         prompt pages this one takes from the prefix cache."""
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        vocab = self.runner.config.vocab_size
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {vocab})")
         req = Request(request_id=self._next_id, prompt_ids=prompt_ids, params=params, seed=params.resolved_seed())
         if seq is not None:
             req.seq = seq
@@ -178,8 +184,9 @@ class Engine:
         req.sampling_row = sampling_row(p, req.seed)
         req.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         req.penalties = None
-        if p.has_penalties or p.min_tokens:
-            req.penalties = _Penalties(banned=sorted(req.stop_ids), ban_until=p.min_tokens)
+        if p.has_penalties or p.min_tokens or p.logit_bias:
+            req.penalties = _Penalties(banned=sorted(req.stop_ids), ban_until=p.min_tokens,
+                                       bias=dict(p.logit_bias or {}))
             for t in req.prompt_ids if p.has_penalties else ():
                 req.penalties.add(t, output=False)
         if p.stop or stream:
@@ -190,8 +197,10 @@ class Engine:
             req.logprobs = []
         # a ban needs only the count of tokens (known ahead); penalties and logprobs need the tokens
         req.sync = p.has_penalties or p.logprobs is not None
-        if self.drafter is not None and not req.sync and not p.min_tokens and req.matcher is None:
-            # speculating: one token a step for the others (a grammar would have to check every proposal)
+        if self.drafter is not None and not req.sync and not p.min_tokens and not p.logit_bias \
+                and req.matcher is None:
+            # speculating: one token a step for the others (a grammar would have to check every proposal, a
+            # bias or a ban would change the verify step's argmax)
             req.spec = SpecStats()
             req.spec_rng = np.random.default_rng(req.seed)
         self.scheduler.add(req)

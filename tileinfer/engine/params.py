@@ -4,10 +4,10 @@ The fields and their meaning follow vLLM's SamplingParams, so code written for i
 same here. Every invalid value raises ValueError naming the field and its allowed range.
 
 Order of the logits processing, per generated token (cuda_src/sampling.cu):
-  1. penalties on the raw logits: repetition (prompt and output tokens; a positive logit is
-     divided by it, a negative one multiplied), then frequency x count and presence (output
-     tokens only) subtracted; then tokens banned (min_tokens) or outside a structured output's
-     grammar (structured_outputs) set to -inf;
+  1. the request's logit_bias added to the raw logits (as vLLM adds it before the penalties); then
+     penalties: repetition (prompt and output tokens; a positive logit is divided by it, a negative one
+     multiplied), then frequency x count and presence (output tokens only) subtracted; then tokens banned
+     (min_tokens) or outside a structured output's grammar (structured_outputs) set to -inf;
   2. temperature (0 = greedy: the argmax, lowest index on ties; nothing below applies);
   3. min_p, top_k, top_p restrict the candidates; a Gumbel-max draw picks one, seeded by
      (seed, position), so a request's samples depend only on its own seed and tokens.
@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..runner.sampler import MAX_BANNED_TOKENS
+from ..runner.sampler import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from .structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
@@ -52,6 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to hold to
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -94,6 +95,15 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(f"structured_outputs must be a StructuredOutputs, "
                              f"got {type(self.structured_outputs).__name__}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or not all(_is_int(t) and t >= 0 for t in bias) or \
+                    not all(_is_number(v) and -100 <= v <= 100 for v in bias.values()):
+                raise ValueError(f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], "
+                                 f"got {bias!r}"[:300])
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias names {len(bias)} tokens; at most {MAX_LOGIT_BIAS}")
+            self.logit_bias = {t: float(v) for t, v in bias.items() if v != 0} or None
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -1,5 +1,5 @@
 """Launchers for cuda_src/sampling.cu: greedy argmax, seeded temperature/min-p/top-k/top-p sampling
-after vLLM's repetition/presence/frequency penalties."""
+after a request's logit bias and vLLM's repetition/presence/frequency penalties."""
 from ..cuda import I32, DeviceArray, kernel
 from ._check import FLOAT32, INT32, UINT64, expect
 
@@ -21,12 +21,13 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
     then top-p filtered softmax(logits[r] / temperature[r]), seeded by (seeds[r], counters[r]).
     min_p[r] <= 0 disables min-p (it keeps probabilities >= min_p[r] * the largest).
 
-    penalties: (offsets, tokens, counts, repetition, presence, frequency), vLLM's penalties applied in
-    place to the logits first, in the same launch. Row r's entries e in [offsets[r], offsets[r + 1]) name
-    distinct token ids tokens[e] of its prompt or output, counts[e] their occurrences in the output (0:
-    prompt only): logits[r, t] is divided by repetition[r] when positive (else multiplied; 1 = off), then
-    reduced by frequency[r] * counts[e] + (presence[r] if counts[e] > 0). Rows without entries are left
-    alone; ids outside the vocabulary are skipped. Rounded as runner/sampler.apply_penalties rounds.
+    penalties: (offsets, tokens, counts, biases, repetition, presence, frequency), the logit bias and vLLM's
+    penalties applied in place to the logits first, in the same launch. Row r's entries e in [offsets[r],
+    offsets[r + 1]) name distinct token ids tokens[e]: logits[r, t] gets biases[e] added (0: none); then if
+    counts[e] >= 0 (t is a prompt or output token, counts[e] its occurrences in the output) it is divided by
+    repetition[r] when positive (else multiplied; 1 = off) and reduced by frequency[r] * counts[e] +
+    (presence[r] if counts[e] > 0); counts[e] == -1 bans t (-inf); -2: t is only biased. Rows without entries
+    are left alone; ids outside the vocabulary are skipped. Rounded as runner/sampler.apply_penalties rounds.
 
     masks: (mask_rows, bitmasks): row r's allowed tokens are bitmask mask_rows[r] (int32 words, bit t % 32 of
     word t // 32 for token t; mask_rows[r] < 0: no mask); every other logit becomes -inf after the penalties
@@ -45,15 +46,16 @@ def sample(logits: DeviceArray, temperature: DeviceArray, top_k: DeviceArray, to
                              ("top_p", top_p, FLOAT32), ("min_p", min_p, FLOAT32), ("seeds", seeds, UINT64),
                              ("counters", counters, INT32), ("out", out, INT32)):
         expect(name, arr, (rows,), dtype)
-    pen_args = [None] * 6
+    pen_args = [None] * 7
     if penalties is not None:
-        if len(penalties) != 6:
-            raise ValueError(f"sample: penalties are (offsets, tokens, counts, repetition, presence, frequency), "
-                             f"got {len(penalties)} arrays")
-        offsets, tokens, counts, repetition, presence, frequency = penalties
+        if len(penalties) != 7:
+            raise ValueError(f"sample: penalties are (offsets, tokens, counts, biases, repetition, presence, "
+                             f"frequency), got {len(penalties)} arrays")
+        offsets, tokens, counts, biases, repetition, presence, frequency = penalties
         expect("penalty offsets", offsets, (rows + 1,), INT32)
         expect("penalty tokens", tokens, (None,), INT32)
         expect("penalty counts", counts, tokens.shape, INT32)
+        expect("penalty biases", biases, tokens.shape, FLOAT32)
         for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
             expect(name, arr, (rows,), FLOAT32)
         pen_args = list(penalties)

@@ -269,7 +269,8 @@ class CPURunner(CheckpointRunner):
         for i, (view, _) in enumerate(rows):
             row = sampling[i] if sampling else SamplingRow()
             if penalties is not None and penalties[i] is not None:
-                last[i] = apply_penalties(last[i], *penalties[i], row.repetition, row.presence, row.frequency)
+                ids, counts, biases = penalties[i]
+                last[i] = apply_penalties(last[i], ids, counts, row.repetition, row.presence, row.frequency, biases)
             if masked is not None and masked[i]:
                 last[i] = apply_mask(last[i], masks[k])
                 k += 1

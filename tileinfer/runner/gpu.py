@@ -336,7 +336,8 @@ class GPURunner(CheckpointRunner):
         if masked:
             self.steps.join_masks(stream)
         penalties = (d["pen_offsets"].rows(0, b + 1), self.steps.penalty_tokens, self.steps.penalty_counts,
-                     d["repetition"].rows(0, b), d["presence"].rows(0, b), d["frequency"].rows(0, b))
+                     self.steps.penalty_biases, d["repetition"].rows(0, b), d["presence"].rows(0, b),
+                     d["frequency"].rows(0, b))
         keyed = head_keys_written(logits, self.batch_invariant, self.tensor_parallel)  # batch 1, one GPU
         K.sample(logits, d["temperature"].rows(0, b), d["top_k"].rows(0, b), d["top_p"].rows(0, b),
                  d["min_p"].rows(0, b), d["seeds"].rows(0, b), d["counters"].rows(0, b),

@@ -8,7 +8,7 @@ The sample is argmax over kept i of z_i + g_i, g_i = -log(-log(u_i)),
 u_i = uniform01(seed, counter, i): the Gumbel-max trick, which draws exactly from softmax
 over the kept set.
 
-Penalties (vLLM's, applied to the logits before all of that) are `apply_penalties`.
+A request's logit bias and vLLM's penalties, applied to the logits before all of that, are `apply_penalties`.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 
 
 MAX_BANNED_TOKENS = 64  # tokens one request may ban (min_tokens: its EOS and stop ids); the sampler keeps room
+MAX_LOGIT_BIAS = 512    # tokens one request may bias (logit_bias); the sampler keeps room for them too
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
@@ -81,29 +82,34 @@ def sample(logits: np.ndarray, *, temperature: float, top_k: int = 0, top_p: flo
 
 
 def apply_penalties(logits_row: np.ndarray, tokens, counts, repetition: float, presence: float,
-                    frequency: float) -> np.ndarray:
-    """vLLM's penalties on one row, as the kernel applies them; returns a new float32 row.
+                    frequency: float, biases=None) -> np.ndarray:
+    """A request's logit bias and vLLM's penalties on one row, as the kernel applies them; returns a new float32
+    row.
 
-    tokens: distinct ids from the row's prompt or output; counts: each one's occurrences in the
-    output (0: prompt only). l = logits[t]; if repetition != 1, l = l / repetition when l > 0, else
-    l * repetition (prompt and output tokens); then l -= frequency * count + (presence if count > 0)
-    (output tokens only). A negative count bans its token (-inf). Every operation rounds in float32; ids
-    outside [0, vocab) are skipped.
+    tokens: distinct ids; biases (default none): each one's bias, added first where it is not 0; counts: for a
+    token of the row's prompt or output, its occurrences in the output (0: prompt only), then l = logits[t]; if
+    repetition != 1, l = l / repetition when l > 0, else l * repetition; then l -= frequency * count + (presence
+    if count > 0) (output tokens only); -1 bans the token (-inf); -2: the token is only biased. Every operation
+    rounds in float32; ids outside [0, vocab) are skipped.
     """
     row = np.array(logits_row, np.float32)  # a copy
     tokens, counts = np.asarray(tokens, np.int64), np.asarray(counts, np.int32)
-    if tokens.shape != counts.shape or tokens.ndim != 1:
-        raise ValueError(f"apply_penalties: tokens {tokens.shape} and counts {counts.shape} must be equal-length 1-D")
+    biases = np.zeros(tokens.shape, np.float32) if biases is None else np.asarray(biases, np.float32)
+    if tokens.shape != counts.shape or tokens.shape != biases.shape or tokens.ndim != 1:
+        raise ValueError(f"apply_penalties: tokens {tokens.shape}, counts {counts.shape} and biases {biases.shape} "
+                         f"must be equal-length 1-D")
     if np.unique(tokens).size != tokens.size:
         raise ValueError("apply_penalties: a row's token ids must be distinct")
     valid = (tokens >= 0) & (tokens < row.size)
-    tokens, counts = tokens[valid], counts[valid]
+    tokens, counts, biases = tokens[valid], counts[valid], biases[valid]
     rep, pres, freq = np.float32(repetition), np.float32(presence), np.float32(frequency)
     l = row[tokens]
+    l = np.where(biases != 0, l + biases, l)  # (not 0: -0 + 0 would turn a -0 logit into +0)
+    seen = counts >= 0
     if rep != np.float32(1):
-        l = np.where(l > 0, l / rep, l * rep)
+        l = np.where(seen, np.where(l > 0, l / rep, l * rep), l)
     penalty = freq * counts.astype(np.float32) + np.where(counts > 0, pres, np.float32(0))
-    row[tokens] = np.where(counts < 0, np.float32(-np.inf), l - penalty)
+    row[tokens] = np.where(counts == -1, np.float32(-np.inf), np.where(seen, l - penalty, l))
     return row
 
 

@@ -42,7 +42,7 @@ from .cpu_dflash import CPUDFlashRunner
 from .gpu import GPURunner
 from .gpu_dflash import GPUDFlashRunner
 from .memory_report import MemoryReport
-from .sampler import MAX_BANNED_TOKENS
+from .sampler import MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from .step import SamplingRow
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class Started:
 
 
 def _penalty_capacity(config: EngineConfig) -> int:
-    # a row's distinct tokens are never more than its positions; a ban (min_tokens) adds its stop ids
-    return config.max_num_seqs * (config.max_context + MAX_BANNED_TOKENS)
+    # a row's distinct tokens are never more than its positions; a ban (min_tokens) adds its stop ids, a logit
+    # bias its tokens
+    return config.max_num_seqs * (config.max_context + MAX_BANNED_TOKENS + MAX_LOGIT_BIAS)
 
 
 def start_cpu(config: EngineConfig) -> Started:

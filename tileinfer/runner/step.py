@@ -105,9 +105,9 @@ class StepBuffers:
         self.sampled_ready = [Event(), Event()]
         self.uploaded = Event()  # recorded after each upload or fetch: the mirror may be rewritten once it completes
         self._upload_pending = False
-        # Penalty entries (token id, output count) of every row, uploaded only as far as used.
+        # Penalty entries (token id, output count, bias as float32 bits) of every row, uploaded only as far as used.
         self.penalty_capacity = max(int(penalty_capacity), 1)
-        self.penalties = DeviceArray((2, self.penalty_capacity), np.int32)
+        self.penalties = DeviceArray((3, self.penalty_capacity), np.int32)
         self.penalties_host = PinnedBuffer(self.penalties.nbytes)
         self.num_penalty_entries = 0
         # Allowed-token bitmasks (structured output) of the rows that have one, in row order; the host
@@ -132,6 +132,10 @@ class StepBuffers:
     @property
     def penalty_counts(self) -> DeviceArray:
         return self.penalties.rows(1, 2).view((self.penalty_capacity,))
+
+    @property
+    def penalty_biases(self) -> DeviceArray:
+        return self.penalties.rows(2, 3).view((self.penalty_capacity,), np.float32)
 
     def wait_upload(self) -> None:
         """Block until the last upload has read the pinned mirror (before writing it again)."""
@@ -159,9 +163,9 @@ class StepBuffers:
         n = self.num_penalty_entries
         if n:
             cap = self.penalty_capacity
-            call(driver.cuMemcpyHtoDAsync, self.penalties.ptr, self.penalties_host.ptr, n * 4, stream.handle)
-            call(driver.cuMemcpyHtoDAsync, self.penalties.ptr + cap * 4, self.penalties_host.ptr + cap * 4, n * 4,
-                 stream.handle)
+            for row in range(3):  # tokens, counts, biases
+                call(driver.cuMemcpyHtoDAsync, self.penalties.ptr + row * cap * 4,
+                     self.penalties_host.ptr + row * cap * 4, n * 4, stream.handle)
 
     # ------------------------------------------------------------------ bitmasks after the launch
     def fork_masks(self, rows: int, stream) -> None:
@@ -243,7 +247,7 @@ def prepare_step(buffers: StepBuffers, manager: BlockManager, batch, sampling: l
     (sequence, ids) means start = sequence.num_positions - len(ids) (its last reserved positions).
     pad_to: the number of sequences (and, for one-token steps, tokens) of the graph bucket;
     padding rows have no query tokens (attention skips them) and slot -1 (nothing is stored).
-    penalties: per row None or (token ids, output counts) int32 arrays for apply_penalties.
+    penalties: per row None or (token ids, counts, biases) for apply_penalties.
     masked: per row whether it samples under an allowed-token bitmask: the masked rows take bitmasks
     0, 1, ... in row order (mask_rows), written after the launch (StepBuffers.mask_staging).
     token_src: per row -1, or (for a one-token row) the row of the previous step whose sample is
@@ -427,18 +431,20 @@ def _fill_penalties(buffers: StepBuffers, penalties: list | None, num_seqs: int)
         buffers.num_penalty_entries = 0
         return
     cap = buffers.penalty_capacity
-    entries = buffers.penalties_host.array((2, cap), np.int32)
+    entries = buffers.penalties_host.array((3, cap), np.int32)
+    biases = entries[2].view(np.float32)
     n = 0
     for i in range(num_seqs):
         offsets[i] = n
         p = penalties[i] if i < len(penalties) else None
         if p is None:
             continue
-        ids, counts = p
+        ids, counts, bias = p
         if n + len(ids) > cap:
             raise ValueError(f"prepare_step: more than {cap} penalty entries in one step")
         entries[0, n:n + len(ids)] = ids
         entries[1, n:n + len(ids)] = counts
+        biases[n:n + len(ids)] = bias
         n += len(ids)
     offsets[num_seqs:] = n
     buffers.num_penalty_entries = n

@@ -117,6 +117,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
         _note_ignored(body, "/v1/completions")
+        body.refuse_unsupported()
         prompts = body.prompts()
         sampling = body.sampling(body.max_tokens, body.logprobs)
         sub = await _start(engine, prompts, sampling, body.stream, body.n,

@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI endpoints, validated by pydantic, and their mapping to SamplingParams.
 
 Fields the server does not know are ignored with one log line naming them, as vLLM does (`ignored`); the
-ones it knows but cannot honour (logit_bias, a completion's suffix, best_of beyond n, echo with logprobs) are
+ones it knows but cannot honour (a completion's suffix, best_of beyond n, echo with logprobs) are
 refused with a 400 naming them, so that a client never gets text made without what it asked for. Ranges are
 checked once, by SamplingParams, whose ValueError names the field.
 """
@@ -75,7 +75,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None   # refused unless empty (`refuse_unsupported`)
+    logit_bias: dict[str, float] | None = None   # token id (as a string, as JSON keys are) -> bias
     user: str | None = None
     # Extensions vLLM also takes:
     top_k: int | None = None
@@ -145,15 +145,17 @@ class _Sampling(BaseModel):
         """The body's fields this server does not know (it ignores them)."""
         return sorted(self.model_extra or {})
 
-    def refuse_unsupported(self) -> None:
-        """APIError for a field this server knows but does not honour, when it asks for something."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server; to keep tokens out or force a choice, "
-                                "use structured_outputs (regex or choice) or stop_token_ids", param="logit_bias")
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids; APIError naming a key that is not one."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not k.strip().isdigit()]
+        if bad:
+            raise APIError(400, f"logit_bias keys must be token ids (e.g. \"1234\"), got {bad[:5]}", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """SamplingParams' keyword arguments (the ones given); checked where the request is made."""
-        self.refuse_unsupported()
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         given = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
@@ -162,7 +164,8 @@ class _Sampling(BaseModel):
                      repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
                      stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
                      include_stop_str_in_output=self.include_stop_str_in_output,
-                     skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured())
+                     skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_bias(),
+                     structured_outputs=self.structured())
         out = {k: v for k, v in given.items() if v is not None}
         out["max_tokens"] = max_tokens  # None: what the context leaves (resolved with the prompt's length)
         out.setdefault("temperature", 1.0)  # OpenAI's default
@@ -182,7 +185,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None    # refused unless it is n
 
     def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
+        """APIError for a field this server knows but does not honour, when it asks for something."""
         if self.suffix:
             raise APIError(400, "suffix (text to follow the completion, for insertion) is not supported by this "
                                 "server", param="suffix")
