@@ -1,11 +1,11 @@
 """Random workloads through a crowded engine, each request against the same request run alone.
 
 A workload is a handful of requests (some sharing a prompt prefix) of every kind the engine treats differently:
-greedy, sampled with a seed, with penalties, with min_tokens and logprobs, with stop strings, constrained by a
-grammar; they arrive over several steps, some are aborted mid-way, and they run on the float32 CPU runner with a
-small page pool (preemption), a small token budget (chunked prefill), prefix caching and pipelined steps. Every
-request that was not aborted must give exactly what it gives alone on a roomy engine; an aborted one, a prefix
-of that; the pool must be whole afterwards. The seeds are fixed: each failure is reproducible with its seed.
+greedy, sampled with a seed, with penalties and a logit bias, with min_tokens and logprobs, with stop strings,
+constrained by a grammar; they arrive over several steps, some are aborted mid-way, and they run on the float32 CPU
+runner with a small page pool (preemption), a small token budget (chunked prefill), prefix caching and pipelined
+steps. Every request that was not aborted must give exactly what it gives alone on a roomy engine; an aborted one, a
+prefix of that; the pool must be whole afterwards. The seeds are fixed: each failure is reproducible with its seed.
 `pytest --serve-device cuda [--serve-model qwen3-0.6b]` runs the same on the GPU runner (batch-invariant kernels,
 tests/conftest.py).
 """
@@ -39,7 +39,8 @@ def workload(seed: int):
             SamplingParams(max_tokens=n, temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.integers(0, 50)),
                            top_p=float(rng.uniform(0.5, 1)), seed=own_seed, ignore_eos=True),
             SamplingParams(max_tokens=n, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
-                           frequency_penalty=0.3, ignore_eos=True),
+                           frequency_penalty=0.3, ignore_eos=True,  # and a bias (no draw: the seeds' workloads stay)
+                           logit_bias={own_seed % 151_000: 3.0, own_seed // 7 % 151_000: -2.0}),
             SamplingParams(max_tokens=n, temperature=0, min_tokens=min(n, 3), logprobs=2),
             SamplingParams(max_tokens=n, temperature=0.8, seed=own_seed, stop=["e", "a"]),
             SamplingParams(max_tokens=max(n, 12), temperature=0,
