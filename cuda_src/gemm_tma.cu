@@ -11,9 +11,13 @@
 // 64 rows x BN columns of the 128 x BN block tile with wgmma.m64n{BN}k16 (bf16 in, f32
 // accumulators in registers: BN / 2 a thread, both operands read from shared memory through
 // matrix descriptors), then runs the epilogue straight from its registers to global memory.
-// BN = 256 (gemm_tma_e*: 4 stages of 48 KB) or 128 (gemm_tma_n128_e*: 6 stages of 32 KB); the launcher
-// (tileinfer/kernels/linear.py, tma_width) takes the one with the smaller (rounds of tiles per block) x (tile cost):
-// 128 where 256-wide tiles would leave many SMs idle in the last round (N = 2560 at 4,096 tokens).
+// BN = 256 (gemm_tma_e*: 4 stages of 48 KB) or 128 (gemm_tma_n128_e*: 6 stages of 32 KB), and for the persistent
+// kernel alone also 160 (gemm_tma_n160_e*: 5 stages of 36 KB) and 96 (gemm_tma_n96_e*: 6 stages of 28 KB), widths
+// whose tiles fill whole rounds of the SMs at batched-decode row counts (qwen3-4b at 256 rows: gate/up in 244 tiles
+// of 160, two rounds of 132, against 304 of 128 in three; QKV in 128 tiles of 96, one round, against 96 of 128).
+// The launcher (tileinfer/kernels/routing.py, tma_width) takes the width with the smallest (rounds of tiles per
+// block) x (tile cost): 128 where 256-wide tiles would leave many SMs idle in the last round (N = 2560 at 4,096
+// tokens).
 //
 // Pipeline: per stage a "full" mbarrier (1 arrival: the producer's arrive.expect_tx of the stage's
 // bytes; the TMA unit completes the transaction) and an "empty" mbarrier (8 arrivals: lane 0 of
@@ -108,7 +112,7 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, E
 #define BK 64
 #define THREADS 384                            // warpgroup 0: producer; 1 and 2: consumers
 #define TILE_A (BM * BK * 2)                   // bytes of one stage's A tile
-#define SMEM_TILES (192 * 1024)                // the stage ring: 4 stages at BN = 256, 6 at BN = 128
+#define SMEM_TILES (192 * 1024)                // the stage ring: 4 stages at BN = 256, 5 at 160, 6 at 128 and 96
 #define SMEM_BYTES (SMEM_TILES + 256 + 1024)   // + mbarriers + alignment slack
 #define GROUP_M 16                             // row tiles per group of the tile order
 #define PRODUCER_REGS 40
@@ -230,9 +234,19 @@ __device__ __forceinline__ void add_residual(float *__restrict__ out, int M, int
 }
 
 template <int BN> struct Wgmma;
+template <> struct Wgmma<96> {
+    static __device__ __forceinline__ void run(float (&d)[48], unsigned long long a, unsigned long long b, int acc) {
+        wgmma_m64n96k16(d, a, b, acc);
+    }
+};
 template <> struct Wgmma<128> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b, int acc) {
         wgmma_m64n128k16(d, a, b, acc);
+    }
+};
+template <> struct Wgmma<160> {
+    static __device__ __forceinline__ void run(float (&d)[80], unsigned long long a, unsigned long long b, int acc) {
+        wgmma_m64n160k16(d, a, b, acc);
     }
 };
 template <> struct Wgmma<256> {
@@ -481,8 +495,9 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
             }
         } else if constexpr (EPI == EPI_RESIDUAL) {
             // In chunks of 8 column blocks (16 pairs, 16 loads in flight a thread): wide tiles hold 128
-            // accumulators a thread, and the chunk's old values must fit beside them.
-            constexpr int CJ = 8;
+            // accumulators a thread, and the chunk's old values must fit beside them. Widths of 96 and 160 (12
+            // and 20 column blocks) in chunks of 4.
+            constexpr int CJ = (BN / 8) % 8 == 0 ? 8 : 4;
 #pragma unroll
             for (int j0 = 0; j0 < BN / 8; j0 += CJ)
                 add_residual<2 * CJ>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
@@ -519,8 +534,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #endif
 
 // ============================================================================= kernels
-// Every build is gemm_ws<EPI, BN, KS, MC> as an entry point named gemm_tma[_n128]{TAG}_e{EPI} (_n128: BN = 128, else
-// 256), ATTR its cluster shape. Arguments (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act, cap, cap_stride), A and
+// Every build is gemm_ws<EPI, BN, KS, MC> as an entry point named gemm_tma[_n{BN}]{TAG}_e{EPI} (no _n for BN = 256),
+// ATTR its cluster shape. Arguments (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act, cap, cap_stride), A and
 // W the matrices tmA and tmW describe; tiles numbered up to ceil(M / 128) * ceil(N / BN) (SILU_MUL:
 // ceil(N / 2 / (BN / 2))); block (384), dynamic shared memory SMEM_BYTES.
 #define GEMM_KERNEL(NAME, EPI, BN, KS, MC, ATTR)                                                            \
@@ -548,8 +563,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #define CLUSTER_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_3 __cluster_dims__(3, 1, 1)
 #define CLUSTER_4 __cluster_dims__(4, 1, 1)
-// Compiled in five parts (10 kernels each), at once.
-#define KERNEL_PARTS 5
+// Compiled in six parts (10 kernels each), at once.
+#define KERNEL_PARTS 6
 
 // The persistent kernel, gemm_tma_e{EPI} and gemm_tma_n128_e{EPI}: grid min(tile1 - tile0, SMs).
 #if IN_PART(0)
@@ -573,4 +588,18 @@ GEMM_BUILDS(_s4, 4, false, CLUSTER_4)
 // even, tile0 even, ceil(M / 128) even (so that the tile order's pairs share a column tile).
 #if IN_PART(4)
 GEMM_BUILDS(_mc, 1, true, CLUSTER_2)
+#endif
+
+// The persistent kernel at the widths that fill rounds, gemm_tma_n96_e{EPI} and gemm_tma_n160_e{EPI}.
+#if IN_PART(5)
+GEMM_KERNEL(gemm_tma_n96_e0, 0, 96, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n96_e1, 1, 96, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n96_e2, 2, 96, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n96_e3, 3, 96, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n96_e4, 4, 96, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n160_e0, 0, 160, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n160_e1, 1, 160, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n160_e2, 2, 160, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n160_e3, 3, 160, 1, false, NO_CLUSTER)
+GEMM_KERNEL(gemm_tma_n160_e4, 4, 160, 1, false, NO_CLUSTER)
 #endif

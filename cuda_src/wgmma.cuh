@@ -1,5 +1,5 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) helpers shared by the kernels that use it: shared-memory matrix
-// descriptors, the fence / commit / wait protocol, and the m64n128k16 and m64n256k16 bf16 products
+// descriptors, the fence / commit / wait protocol, and the m64n{96,128,160,256}k16 bf16 products
 // (f32 accumulators in registers, both operands read from shared memory through descriptors; the
 // accumulator fragment of warp w of the warpgroup: rows 16 (w % 4) + g and + 8, d[4j + e] is column
 // 8j + 2t + (e & 1) of row g + 8 (e >> 1), g = lane / 4, t = lane % 4). Only sm_90a has these
@@ -78,5 +78,35 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
         "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
         : WGMMA_D16(0), WGMMA_D16(16), WGMMA_D16(32), WGMMA_D16(48),
           WGMMA_D16(64), WGMMA_D16(80), WGMMA_D16(96), WGMMA_D16(112)
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d (64 x 96 per warpgroup, 48 floats a thread) += A (64 x 16) * B (16 x 96), or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[48], unsigned long long da, unsigned long long db,
+                                                int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+        "}, %48, %49, p, 1, 1, 0, 0;\n}\n"
+        : WGMMA_D16(0), WGMMA_D16(16), WGMMA_D16(32)
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d (64 x 160 per warpgroup, 80 floats a thread) += A (64 x 16) * B (16 x 160), or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n160k16(float (&d)[80], unsigned long long da, unsigned long long db,
+                                                 int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+        "}, %80, %81, p, 1, 1, 0, 0;\n}\n"
+        : WGMMA_D16(0), WGMMA_D16(16), WGMMA_D16(32), WGMMA_D16(48), WGMMA_D16(64)
         : "l"(da), "l"(db), "r"(accumulate));
 }

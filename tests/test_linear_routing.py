@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
-                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_SPLIT_ROWS, TMA_TAIL_SPLIT_ROWS, TmaPlan,
-                                      default_path, fuses_norm, gemv_ksplit, norm_kernel_name, swap_config,
+                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
+                                      TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
+                                      norm_kernel_name, swap_config,
                                       tma_kernel_name, tma_multicast, tma_plan, tma_tail_split, tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
@@ -90,15 +91,16 @@ H200_SLOTS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200
 def test_tma_plan_splits_only_within_one_wave():
     # qwen3-4b at 256 rows: down_proj (40 narrow tiles of 152 k-steps) and o_proj on 2 blocks a tile (80
     # blocks; down_proj's 20 wide tiles on 4 a tile were slower); at 512 rows down_proj's 80 narrow tiles would
-    # need 3 waves of 4-block clusters (measured slower) and stay unsplit. At 96 rows its gate/up takes one
-    # round of wide tiles (two of narrow ones were faster alone, slower in the engine). Prefill-sized products
+    # need 3 waves of 4-block clusters (measured slower) and stay unsplit (in 108 tiles 96 wide: one round still).
+    # At 96 rows its gate/up takes one round of wide tiles (two of narrow ones were faster alone, slower in the
+    # engine), now 160 wide (122 tiles, one round, each 1.25 narrow k-steps against 1.84). Prefill-sized products
     # split only when they are residual ones (below).
     c = preset("qwen3-4b")
     assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
-    assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(256, 1)
+    assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(160, 1)
     o_k = c.num_attention_heads * c.head_dim
     assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
-    assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 1)
+    assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 1)
     assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1, 1, True)
     assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == \
         TmaPlan(256, 1, 2, True)
@@ -108,7 +110,8 @@ def test_tma_plan_splits_only_within_one_wave():
             silu = epilogue == "silu_mul"
             plan = tma_plan(M, n, k, epilogue, 132, H200_SLOTS)
             width, split = plan.width, plan.split
-            assert width in (128, 256) and plan.tail == 1  # no split last round below TMA_TAIL_SPLIT_ROWS
+            assert width in TMA_WIDTHS + TMA_ROUND_WIDTHS and plan.tail == 1  # no split last round below
+            assert split == 1 or width in TMA_WIDTHS                          # TMA_TAIL_SPLIT_ROWS
             assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
             assert split == 1 or -(-k // 64) >= 2 * split
 
@@ -118,7 +121,8 @@ def test_tma_plan_splits_only_within_one_wave():
        epilogue=st.sampled_from(sorted(L.EPILOGUES)), slots=st.sampled_from([H200_SLOTS, {2: 120, 3: 117, 4: 120},
                                                                             {3: 117}, {}]))
 def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
-    # Any product shape: the plan's kernels are gemm_tma.cu builds, a split only as a whole resident wave (but the
+    # Any product shape: the plan's kernels are gemm_tma.cu builds, a round width only for the persistent kernel
+    # (no split, tail or multicast) below TMA_TAIL_SPLIT_ROWS rows, a split only as a whole resident wave (but the
     # prefill-sized residual products', which take as many waves as they need).
     N, K = 8 * n8 * (2 if epilogue == "silu_mul" else 1), 8 * k8
     plan = tma_plan(M, N, K, epilogue, 132, slots)
@@ -126,10 +130,38 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
     assert tma_kernel_name(plan.width, plan.split, epilogue, plan.multicast) in builds
     if plan.tail > 1:
         assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
+    if plan.width in TMA_ROUND_WIDTHS:
+        assert plan.split == 1 and plan.tail == 1 and not plan.multicast and M < TMA_TAIL_SPLIT_ROWS
     tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width)
     assert tiles >= 1
     if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS):
         assert tiles * plan.split <= slots[plan.split]
+
+
+def test_tma_round_widths_fill_the_rounds_of_batched_decode():
+    # qwen3-4b at 256 rows: gate/up in 244 tiles of 160 (2 rounds of 132 SMs x 1.25) against 304 of 128 (3 x 1)
+    # or 152 of 256 (2 x 1.84); QKV in 128 tiles of 96 (one round x 0.8) against 96 of 128 (one round x 1).
+    c = preset("qwen3-4b")
+    gate_up = (2 * c.intermediate_size, c.hidden_size, "silu_mul")
+    qkv = (c.qkv_size, c.hidden_size, "bf16")
+    assert tma_plan(256, *gate_up, 132, H200_SLOTS) == TmaPlan(160, 1)
+    assert tma_tiles(256, gate_up[0], True, 160) == 2 * 122
+    assert tma_plan(256, *qkv, 132, H200_SLOTS) == TmaPlan(96, 1)
+    assert tma_tiles(256, qkv[0], False, 96) == 2 * 64
+    # From TMA_TAIL_SPLIT_ROWS rows on only the widths every build kind has (the tail split, multicast).
+    for M in (TMA_TAIL_SPLIT_ROWS, 2048, 4096):
+        for n, k, epilogue in (gate_up, qkv, (c.hidden_size, c.intermediate_size, "residual")):
+            assert tma_width(M, n, epilogue == "silu_mul") in TMA_WIDTHS
+            assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).width in TMA_WIDTHS
+    # A split launch without a width asks for one every build kind has.
+    assert tma_width(256, gate_up[0], True, persistent=False) == 128
+    assert tma_width(256, qkv[0], False, persistent=False) == 128
+    # Their builds: the persistent kernel's alone.
+    assert tma_kernel_name(96, 1, "bf16") == "gemm_tma_n96_e0"
+    assert tma_kernel_name(160, 1, "silu_mul") == "gemm_tma_n160_e2"
+    for split, multicast in ((2, False), (1, True)):
+        with pytest.raises(ValueError, match="no split or multicast build 160 wide"):
+            tma_kernel_name(160, split, "bf16", multicast)
 
 
 def test_tma_plan_splits_prefill_residual_products_two_ways():
@@ -255,6 +287,7 @@ def every_kernel_name() -> dict[str, set[str]]:
             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))
             for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
+    tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}
     return {"gemv.cu": gemv, "gemm_swap.cu": swap, "gemm_tma.cu": tma}
 

@@ -1,11 +1,11 @@
 """cuda_src/gemm_tma.cu (linear's "gemm" path: prefill and batches of 65 rows or more; TMA-fed,
-warp-specialized wgmma) against the float64 numpy reference: the persistent kernel at both tile widths
-and with a capped grid, and the split-K kernels (2, 3, 4 blocks of a cluster per tile, partial tiles
-summed in rank order) at both widths, the persistent kernel's last round as a split launch, its multicast build
-(2-block clusters sharing W tiles), all four
-epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
-`linear(force="gemm")` route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every
-product on this path)."""
+warp-specialized wgmma) against the float64 numpy reference: the persistent kernel at every tile width (128 and 256,
+and the round widths 96 and 160) and with a capped grid, and the split-K kernels (2, 3, 4 blocks of a cluster per
+tile, partial tiles summed in rank order) at both widths, the persistent kernel's last round as a split launch, its
+multicast build (2-block clusters sharing W tiles), all four epilogues, awkward shapes and the qwen3-0.6b / qwen3-4b
+matrices as tma_plan launches them; determinism of the splits. tests/gpu/test_kernels.py covers the
+`linear(force="gemm")` route at more shapes (M = 1 and 7 included: the batch-invariant mode puts every product on
+this path)."""
 from __future__ import annotations
 
 import functools
@@ -33,9 +33,10 @@ if not hasattr(test_kernels.linear_weight, "cache_info"):
 # wholly past N (N = 8; N = 264 at 256 wide), and qwen3-4b's QKV, gate/up, o_proj and down_proj.
 SHAPES = [(128, 128, 64), (33, 8, 8), (129, 264, 136), (1000, 136, 1000), (77, 520, 4104), (300, 1024, 2560),
           (256, 2560, 9728), (640, 2560, 4096), (512, 19456, 2560), (4096, 6144, 2560)]
-# (tile width, cap on the persistent grid): both kernels on a full grid, and a few blocks each walking
-# many tiles (the stage ring's barrier phases carry across tiles).
-VARIANTS = [(256, None), (128, None), (256, 3), (128, 5)]
+# (tile width, cap on the persistent grid): every width on a full grid, and a few blocks each walking
+# many tiles (the stage ring's barrier phases carry across tiles). The round widths (96, 160: 12 and 20
+# column blocks, W boxes of 48 and 80 rows; 6 and 5 stages) leave partial tiles where 128 and 256 do not.
+VARIANTS = [(256, None), (128, None), (256, 3), (128, 5), (160, None), (96, None), (160, 3), (96, 5)]
 WIDTHS = [128, 256]
 # Split-K shapes: partial tiles everywhere, a single k-step (K = 8: splits leave ranks with no k-step,
 # whose partial tile is zero), a W box wholly past N, uneven k-step counts (K = 136: 3 k-steps; 4104: 65),
@@ -115,7 +116,7 @@ def test_gemm_tma_every_split(M, N, K, epilogue, split, width, buf, stream):
                  label=f"gemm_tma {epilogue} M={M} N={N} K={K} split={split} width={width}")
 
 
-@pytest.mark.parametrize("M", [65, 128, 256, 300, 512, 1100])
+@pytest.mark.parametrize("M", [65, 128, 144, 256, 300, 512, 1100])
 @pytest.mark.parametrize("matrix", list(MODEL))
 def test_gemm_tma_model_shapes_as_planned(matrix, M, buf, stream):
     # The launcher's own choice (what the engine runs), at the model's epilogue.

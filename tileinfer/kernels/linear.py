@@ -28,8 +28,8 @@ from ..cuda.tensormap import bf16_tensor_map
 from ._check import BF16, FLOAT32, UINT64, cdiv, expect
 from .rmsnorm import rmsnorm
 from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE_EPILOGUES, SWAP_TILE, SWAP_THREADS,
-                      NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_SPLITS, default_path, fuses_norm,
-                      gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
+                      NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_SPLITS,
+                      default_path, fuses_norm, gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
                       norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
                       TmaPlan)
 
@@ -154,12 +154,12 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
          multicast: bool | None = None, act: DeviceArray | None = None,
          capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
-    of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256)
-    forces its tile width, `blocks` caps its grid (tests: many tiles a block), `tail` (2-4) runs its last,
-    partial round as a split launch of that many blocks a tile, `multicast` runs it in 2-block clusters that share
-    their W tiles (an even number of row tiles and of blocks). `split` (2-4 blocks per tile, a cluster summing
-    its partial tiles in rank order) forces a split, 1 forbids one; by default tma_plan decides. `act`: the
-    parameters of the "xielu" epilogue; `capture`: as linear's."""
+    of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256, or for the persistent
+    kernel alone, without a tail or multicast, 96 or 160) forces its tile width, `blocks` caps its grid (tests: many
+    tiles a block), `tail` (2-4) runs its last, partial round as a split launch of that many blocks a tile,
+    `multicast` runs it in 2-block clusters that share their W tiles (an even number of row tiles and of blocks).
+    `split` (2-4 blocks per tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one;
+    by default tma_plan decides. `act`: the parameters of the "xielu" epilogue; `capture`: as linear's."""
     M, K = x.shape
     N = w.shape[0]
     cap = capture_args(M, N, epilogue, capture)
@@ -170,15 +170,17 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     for name, value in (("split", split), ("tail", tail)):
         if value not in (None, 1) + TMA_SPLITS:
             raise ValueError(f"gemm: {name} must be 1 or one of {TMA_SPLITS}, got {value}")
-    if width not in (None,) + TMA_WIDTHS:
-        raise ValueError(f"gemm: width must be one of {TMA_WIDTHS}, got {width}")
+    if width not in (None,) + TMA_WIDTHS + TMA_ROUND_WIDTHS:
+        raise ValueError(f"gemm: width must be one of {TMA_WIDTHS + TMA_ROUND_WIDTHS}, got {width}")
     if split is None and width is None and blocks is None and tail is None and multicast is None:
         plan = _tma_plan(M, N, K, epilogue, sms)
         width, split, tail, multicast = plan.width, plan.split, plan.tail, plan.multicast
-    width = width or tma_width(M, N, silu, sms)
     split, tail, multicast = split or 1, tail or 1, bool(multicast)
+    width = width or tma_width(M, N, silu, sms, persistent=split == 1 and tail == 1 and not multicast)
     if split > 1 and (blocks is not None or tail > 1 or multicast):
         raise ValueError("gemm: `blocks`, `tail` and `multicast` are for the persistent (unsplit) kernel only")
+    if width in TMA_ROUND_WIDTHS and (split > 1 or tail > 1 or multicast):
+        raise ValueError(f"gemm: width {width} is the persistent kernel's alone (no split, tail or multicast)")
     if multicast and (cdiv(M, TMA_BM) % 2 or (blocks or 2) % 2):
         raise ValueError(f"gemm: multicast pairs row tiles and blocks: {cdiv(M, TMA_BM)} row tiles, blocks={blocks}")
     tiles = tma_tiles(M, N, silu, width)

@@ -115,12 +115,23 @@ SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fracti
 SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
 NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
 
-# gemm_tma.cu: 128-row tiles, k-steps of 64, one block per SM (SMEM_BYTES), 128 or 256 W rows a tile.
+# gemm_tma.cu: 128-row tiles, k-steps of 64, one block per SM (SMEM_BYTES), 128 or 256 W rows a tile
+# (the persistent kernel also 96 or 160).
 TMA_BM = 128
 TMA_BK = 64
 TMA_THREADS = 384
 TMA_SMEM = 192 * 1024 + 256 + 1024  # SMEM_BYTES: the stage ring, mbarriers, alignment
-TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*
+TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*: every build (persistent, split, multicast)
+# Widths of the persistent kernel alone (gemm_tma_n160_e*, gemm_tma_n96_e*), whose tiles fill whole rounds of the SMs
+# at batched-decode row counts where 128 and 256 leave a round partly empty: qwen3-4b at 256 rows, gate/up in 244
+# tiles of 160 (two rounds of 132) against 304 of 128 (three) or 152 of 256 (two of twice the cost); QKV in 128
+# tiles of 96 against 96 of 128 (one round either way, a quarter less work a tile). Below TMA_TAIL_SPLIT_ROWS rows:
+# past them the rounds are many (a partial one costs less) and the plan's tail split and multicast builds exist at
+# TMA_WIDTHS only.
+TMA_ROUND_WIDTHS = (160, 96)
+# Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
+# tile for three quarters of the columns, so a little over 0.75).
+TMA_ROUND_COST = {160: 1.25, 96: 0.8}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 # A 128 x 256 tile's time over two 128 x 128 tiles': in the persistent kernel an estimate, not fitted; in a split
 # launch fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384 rows;
@@ -293,14 +304,19 @@ def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
 def tma_kstep_cost(width: int, split: bool = False) -> float:
     """One k-step (64 deep) of a 128 x `width` tile (in a split launch: `split`), in k-steps of a 128 x 128
     tile."""
+    if width in TMA_ROUND_COST:
+        return TMA_ROUND_COST[width]
     return 1.0 if width == 128 else 2 * (TMA_WIDE_SPLIT_COST if split else TMA_WIDE_COST)
 
 
-def tma_width(M: int, N: int, silu: bool, sms: int = H200_SMS) -> int:
-    """gemm_tma.cu's tile width: 256 or 128, whichever gives fewer (rounds of tiles per SM) x (a tile's
-    cost), 256 on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
-    (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128."""
-    return min(TMA_WIDTHS, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
+def tma_width(M: int, N: int, silu: bool, sms: int = H200_SMS, persistent: bool = True) -> int:
+    """gemm_tma.cu's tile width: of TMA_WIDTHS (and for the persistent kernel alone, `persistent`, below
+    TMA_TAIL_SPLIT_ROWS rows, TMA_ROUND_WIDTHS), the one with the fewest (rounds of tiles per SM) x (a tile's cost),
+    the first listed on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
+    (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128. At 256 rows its gate/up
+    takes 160, its QKV 96 (TMA_ROUND_WIDTHS)."""
+    widths = TMA_WIDTHS + (TMA_ROUND_WIDTHS if persistent and M < TMA_TAIL_SPLIT_ROWS else ())
+    return min(widths, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
 
 
 def tma_split_cost(K: int, width: int, split: int) -> float:
@@ -389,6 +405,9 @@ def tma_residual_width(M: int, N: int, slots2: int) -> int:
 
 
 def tma_kernel_name(width: int, split: int, epilogue: str, multicast: bool = False) -> str:
-    """gemm_tma.cu's build: gemm_tma[_n128][_s{split} | _mc]_e{epilogue}."""
+    """gemm_tma.cu's build: gemm_tma[_n{width}][_s{split} | _mc]_e{epilogue} (no _n for 256; TMA_ROUND_WIDTHS:
+    the persistent kernel only)."""
+    if width in TMA_ROUND_WIDTHS and (split > 1 or multicast):
+        raise ValueError(f"gemm_tma.cu has no split or multicast build {width} wide (only {TMA_WIDTHS})")
     build = f"_s{split}" if split > 1 else "_mc" if multicast else ""
-    return f"gemm_tma{'_n128' if width == 128 else ''}{build}_e{EPILOGUES[epilogue]}"
+    return f"gemm_tma{'' if width == 256 else f'_n{width}'}{build}_e{EPILOGUES[epilogue]}"
