@@ -64,6 +64,16 @@ struct Smem {
     static constexpr int TOTAL = Q_BYTES + 2 * KV_BUFS * TILE_BYTES + (Q8 ? STAGES * STAGE : 0);
 };
 
+// The persistent BF16 _h8 build's (attention_decode.cu, attention_decode_h8_items): Smem<false, true, true>'s layout
+// with STAGES Q tiles (kernels/attention.py ITEMS_SMEM mirrors TOTAL).
+struct ItemsSmem {
+    static constexpr int ROWS = 16, STAGES = 3;
+    static constexpr int Q_TILE = ROWS * HD;  // bf16 elements of a Q tile
+    static constexpr int Q_BYTES = STAGES * Q_TILE * 2;
+    static constexpr int KV_BUFS = STAGES, TILE_BYTES = KT * HD * 2;
+    static constexpr int TOTAL = Q_BYTES + 2 * KV_BUFS * TILE_BYTES;
+};
+
 // ============================================================================= a block's work
 // The entry points' arguments (ATTENTION_KERNEL), but for the fused input's (FusedInput).
 struct AttnArgs {
@@ -95,16 +105,17 @@ struct Block {
     const int *table;  // the sequence's block table
 };
 
-// False when the block has no rows (past the sequence's last row tile).
+// The work of row tile `row_tile` of KV head `kv_head` of z = sequence * num_splits + split (the grid's x, y, z);
+// false when it has no rows (past the sequence's last row tile).
 template <int ROWS>
-__device__ __forceinline__ bool block_work(const AttnArgs &a, Block &w) {
-    w.kv_head = blockIdx.y;
-    w.b = blockIdx.z / a.num_splits, w.split = blockIdx.z % a.num_splits;
+__device__ __forceinline__ bool work_of(const AttnArgs &a, unsigned row_tile, unsigned kv_head, unsigned z, Block &w) {
+    w.kv_head = kv_head;
+    w.b = z / a.num_splits, w.split = z % a.num_splits;
     w.G = a.num_heads / a.num_kv_heads;
     w.q0 = a.cu_q[w.b];
     const int q_len = a.cu_q[w.b + 1] - w.q0;
     w.kv_len = a.kv_lens[w.b];
-    w.rows = q_len * w.G, w.row0 = blockIdx.x * ROWS;
+    w.rows = q_len * w.G, w.row0 = row_tile * ROWS;
     if (w.row0 >= w.rows) return false;
     w.first_pos = w.kv_len - q_len;
     w.max_qpos = w.first_pos + (min(w.row0 + ROWS, w.rows) - 1) / w.G;
@@ -113,6 +124,12 @@ __device__ __forceinline__ bool block_work(const AttnArgs &a, Block &w) {
     w.kt_begin = w.split * per_split, w.kt_end = min(n_tiles, w.kt_begin + per_split);
     w.table = a.block_tables + (size_t)w.b * a.bt_stride;
     return true;
+}
+
+// This block's work (the grid's block).
+template <int ROWS>
+__device__ __forceinline__ bool block_work(const AttnArgs &a, Block &w) {
+    return work_of<ROWS>(a, blockIdx.x, blockIdx.y, blockIdx.z, w);
 }
 
 // Row R's (token, query head) index into q and out [T, H].

@@ -369,11 +369,12 @@ __device__ __forceinline__ void stage_rows(const MergeBuffers &mb, const RowStat
 // The _h8 builds' O^T, rows 2t and 2t + 1 (rows 8-15 unused), less psum, times unit (INT8: psum is the bias,
 // direct_pv_t_biased, and unit 2^(vexp - 126); BF16: 0 and 1). Accumulator i holds channels c0 and c1: DIRECT
 // 32 (i / 2) + 16 (i % 2) + 2g and + 1 (direct_pv_t_biased), BF16 16 i + g and + 8 (pv_bf16_t).
-template <bool DIRECT>
+// WR: rows a warp's share of the buffers (16; the persistent build's compact buffers 8).
+template <bool DIRECT, int WR = 16>
 __device__ __forceinline__ void stage_rows_t(const MergeBuffers &mb, const float (&o)[8][4], const float (&psum)[4],
                                              float unit) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    float *dst = mb.sO + (warp * 16 + 2 * t) * HD;
+    float *dst = mb.sO + (warp * WR + 2 * t) * HD;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int c0 = DIRECT ? 32 * (i >> 1) + 16 * (i & 1) + 2 * g : 16 * i + g;
@@ -384,7 +385,9 @@ __device__ __forceinline__ void stage_rows_t(const MergeBuffers &mb, const float
 }
 
 // Thread -> (row r = tid / 8, 16 columns from (tid % 8) * 16): the 4 warps' states merged, normalized into out,
-// or (num_splits > 1) the split's unnormalized O and (M, L) into the partials.
+// or (num_splits > 1) the split's unnormalized O and (M, L) into the partials. WR: rows a warp's share of the
+// buffers (stage_rows_t), at least the block's rows.
+template <int WR = 16>
 __device__ __forceinline__ void merge_warps(const AttnArgs &a, const Block &w, const MergeBuffers &mb) {
     __syncthreads();
     const int r = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
@@ -392,19 +395,19 @@ __device__ __forceinline__ void merge_warps(const AttnArgs &a, const Block &w, c
     if (R >= w.rows) return;
     float M = -TI_INF;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) M = fmaxf(M, mb.sM[k * 16 + r]);
+    for (int k = 0; k < 4; ++k) M = fmaxf(M, mb.sM[k * WR + r]);
     float wt[4], L = 0.f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        wt[k] = M == -TI_INF ? 0.f : exp2f(mb.sM[k * 16 + r] - M);  // a warp with no visible key: 0
-        L += wt[k] * mb.sL[k * 16 + r];
+        wt[k] = M == -TI_INF ? 0.f : exp2f(mb.sM[k * WR + r] - M);  // a warp with no visible key: 0
+        L += wt[k] * mb.sL[k * WR + r];
     }
     float acc[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         float s = 0.f;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) s += wt[k] * mb.sO[(k * 16 + r) * HD + c0 + j];
+        for (int k = 0; k < 4; ++k) s += wt[k] * mb.sO[(k * WR + r) * HD + c0 + j];
         acc[j] = s;
     }
     const size_t row = query_row(a, w, R);
@@ -541,6 +544,146 @@ __device__ __forceinline__ void decode_int8_h8(const AttnArgs &a, const FusedInp
     merge_warps(a, w, mb);
 }
 
+// ============================================================================= the persistent build
+// attention_decode_h8_items: the BF16 _h8 build for a decode step whose blocks would take more than one wave
+// (the launcher's rule: kernels/routing.py decode_items_blocks). gridDim.x blocks (at most a wave), each taking the
+// items blockIdx.x, blockIdx.x + gridDim.x, ... in turn, item = (sequence * num_splits + split) * KV + kv_head
+// (the plain grid's order of its blocks). Its cp.async pipeline runs on from an item's last key tiles into the
+// next item's first ones, so a block waits for its first tiles once a launch, where the plain grid's blocks of a
+// wave start, and wait, together. One commit group a key tile, in the block's order over its items, and one for
+// the first item's Q tile (items_prologue); a later item's Q tile comes in the group of its first key tile. Item
+// Q tiles go to Q buffer n % STAGES (n: the items with key tiles before it in the block's order): the buffer's
+// previous item took its fragments STAGES items earlier. An item's warps
+// merge in the buffers of its last key tile (sO [4 warps][8 rows][HD] in its K tile, sM and sL in its V tile),
+// which the pipeline refills only at the next tile's top, after a barrier.
+
+// Item `item`'s work; false when it has no key tile (a split past the sequence's keys, or no rows).
+__device__ __forceinline__ bool item_work(const AttnArgs &a, int item, Block &w) {
+    const unsigned u = (unsigned)item, kv = (unsigned)a.num_kv_heads;
+    return work_of<ItemsSmem::ROWS>(a, 0u, u % kv, u / kv, w) && w.kt_begin < w.kt_end;
+}
+
+// The producer's place: the next key tile to request (kt of item `item`, whose work is w), its rows looked up one
+// request ahead, and n, the items with key tiles this block has reached (item's Q buffer: (n - 1) % STAGES).
+// item >= num_items: nothing left to request.
+struct Feed {
+    Block w;
+    int item, kt, n;
+    TileRows<false> rows;
+};
+
+// f at the first key tile of the next item with any, from f.item + gridDim.x on.
+__device__ __forceinline__ void feed_next_item(const AttnArgs &a, int num_items, Feed &f) {
+    do {
+        f.item += gridDim.x;
+    } while (f.item < num_items && !item_work(a, f.item, f.w));
+    if (f.item < num_items) {
+        f.kt = f.w.kt_begin;
+        ++f.n;
+        f.rows = lookup_tile<false, true>(a, f.w, f.kt);
+    }
+}
+
+// Request f's tile into pipeline buffer `buf` (with its item's Q tile when it is the item's first, but for the
+// block's first item's: the prologue's) and move on.
+__device__ __forceinline__ void feed_request(const AttnArgs &a, const Tiles &sm, int num_items, Feed &f, int buf) {
+    if (f.item >= num_items) return;
+    using S = ItemsSmem;
+    if (f.kt == f.w.kt_begin && f.n > 1) load_q<S::ROWS>(a, f.w, sm.sQ + ((f.n - 1) % S::STAGES) * S::Q_TILE);
+    load_tile(a, sm, f.rows, buf);
+    if (++f.kt < f.w.kt_end) f.rows = lookup_tile<false, true>(a, f.w, f.kt);
+    else feed_next_item(a, num_items, f);
+}
+
+// An item with rows but no key tile (a split past its sequence's keys; one split always has a tile): what the
+// plain build's merge writes for it, no key seen (O 0, M -inf, L 0).
+__device__ __forceinline__ void empty_item(const AttnArgs &a, const Block &w) {
+    const int r = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
+    if (w.row0 + r >= w.rows) return;
+    const size_t prow = (size_t)w.split * a.total_q * a.num_heads + query_row(a, w, w.row0 + r);
+    float4 *dst = reinterpret_cast<float4 *>(a.part_o + prow * HD + c0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dst[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if ((threadIdx.x & 7) == 0) reinterpret_cast<float2 *>(a.part_ml)[prow] = make_float2(-TI_INF, 0.f);
+}
+
+// The prologue, as decode_prologue's for the block's first item: its tiles that hold only positions before this
+// step's (no kernel before this one writes them) are requested before the wait for the kernel before (pdl_start),
+// then its Q tile (attn_input's) in a commit group of its own, then the rest of the block's first STAGES - 1
+// tiles. Returns `early` (those first tiles): the block's tile i is then commit group i or i + 1.
+__device__ __forceinline__ int items_prologue(const AttnArgs &a, const Tiles &sm, int num_items, Feed &f) {
+    constexpr int STAGES = ItemsSmem::STAGES;
+    f.item = (int)blockIdx.x - (int)gridDim.x;
+    f.n = 0;
+    feed_next_item(a, num_items, f);
+    const Block first = f.w;
+    const bool any = f.item < num_items;
+    const int early = any ? max(0, min(STAGES - 1, min(first.kt_end, first.first_pos / KT) - first.kt_begin)) : 0;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < early) {
+            feed_request(a, sm, num_items, f, s);
+            cp_async_commit();
+        }
+    }
+    pdl_start();
+    if (any) load_q<ItemsSmem::ROWS>(a, first, sm.sQ);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s >= early) {
+            feed_request(a, sm, num_items, f, s);
+            cp_async_commit();
+        }
+    }
+    return early;
+}
+
+__device__ __forceinline__ void decode_bf16_h8_items(const AttnArgs &a, int num_items) {
+    using S = ItemsSmem;
+    constexpr int STAGES = S::STAGES;
+    const Tiles sm = shared_tiles<S>();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    Feed f;
+    const int early = items_prologue(a, sm, num_items, f);
+    int flat = 0, n = 0;  // key tiles and items with key tiles this block has taken
+    for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+        Block w;
+        if (!item_work(a, item, w)) {
+            if (work_of<S::ROWS>(a, 0u, (unsigned)item % a.num_kv_heads, (unsigned)item / a.num_kv_heads, w))
+                empty_item(a, w);
+            continue;
+        }
+        const bf16 *sQ = sm.sQ + (n++ % STAGES) * S::Q_TILE;
+        const int qpos[2] = {query_position(w, w.row0 + g), query_position(w, w.row0 + g + 8)};
+        const int vis_end = min(w.kv_len, min(qpos[0], qpos[1]) + 1);
+        RowState<8> rs;
+        start_rows(rs);
+        u32 qf[8][4];
+        for (int kt = w.kt_begin; kt < w.kt_end; ++kt, ++flat) {
+            // Key tile `flat` (commit group flat or flat + 1; with an item's first, its Q) has landed: all but the
+            // newest group, or for the first when two tiles went before the first Q's group, every group.
+            if (flat == 0 && early >= 2) cp_async_wait<0>();
+            else cp_async_wait<STAGES - 2>();
+            __syncthreads();  // for every thread; and everyone is done with buffer flat - 1
+            feed_request(a, sm, num_items, f, (flat + STAGES - 1) % STAGES);
+            cp_async_commit();
+            if (kt == w.kt_begin) query_fragments(sQ, 0, lane, qf);
+            tile_bf16_h8(a, sm, qf, kt, flat % STAGES, qpos, w.kv_len, vis_end, rs);
+        }
+        sum_over_lanes<1, 1, 4>(rs.l);
+        const int last = (flat - 1) % STAGES;
+        __syncthreads();  // every warp is done with the last tile's buffers
+        float *sM = reinterpret_cast<float *>(sm.sV + last * KT * HD);
+        const MergeBuffers mb{reinterpret_cast<float *>(sm.sK + last * KT * HD), sM, sM + 4 * 8};
+        const float no_bias[4] = {0.f, 0.f, 0.f, 0.f};
+        stage_rows_t<false, 8>(mb, rs.o, no_bias, 1.f);
+        if (t == 0) { mb.sM[warp * 8 + g] = rs.m[0]; mb.sL[warp * 8 + g] = rs.l[0]; }
+        merge_warps<8>(a, w, mb);
+    }
+    cp_async_wait<0>();
+}
+
 // ============================================================================= kernels
 // The INT8 _h8 build must fit 4 blocks an SM (<= 128 registers), as the engine's decode splits count on
 // (tileinfer/kernels/routing.py int8_decode_blocks). (A minimum of 1 block on the others is not neutral:
@@ -548,6 +691,18 @@ __device__ __forceinline__ void decode_int8_h8(const AttnArgs &a, const FusedInp
 // Compiled in two parts, at once: the BF16 cache's kernels, and the INT8 cache's.
 #define KERNEL_PARTS 2
 #if IN_PART(0)
+// The ATTENTION_KERNEL arguments but the fused input's, and the launch's items (its grid is at most a wave).
+extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_h8_items(
+        const bf16 *__restrict__ q, void *__restrict__ k_pool, void *__restrict__ v_pool, float *__restrict__ k_scale,
+        float *__restrict__ v_scale, bf16 *__restrict__ out, float *__restrict__ part_o, float *__restrict__ part_ml,
+        const int *__restrict__ cu_q, const int *__restrict__ kv_lens, const int *__restrict__ block_tables,
+        int bt_stride, int num_heads, int num_kv_heads, int page_size, int num_splits, int total_q, float scale_log2,
+        int num_items) {
+    decode_bf16_h8_items(AttnArgs{q, k_pool, v_pool, k_scale, v_scale, out, part_o, part_ml, cu_q, kv_lens,
+                                  block_tables, bt_stride, num_heads, num_kv_heads, page_size, num_splits, total_q,
+                                  scale_log2},
+                         num_items);
+}
 ATTENTION_KERNEL(attention_decode, __launch_bounds__(THREADS), decode_bf16)
 ATTENTION_KERNEL(attention_decode_h8, __launch_bounds__(THREADS), decode_bf16_h8<false>)
 ATTENTION_KERNEL(attention_decode_h8_fused, __launch_bounds__(THREADS), decode_bf16_h8<true>)

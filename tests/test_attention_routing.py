@@ -64,6 +64,27 @@ def test_decode_blocks_of_at_most_8_rows_take_the_h8_builds():
     assert name(rows=4, int8=True) == "attention_int8"
 
 
+def test_decode_steps_past_a_wave_take_the_persistent_build():
+    # attention_decode_h8_items where the plain _h8 grid (one block a sequence, split and KV head) exceeds a wave of
+    # DECODE_ITEMS_BLOCKS blocks an SM; its grid is that wave.
+    wave = routing.DECODE_ITEMS_BLOCKS * 132
+    assert routing.decode_items_blocks("attention_decode_h8", wave + 1, 132) == wave
+    assert routing.decode_items_blocks("attention_decode_h8", 256 * 8, 132) == wave   # qwen3-4b at batch 256
+    assert routing.decode_items_blocks("attention_decode_h8", wave, 132) == 0        # one wave: the plain grid
+    for other in ("attention_decode", "attention_int8_decode_h8", "attention_decode_h8_fused", "attention_wg"):
+        assert routing.decode_items_blocks(other, 10 * wave, 132) == 0
+
+
+def test_persistent_build_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
+    # ITEMS_SMEM is ItemsSmem::TOTAL, and DECODE_ITEMS_BLOCKS blocks of it fit an SM (228 KB, 1 KB reserved a block).
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    want = attention_module.ITEMS_SMEM
+    source = f'#include "attention.cuh"\nstatic_assert(ItemsSmem::TOTAL == {want}, "ItemsSmem");\n'
+    compile_source("attention_items_smem.cu", source, "sm_90a", None, cuda_src_dir())
+    assert routing.DECODE_ITEMS_BLOCKS * (want + 1024) <= 228 * 1024
+    assert routing.DECODE_ITEMS_BLOCKS * (attention_module.smem_bytes(False, True, True) + 1024) <= 228 * 1024
+
+
 def test_launch_constants_match_the_kernel(tmp_path, monkeypatch):
     # The launcher's block size, rows per block, key tile and dynamic shared memory are attention_wg.cu's.
     monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
@@ -113,7 +134,7 @@ def test_every_routed_kernel_has_a_file_that_exports_it():
              for int8 in (False, True) for keys in (False, True) for splits in (1, 4) for arch in ("sm_90", "sm_80")
              for rows in (4, 16)}
     assert len(names) == 7, names
-    for n in names | {"attention_combine"}:
+    for n in names | {"attention_combine", "attention_decode_h8_items"}:
         source = (cuda_src_dir() / kernel_file(n)).read_text()
         assert f"ATTENTION_KERNEL({n}," in source or f" {n}(" in source, f"{n} is not in {kernel_file(n)}"
 

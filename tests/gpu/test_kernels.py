@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from cuda.bindings import driver
 
-from tileinfer.cuda import DeviceArray, PinnedBuffer, kernel
+from tileinfer.cuda import DeviceArray, PinnedBuffer, get_device, kernel
 from tileinfer.runner import sampler
 from tileinfer.kernels import (FusedInput, argmax, attention, attn_input, attn_input_int8, embedding, fetch_step,
                                fuses_input, linear, norm_linear, rmsnorm, sample)
+from tileinfer.kernels import routing
 from tileinfer.kernels.routing import head_key_count
 from tileinfer.kv import BlockManager, Sequence
 from tileinfer.kv.int8 import attention_int8, dequantize, quantize, smoothing_factors
@@ -613,6 +614,36 @@ def test_attention_decode_splits_agree(kv_len, buf, stream):
     batch = PagedBatch(rng, [(1, kv_len), (1, max(1, kv_len // 3))], 16, 8, 64)
     got_1, got_16 = batch.run(buf, stream, 1), batch.run(buf, stream, 16)
     check_splits_agree(got_1, got_16, batch.vmax, batch.label(16))
+
+
+ITEMS_CASES = [  # (H, page_size, num_splits): decode steps of more blocks than a wave holds
+    pytest.param(16, 64, 1, id="G2-page64-splits1"),
+    pytest.param(32, 16, 3, id="G4-page16-splits3"),   # short sequences leave splits with no key tile
+    pytest.param(64, 64, 2, id="G8-page64-splits2"),
+    pytest.param(16, 24, 5, id="G2-page24-splits5"),
+]
+
+
+@pytest.mark.parametrize("H, page_size, num_splits", ITEMS_CASES)
+def test_attention_decode_items(H, page_size, num_splits, buf, stream, monkeypatch):
+    # The persistent BF16 _h8 build (attention_decode_h8_items) takes a decode step whose (sequence, split, KV
+    # head) blocks exceed a wave: its blocks take items in turn, the key-tile pipeline running from one item into
+    # the next. Sequences of 1 to ~1,100 positions (one key tile and many; short ones leave some splits empty) and
+    # padding sequences with no query. Against the reference, and bit for bit the plain grid's build (the same
+    # arithmetic an item), which runs when the wave is made too large to exceed.
+    rng = np.random.default_rng(seed_of("items", H, page_size, num_splits))
+    lens = [1, 2, 63, 64, 65, 127, 129, 700, 1100] + [int(x) for x in rng.integers(1, 400, 60)]
+    spec = [(1, n) for n in lens]
+    spec[5] = spec[40] = (0, 0)
+    batch = PagedBatch(rng, spec, H, 8, page_size)
+    assert routing.decode_items_blocks("attention_decode_h8", len(spec) * 8 * num_splits,
+                                       get_device().info.num_sms) > 0, "the case must take the persistent build"
+    got = batch.run(buf, stream, num_splits)
+    check_attention(got, batch.reference(), batch.vmax, batch.label(num_splits) + " items")
+    monkeypatch.setattr(routing, "DECODE_ITEMS_BLOCKS", 1 << 20)  # no launch exceeds such a wave: the plain grid
+    plain = batch.run(buf, stream, num_splits)
+    assert np.array_equal(got.view(np.uint16), plain.view(np.uint16)), \
+        f"{batch.label(num_splits)}: the persistent build differs from the plain grid's"
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=lambda s: f"splits{s}")

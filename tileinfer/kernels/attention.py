@@ -8,6 +8,7 @@ from typing import NamedTuple
 from ..cuda import F32, I32, DeviceArray, get_device, kernel
 from ._check import BF16, FLOAT32, INT8, INT32, cdiv, expect
 from .attn_input import check_inputs
+from . import routing
 from .routing import fuses_input, kernel_file, kernel_name, keys_mode
 
 HEAD_DIM = 128
@@ -23,6 +24,11 @@ WG_THREADS = 384
 WG_KEY_TILE = 128
 WG_STAGES = 2
 WG_SMEM = WG_ROWS * HEAD_DIM * 2 + 2 * WG_STAGES * WG_KEY_TILE * HEAD_DIM * 2 + 4 * WG_STAGES * 8 + 1024
+
+
+# attention_decode_h8_items (routing.decode_items_blocks): ItemsSmem::TOTAL in attention.cuh, the _h8 build's Q
+# tile, K and V tiles for each of its 3 stages and two more Q tiles (110,592 bytes).
+ITEMS_SMEM = 3 * 16 * HEAD_DIM * 2 + 2 * 3 * KEY_TILE * HEAD_DIM * 2
 
 
 def rows_per_block(keys_mode: bool) -> int:
@@ -104,13 +110,19 @@ def attention(q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray, out: Dev
         kernel(kernel_file(name), name).launch((KV, cdiv(max_q_len * group, WG_ROWS), B), (WG_THREADS,), args,
                                                stream, smem=WG_SMEM)
         return
-    if fused is None:
-        args += [None] * 7 + [F32(0.0)]
-    else:
-        args += [fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq, fused.smoothing,
-                 F32(fused.eps)]
     grid = (cdiv(max_q_len * group, rows_per_block(keys)), KV, B * num_splits)
-    kernel(kernel_file(name), name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys, "_h8" in name))
+    items = math.prod(grid)
+    blocks = routing.decode_items_blocks(name, items, get_device().info.num_sms)
+    if blocks:
+        kernel(kernel_file(name), name + "_items").launch((blocks,), (128,), args + [I32(items)], stream,
+                                                          smem=ITEMS_SMEM)
+    else:
+        if fused is None:
+            args += [None] * 7 + [F32(0.0)]
+        else:
+            args += [fused.qkv, fused.positions, fused.slots, fused.q_norm, fused.k_norm, fused.inv_freq,
+                     fused.smoothing, F32(fused.eps)]
+        kernel(kernel_file(name), name).launch(grid, (128,), args, stream, smem=smem_bytes(int8, keys, "_h8" in name))
     if num_splits > 1:
         kernel("attention_combine.cu", "attention_combine").launch(
             (T, H), (COMBINE_THREADS,), [part_o, part_ml, out, I32(num_splits), I32(T), I32(H)], stream)

@@ -23,6 +23,8 @@ HALF_ROWS = 8
 # cache): over a shorter cache the fused launch was slower than the attn_input and attention launches it replaces.
 FUSED_MIN_SPLITS = 16
 WG_MAX_POOL = 1 << 32  # attention_wg.cu's producer indexes a pool with 32-bit element offsets
+# Blocks an SM of the BF16 decode builds (100 KB of shared memory; the persistent one's 108 KB), decode_items_blocks.
+DECODE_ITEMS_BLOCKS = 2
 
 
 def keys_mode(*, max_q_len: int, group: int, decode_shape: bool = True) -> bool:
@@ -50,6 +52,17 @@ def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num
     if num_splits < FUSED_MIN_SPLITS:
         return False
     return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
+
+
+def decode_items_blocks(name: str, items: int, sms: int) -> int:
+    """The grid of attention_decode_h8_items for a launch kernel_name routes to `name`, of `items` blocks
+    (sequence, split, KV head): a wave of DECODE_ITEMS_BLOCKS an SM, each block taking items in turn with its
+    key-tile pipeline running on from one into the next (cuda_src/attention_decode.cu, "the persistent build"), so
+    that it waits for its first tiles once rather than once a wave; 0 where the plain grid runs (other builds, and
+    launches of at most a wave)."""
+    if name != "attention_decode_h8" or items <= DECODE_ITEMS_BLOCKS * sms:
+        return 0
+    return DECODE_ITEMS_BLOCKS * sms
 
 
 def int8_decode_blocks(rows: int) -> int:
