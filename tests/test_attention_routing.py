@@ -197,17 +197,27 @@ def test_verify_splits_stay_within_the_workspace_partials():
     assert GPURunner.verify_splits(model, StepShape(num_tokens=16, num_seqs=1, max_q_len=16)) == 1
 
 
-@pytest.mark.parametrize("max_q_len, H, KV, splits, want", [
-    (1, 32, 8, 48, True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
-    (1, 32, 8, 16, True),
-    (1, 32, 8, 15, False),     # below FUSED_MIN_SPLITS: attn_input launched
-    (1, 32, 8, 11, False),     # 512 positions
-    (2, 32, 8, 48, False),     # two tokens a sequence: the queries of several positions
-    (1, 64, 4, 48, False),     # a group of 16: the 16-row build, which has no fused input
-    (1, 16, 8, 48, True),      # qwen3-0.6b's group of 2
+@pytest.mark.parametrize("max_q_len, H, KV, splits, seqs, want", [
+    (1, 32, 8, 48, 1, True),      # a decode step over a long cache (qwen3-4b at 32k: 48 splits)
+    (1, 32, 8, 16, 1, True),
+    (1, 32, 8, 15, 1, False),     # below FUSED_MIN_SPLITS: attn_input launched
+    (1, 32, 8, 11, 1, False),     # 512 positions
+    (1, 32, 8, 4, 7, False),      # below FUSED_MIN_SEQS too
+    (1, 32, 8, 4, 8, True),       # a batch: from FUSED_MIN_SEQS sequences on
+    (1, 32, 8, 1, 64, True),      # up to FUSED_MAX_SEQS
+    (1, 32, 8, 1, 65, False),
+    (1, 32, 8, 1, 256, False),
+    (1, 32, 8, 48, 256, True),    # a long cache fuses at any batch
+    (2, 32, 8, 48, 1, False),     # two tokens a sequence: the queries of several positions
+    (2, 32, 8, 1, 64, False),
+    (1, 64, 4, 48, 1, False),     # a group of 16: the 16-row build, which has no fused input
+    (1, 64, 4, 1, 64, False),
+    (1, 16, 8, 48, 1, True),      # qwen3-0.6b's group of 2
+    (1, 16, 8, 1, 64, True),
 ])
-def test_engine_fuses_the_attention_input_of_long_decode_steps(max_q_len, H, KV, splits, want):
-    got = routing.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits)
+def test_engine_fuses_the_attention_input_of_long_or_batched_decode_steps(max_q_len, H, KV, splits, seqs, want):
+    got = routing.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits,
+                                     num_seqs=seqs)
     assert got == want
     assert not routing.engine_fuses_input(max_q_len=1, num_heads=H, num_kv_heads=KV, num_splits=splits,
-                                                   decode_shape=False)
+                                          num_seqs=seqs, decode_shape=False)

@@ -20,8 +20,15 @@ HALF_ROWS = 8
 # A decode step (one token a sequence) whose attention runs an _h8 build can skip attn_input: the attention kernel
 # norms and rotates its group's queries itself, and the block that holds the new position stores its key and
 # value (cuda_src/attention.cuh, "fused input"). The engine does so from FUSED_MIN_SPLITS key splits on (a long
-# cache): over a shorter cache the fused launch was slower than the attn_input and attention launches it replaces.
+# cache): over a shorter cache the fused launch was slower than the attn_input and attention launches it replaces
+# at batch 1, where a few blocks carry the input's work on the step's critical path. A decode step of
+# FUSED_MIN_SEQS to FUSED_MAX_SEQS sequences fuses too: there every (sequence, KV head) block prepares its own
+# group's queries and its head's new key and value while its first tiles load, and attn_input's launch and wait
+# go. On the H200 (scripts/bench.py --batches 16,64,144,256, qwen3-0.6b and qwen3-4b) fusing gained 0.6-7% at
+# 16 and 64 sequences and lost 0.4-2.3% at 144 and 256 (with or without the persistent decode build beside it).
 FUSED_MIN_SPLITS = 16
+FUSED_MIN_SEQS = 8
+FUSED_MAX_SEQS = 64
 WG_MAX_POOL = 1 << 32  # attention_wg.cu's producer indexes a pool with 32-bit element offsets
 # Blocks an SM of the BF16 decode builds (100 KB of shared memory; the persistent one's 108 KB), decode_items_blocks.
 DECODE_ITEMS_BLOCKS = 2
@@ -45,11 +52,11 @@ def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_sha
     return max_q_len == 1 and half_build(keys_mode(max_q_len=1, group=group, decode_shape=decode_shape), group)
 
 
-def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int,
+def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int, num_seqs: int = 1,
                        decode_shape: bool = True) -> bool:
     """Whether the engine's forward pass fuses the input of an attention launch: where the shape allows it, from
-    FUSED_MIN_SPLITS splits on."""
-    if num_splits < FUSED_MIN_SPLITS:
+    FUSED_MIN_SPLITS splits on, or at FUSED_MIN_SEQS to FUSED_MAX_SEQS sequences."""
+    if num_splits < FUSED_MIN_SPLITS and not FUSED_MIN_SEQS <= num_seqs <= FUSED_MAX_SEQS:
         return False
     return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
 

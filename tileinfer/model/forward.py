@@ -206,7 +206,7 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
     # and the final one). Not under tp: the norm needs the residual summed over the ranks.
     epi_norm = tp is None and not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
     fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
-                                      num_kv_heads=c.num_key_value_heads, num_splits=num_splits,
+                                      num_kv_heads=c.num_key_value_heads, num_splits=num_splits, num_seqs=b,
                                       decode_shape=not batch_invariant)
     return _Views(n=n, b=b, resid=ws.resid.rows(0, n), x=ws.x.rows(0, n), qkv=ws.qkv.rows(0, n), q=ws.q.rows(0, n),
                   attn=ws.attn.rows(0, n), act=ws.act.rows(0, n), positions=inputs.positions.rows(0, n),
