@@ -3,6 +3,7 @@
 
     python3 scripts/bench_goals.py --peer bench/peer_gptfast.py [--profile] [--peer-prewarm] [--out DIR]
         [--cold-model DIR] [--only KEY,...]
+    python3 scripts/bench_goals.py --merge A/bench_goals.json B/bench_goals.json [--out DIR]
 
 Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scripts/bench.py, whose
 functions this calls):
@@ -18,7 +19,9 @@ functions this calls):
     so it is the warm-cache figure the goal names, with the number of kernels it compiled.
 Prints the table (case, peer, roofline, goal, measured, met) and writes bench_goals.json and .md to
 --out ($OUT by default). A case that fails or times out is reported as not measured; the rest go on.
---only runs the cases of the given keys alone (GOALS' first column, e.g. --only cold_start).
+--only runs the cases of the given keys alone (GOALS' first column, e.g. --only cold_start). --merge measures
+nothing: it writes the table, gaps and profiles of earlier runs' bench_goals.json together, where a machine's limit
+on one command's time splits a whole run into --only parts run one after another on one machine start.
 With --profile, the single-sequence cases (batch-1 decode, 32k, the prefill) and the batch-64 step
 also carry their step's per-kernel GPU time (bench.py --profile), and the decode cases what each
 kernel group costs inside the decode graph (bench.py --ablate); the .md lists them under the table,
@@ -366,7 +369,14 @@ def main() -> None:
                     help="the checkpoint of the cold-start case (default: the demo model shipped with the package)")
     ap.add_argument("--only", type=lambda text: text.split(","), default=None,
                     help="run only the cases of these GOALS keys, comma-separated (e.g. cold_start)")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="measure nothing: one table from these runs' bench_goals.json (--only parts of one run)")
     args = ap.parse_args()
+    if args.merge:
+        if args.only or args.peer or args.profile or args.peer_prewarm:
+            ap.error("--merge measures nothing: it takes no --only, --peer, --profile or --peer-prewarm")
+        print(write(args.out, merge(args.merge)), flush=True)
+        return
     unknown = set(args.only or ()) - {key for key, *_ in GOALS}
     if unknown:
         ap.error(f"--only: unknown keys {sorted(unknown)}; the keys are {', '.join(key for key, *_ in GOALS)}")
@@ -375,6 +385,25 @@ def main() -> None:
               "untimed)", flush=True)
     values = measure(args)
     print(write(args.out, values), flush=True)
+
+
+def merge(paths: list[Path]) -> dict:
+    """The values of several runs' bench_goals.json, for one table. A case in two of them is refused: which
+    run's figure the table gives would otherwise be an accident of the order."""
+    values, source = {}, {}
+    for path in paths:
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"bench_goals --merge: cannot read {path}: {e}") from None
+        if not isinstance(part, dict):
+            raise SystemExit(f"bench_goals --merge: {path} is not a bench_goals.json (a JSON object of cases)")
+        for key, value in part.items():
+            if key in values:
+                raise SystemExit(f"bench_goals --merge: {key} is in both {source[key]} and {path}; "
+                                 "merge runs of different cases (--only)")
+            values[key], source[key] = value, path
+    return values
 
 
 def write(out: Path, values: dict) -> str:

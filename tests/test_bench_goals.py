@@ -233,3 +233,37 @@ def test_only_runs_the_cases_of_the_keys_given(monkeypatch):
     args = types.SimpleNamespace(peer=None, peer_timeout=10, profile=False, only=["cold_start"],
                                  cold_model=Path("/ckpt/x"))
     assert g.measure(args) == {"cold_start": dict(measured=4.0)} and models == [Path("/ckpt/x")]
+
+
+def test_merge_writes_one_table_from_runs_of_different_cases(tmp_path, monkeypatch, capsys):
+    # --only parts of one run, each a bench_goals.json of its own, make one table; a case in two parts is refused.
+    g = load()
+    first, second = tmp_path / "a", tmp_path / "b"
+    g.write(first, {"0.6b_b1": dict(measured=1633.8, peer=461.1, roofline=3418)})
+    g.write(second, {"4b_b256": dict(measured=26334.0, peer=23210.0, roofline=36954),
+                     "startup": dict(measured=0.53, compiled=0)})
+    out = tmp_path / "merged"
+    monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(first / "bench_goals.json"),
+                                      str(second / "bench_goals.json"), "--out", str(out)])
+    g.main()
+    table = (out / "bench_goals.md").read_text()
+    assert row(table, "qwen3-0.6b decode, batch 1")[1:5] == ["461.1", "3,418", ">= 2,000 tok/s", "1,634"]
+    assert row(table, "qwen3-4b decode, batch 256")[4:] == ["26,334", "no"]
+    assert row(table, "start-up")[-1] == "yes"
+    assert row(table, "qwen3-8b decode")[4] == "not measured"
+    assert "qwen3-4b decode, batch 256" in capsys.readouterr().out
+
+    monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(first / "bench_goals.json"),
+                                      str(first / "bench_goals.json")])
+    with pytest.raises(SystemExit, match="0.6b_b1 is in both"):
+        g.main()
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit, match="not a bench_goals.json"):
+        g.main()
+    monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit, match="cannot read"):
+        g.main()
+    monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(tmp_path / "bad.json"), "--only", "startup"])
+    with pytest.raises(SystemExit):  # argparse's error: --merge measures nothing
+        g.main()
