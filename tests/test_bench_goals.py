@@ -265,5 +265,6 @@ def test_merge_writes_one_table_from_runs_of_different_cases(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="cannot read"):
         g.main()
     monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(tmp_path / "bad.json"), "--only", "startup"])
-    with pytest.raises(SystemExit):  # argparse's error: --merge measures nothing
+    with pytest.raises(SystemExit) as refused:  # argparse's error (status 2): --merge measures nothing
         g.main()
+    assert refused.value.code == 2
