@@ -146,16 +146,18 @@ async def stream_completion(client: httpx.AsyncClient, body: dict, timeout: floa
 
 
 async def _read_events(response: httpx.Response, result: StreamResult, start: float, close_after: int | None):
+    done = False
     async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, comments
+        if done or not line.startswith("data:"):
+            continue  # blank separators, comments; after [DONE], the body's end
         data = line[len("data:"):].strip()
         now = time.perf_counter() - start
         if data == "[DONE]":
             result.e2e = now
             if result.completion_tokens is None:
                 result.error = "the stream ended without a usage chunk"
-            return
+            done = True
+            continue
         event = json.loads(data)
         if "error" in event:
             result.error = f"error chunk: {event['error'].get('message', event['error'])}"
@@ -172,7 +174,8 @@ async def _read_events(response: httpx.Response, result: StreamResult, start: fl
             if close_after is not None and len(result.chunk_times) >= close_after:
                 result.closed_early = True
                 return
-    result.error = "the stream ended before [DONE]"
+    if not done:
+        result.error = "the stream ended before [DONE]"
 
 
 def _error_message(raw: bytes) -> str:

@@ -3,6 +3,7 @@
 up, and the load test's three checks pass. The server stops on SIGTERM with exit status 0."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -90,6 +91,28 @@ def test_bench_from_client_processes_keeps_each_request_its_row(server, tmp_path
     assert [q["output_tokens"] for q in rows] == [q["output_len"] for q in rows]
     assert r["total_output_tokens"] == sum(q["output_len"] for q in rows) and r["duration_s"] > 0
     assert_ordered(r)
+
+
+def test_streamed_requests_one_after_another_keep_their_connection(server):
+    """A stream read to its end hands its connection back to the client's pool, as the openai package does: the
+    next request does not pay a new connection (and a server the accept) inside its time to first token."""
+    bench_serve = load("bench_serve")
+    streams = []
+
+    async def note(response):
+        streams.append(response.extensions["network_stream"])
+
+    async def run():
+        async with bench_serve.make_client(server.url, KEY, 1) as client:
+            client.event_hooks["response"] = [note]
+            model = (await bench_serve.served_model(client))["id"]
+            bodies = [bench_serve.completion_body(model, bench_serve.RequestSpec(list(range(100 + i, 108 + i)), 3),
+                                                  0.0) for i in range(3)]
+            return [await bench_serve.stream_completion(client, body, 30) for body in bodies]
+
+    results = asyncio.run(run())
+    assert all(r.ok and r.completion_tokens == 3 for r in results), [r.error for r in results]
+    assert len(streams) == 4 and len({id(s) for s in streams}) == 1, streams  # GET /v1/models, then the three
 
 
 def test_failed_requests_are_counted_not_fatal(server, tmp_path):
