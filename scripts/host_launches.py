@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""The host side of one step's launches, on any machine (no GPU): model/forward.py's forward() with the
+driver's launch replaced by a recorder.
+
+    python3 scripts/host_launches.py --models qwen3-0.6b,qwen3-4b --tokens 512 --seqs 1 [--splits 1]
+        [--repeats 50] [--profile 25] [--list]
+
+What runs is the package's own Python for a step: forward(), the launchers in kernels/ with their checks and
+routing, and Kernel.launch's conversion of the arguments (a ctypes value each and the array of their
+addresses, which the driver reads). What does not: cuLaunchKernelEx and the other driver calls. Device arrays
+are addresses with no memory behind them, tensor maps are 128 zero bytes, and the occupancy queries answer the
+H200's counts (132 SMs; clusters of 2, 3 and 4 blocks: 132, 117 and 120 blocks at once), so that the products
+route as they do there. The runner's preparation of a step's inputs (runner/step.py) is not included.
+
+Per model it prints the launches of a step of --tokens rows in --seqs sequences (prompts of equal length; a
+decode step when they are equal), the host time of a step and of a launch (the median over --repeats steps),
+and a digest of the launch list (each launch's kernel, grid, block, shared memory and argument bytes): a change
+to the launchers whose digest is unchanged launches exactly what the code before it launched. --profile N: the
+N functions with the most own time (cProfile) over the repeats. --list: every launch, in order.
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import cProfile
+import ctypes
+import hashlib
+import importlib
+import io
+import pstats
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's package, when not installed
+import tileinfer.cuda.driver as cuda_driver  # noqa: E402
+import tileinfer.cuda.memory as cuda_memory  # noqa: E402
+import tileinfer.cuda.module as cuda_module  # noqa: E402
+import tileinfer.cuda.tensormap as cuda_tensormap  # noqa: E402
+from tileinfer.model import forward as F  # noqa: E402
+from tileinfer.model.config import preset  # noqa: E402
+from tileinfer.model.inputs import StepInputs, StepShape  # noqa: E402
+
+linear_module = importlib.import_module("tileinfer.kernels.linear")  # the module (tileinfer.kernels.linear is its function)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+H200 = cuda_driver.DeviceInfo(ordinal=0, name="NVIDIA H200 (host launches only)", compute_capability=(9, 0),
+                              num_sms=132, total_memory=143 << 30, max_shared_per_block_optin=232448,
+                              l2_bytes=60 << 20)
+H200_CLUSTER_BLOCKS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200: blocks of such clusters at once
+PAGE_SIZE = 16
+
+
+class Launch(tuple):
+    """(kernel, grid, block, smem, argument bytes)."""
+
+    def __str__(self) -> str:
+        name, grid, block, smem, args = self
+        return f"{name} grid={grid} block={block} smem={smem} args={len(args)} bytes"
+
+
+class Recorder:
+    """Stands in for the driver below Kernel.launch: kernels whose launches are recorded (when `on`)."""
+
+    def __init__(self):
+        self.launches: list[Launch] = []
+        self.on = True
+        self._modules: dict[str, _Module] = {}
+        self._next_address = 1 << 32
+
+    def module(self, filename: str) -> "_Module":
+        if filename not in self._modules:
+            self._modules[filename] = _Module(self)
+        return self._modules[filename]
+
+    def call(self, fn, *args, detail=None):
+        """cuda_memory's driver calls: an allocation gets the next free address; copies do nothing."""
+        if fn is cuda_driver.driver.cuMemAlloc:
+            address = self._next_address
+            self._next_address += (int(args[0]) + 4095) // 4096 * 4096 + 4096
+            return address
+        return None
+
+
+class _Module:
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+        self._kernels: dict[str, _Kernel] = {}
+
+    def kernel(self, name: str) -> "_Kernel":
+        if name not in self._kernels:
+            self._kernels[name] = _Kernel(name, self.recorder)
+        return self._kernels[name]
+
+
+class _Kernel:
+    """Kernel's interface as the launchers use it."""
+
+    def __init__(self, name: str, recorder: Recorder):
+        self.name, self.recorder = name, recorder
+        self.max_dynamic_smem = 0
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        self.max_dynamic_smem = max(self.max_dynamic_smem, nbytes)
+
+    def prefer_shared_memory(self) -> None:
+        pass
+
+    def max_active_clusters(self, cluster: int, threads: int, smem: int) -> int:
+        return H200_CLUSTER_BLOCKS[cluster] // cluster
+
+    def max_active_blocks(self, threads: int, smem: int) -> int:
+        return 1
+
+    def launch(self, grid, block, args, stream, smem: int = 0) -> None:
+        """Kernel.launch's host work up to the driver call: the arguments as ctypes values and their addresses."""
+        grid = (*grid, 1, 1)[:3]
+        block = (*block, 1, 1)[:3]
+        if min(grid) <= 0:
+            return
+        values = [cuda_module._as_ctype(a) for a in args]
+        pointers = array.array("Q", map(ctypes.addressof, values))
+        if self.recorder.on:
+            data = b"".join(ctypes.string_at(p, ctypes.sizeof(v)) for p, v in zip(pointers, values))
+            self.recorder.launches.append(Launch((self.name, grid, block, smem, data)))
+
+
+class _Device:
+    def __init__(self, ordinal: int = 0):
+        self.info = H200
+
+
+class _TensorMap:
+    def __init__(self):
+        self._bytes = (ctypes.c_uint8 * 128)()
+
+    def getPtr(self) -> int:
+        return ctypes.addressof(self._bytes)
+
+
+@contextlib.contextmanager
+def recording():
+    """The package's driver-facing pieces replaced for the duration (and its caches of their answers emptied
+    before and after): yields the Recorder."""
+    recorder = Recorder()
+    saved = [(cuda_module, "load_module"), (cuda_driver, "Device"), (cuda_tensormap, "call"), (cuda_memory, "call")]
+    originals = [getattr(m, name) for m, name in saved]
+
+    def clear_caches():
+        cuda_tensormap.bf16_tensor_map.cache_clear()
+        linear_module._tma_plan.cache_clear()
+        linear_module._cluster_slots.clear()
+
+    clear_caches()
+    cuda_module.load_module = recorder.module
+    cuda_driver.Device = _Device
+    cuda_tensormap.call = lambda *a, **k: _TensorMap()
+    cuda_memory.call = recorder.call
+    try:
+        yield recorder
+    finally:
+        for (m, name), value in zip(saved, originals):
+            setattr(m, name, value)
+        clear_caches()
+
+
+class _Stream:
+    handle = 0
+
+
+def step_objects(model: str, tokens: int, seqs: int):
+    """Weights, workspace, cache and inputs of `model`'s shapes (addresses only; inside `recording`)."""
+    c = preset(model)
+    D, I, H, KV, hd = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+    def a(*shape, dtype=BF16):
+        return cuda_memory.DeviceArray(shape, dtype)
+
+    up_rows = 2 * I if c.mlp == "gated_silu" else I
+    layers = [types.SimpleNamespace(input_norm=a(D), w_qkv=a((H + 2 * KV) * hd, D), q_norm=a(hd), k_norm=a(hd),
+                                    w_o=a(D, H * hd), post_norm=a(D), w_up=a(up_rows, D), w_down=a(D, I),
+                                    act=None if c.mlp == "gated_silu" else a(4, dtype=np.float32))
+              for _ in range(c.num_hidden_layers)]
+    weights = types.SimpleNamespace(config=c, layers=layers, embed=a(c.vocab_size, D), final_norm=a(D),
+                                    lm_head=a(c.vocab_size, D))
+    max_splits = 128
+    ws = F.Workspace(c, tokens, seqs, max_splits, tokens * max_splits)
+    pages = seqs * (tokens // seqs + PAGE_SIZE) // PAGE_SIZE + 1
+    pools = [(a(pages, KV, PAGE_SIZE, hd), a(pages, KV, PAGE_SIZE, hd)) for _ in range(c.num_hidden_layers)]
+    cache = types.SimpleNamespace(k_pool=lambda i: pools[i][0], v_pool=lambda i: pools[i][1],
+                                  layer_scales=lambda i: None, layer_smoothing=lambda i: None)
+    i32 = np.int32
+    inputs = StepInputs(tokens=a(tokens, dtype=i32), token_src=a(tokens, dtype=i32), positions=a(tokens, dtype=i32),
+                        slots=a(tokens, dtype=i32), cu_q=a(seqs + 1, dtype=i32), kv_lens=a(seqs, dtype=i32),
+                        last_rows=a(seqs, dtype=i32), block_tables=a(seqs, pages, dtype=i32),
+                        sampled=a(seqs, dtype=i32))
+    return weights, ws, cache, inputs
+
+
+def measure(model: str, tokens: int, seqs: int, splits: int, repeats: int, profile: int = 0) -> dict:
+    """One model's step: its launches, the host time of a step and of a launch, the digest, and (profile > 0) the
+    profile's text."""
+    if tokens < 1 or seqs < 1 or tokens % seqs:
+        raise ValueError(f"--tokens must be a positive multiple of --seqs, got {tokens} and {seqs}")
+    with recording() as recorder:
+        weights, ws, cache, inputs = step_objects(model, tokens, seqs)
+        shape = StepShape(num_tokens=tokens, num_seqs=seqs, max_q_len=tokens // seqs)
+
+        def step():
+            F.forward(weights, ws, cache, inputs, shape, all_logits=False, num_splits=splits, stream=_Stream())
+
+        step()
+        launches = list(recorder.launches)
+        recorder.on = False
+        step()  # warm: every cache the launchers keep is filled
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+        text = ""
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(repeats):
+                step()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
+            text = out.getvalue()
+    us = statistics.median(seconds) * 1e6
+    digest = hashlib.sha256(b"".join(repr(x[:4]).encode() + x[4] for x in launches)).hexdigest()[:16]
+    return {"model": model, "tokens": tokens, "seqs": seqs, "splits": splits, "launches": launches,
+            "step_us": us, "launch_us": us / len(launches), "digest": digest, "profile": text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen3-0.6b,qwen3-4b", help="presets, comma-separated")
+    p.add_argument("--tokens", type=int, default=512, help="the step's rows (512)")
+    p.add_argument("--seqs", type=int, default=1, help="its sequences, tokens / seqs each (1)")
+    p.add_argument("--splits", type=int, default=1, help="attention's key splits (1)")
+    p.add_argument("--repeats", type=int, default=50, help="steps timed (50)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="the N functions with the most own time")
+    p.add_argument("--list", action="store_true", help="every launch, in order")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    for model in args.models.split(","):
+        try:
+            r = measure(model, args.tokens, args.seqs, args.splits, args.repeats, args.profile)
+        except ValueError as e:
+            print(f"host_launches: {e}", file=sys.stderr)
+            return 2
+        print(f"{model}: {args.tokens} tokens in {args.seqs} sequences, {len(r['launches'])} launches, "
+              f"{r['step_us']:,.0f} us of host time a step, {r['launch_us']:.1f} us a launch (median of "
+              f"{args.repeats}); launches digest {r['digest']}")
+        if args.list:
+            for launch in r["launches"]:
+                print(f"  {launch}")
+        if r["profile"]:
+            print(r["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

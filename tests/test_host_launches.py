@@ -1,0 +1,51 @@
+"""scripts/host_launches.py: a step's launches recorded without a GPU, their host time and a digest that names
+exactly what was launched."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import tileinfer.cuda.driver as cuda_driver
+import tileinfer.cuda.memory as cuda_memory
+import tileinfer.cuda.module as cuda_module
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "host_launches.py"
+
+
+def load():
+    if "host_launches" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("host_launches", SCRIPT)
+        sys.modules["host_launches"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["host_launches"])
+    return sys.modules["host_launches"]
+
+
+def test_the_same_step_launches_the_same_and_another_step_differs():
+    h = load()
+    first = h.measure("tiny", 48, 1, 1, repeats=2)
+    again = h.measure("tiny", 48, 1, 1, repeats=2)
+    assert first["digest"] == again["digest"] and first["launches"] == again["launches"]
+    names = [launch[0] for launch in first["launches"]]
+    assert names[:2] == ["resolve_tokens", "embedding"] and names.count("attention_wg") == 2  # a prefill, 2 layers
+    assert all(min(launch[1]) >= 1 and min(launch[2]) >= 1 for launch in first["launches"])
+    assert first["step_us"] > 0 and first["launch_us"] == first["step_us"] / len(names)
+    decode = h.measure("tiny", 8, 8, 4, repeats=2)  # eight sequences' decode step, keys split 4 ways
+    assert decode["digest"] != first["digest"] and decode["launches"] != first["launches"]
+
+
+def test_the_driver_facing_pieces_are_restored_after():
+    h = load()
+    before = (cuda_module.load_module, cuda_driver.Device, cuda_memory.call)
+    h.measure("tiny", 16, 2, 1, repeats=1)
+    assert (cuda_module.load_module, cuda_driver.Device, cuda_memory.call) == before
+
+
+def test_the_command_prints_each_model_and_refuses_a_step_it_cannot_split(capsys):
+    h = load()
+    assert h.main(["--models", "tiny", "--tokens", "32", "--seqs", "2", "--repeats", "2", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny: 32 tokens in 2 sequences, ") and "launches digest " in out
+    assert "\n  resolve_tokens grid=(1, 1, 1)" in out
+    assert h.main(["--models", "tiny", "--tokens", "33", "--seqs", "2"]) == 2
+    assert "--tokens must be a positive multiple of --seqs" in capsys.readouterr().err
