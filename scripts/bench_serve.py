@@ -135,7 +135,8 @@ async def stream_completion(client: httpx.AsyncClient, body: dict, timeout: floa
                     return result
                 await _read_events(response, result, start, close_after)
     except TimeoutError:
-        result.error = f"no [DONE] within --timeout {timeout} s"
+        result.error = (f"no [DONE] within --timeout {timeout} s" if result.e2e is None else
+                        f"the stream did not end after [DONE] within --timeout {timeout} s")
     except (httpx.HTTPError, httpx.StreamError) as e:
         result.error = f"{type(e).__name__}: {e}"
     except ValueError as e:  # a data line that is not JSON

@@ -115,6 +115,35 @@ def test_streamed_requests_one_after_another_keep_their_connection(server):
     assert len(streams) == 4 and len({id(s) for s in streams}) == 1, streams  # GET /v1/models, then the three
 
 
+def test_a_stream_that_does_not_end_after_done_is_an_error_that_says_so():
+    """A server that sends [DONE] and then holds the body open: the client waits for the body's end only until
+    its timeout, and the error names what happened (not a missing [DONE])."""
+    bench_serve = load("bench_serve")
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}\n\n'
+
+    async def answer(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        body = b'data: {"choices": [{"text": "hi"}]}\n\n' + usage + b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                     + f"{len(body):x}\r\n".encode() + body + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)  # the body's last chunk never comes (the client gives up first)
+        writer.close()
+
+    async def run():
+        listener = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        try:
+            async with bench_serve.make_client(f"http://127.0.0.1:{port}", None, 1) as client:
+                return await bench_serve.stream_completion(client, {"prompt": [1, 2], "stream": True}, 0.5)
+        finally:
+            listener.close()
+
+    result = asyncio.run(run())
+    assert not result.ok and result.ttft is not None and result.e2e is not None and result.text == "hi"
+    assert result.error == "the stream did not end after [DONE] within --timeout 0.5 s"
+
+
 def test_failed_requests_are_counted_not_fatal(server, tmp_path):
     rc, r = bench(server, tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
                   "--model", "no-such-model")
