@@ -13,9 +13,10 @@ H200's counts (132 SMs; clusters of 2, 3 and 4 blocks: 132, 117 and 120 blocks a
 route as they do there. The runner's preparation of a step's inputs (runner/step.py) is not included.
 
 Per model it prints the launches of a step of --tokens rows in --seqs sequences (prompts of equal length; a
-decode step when they are equal), the host time of a step and of a launch (the median over --repeats steps),
-and a digest of the launch list (each launch's kernel, grid, block, shared memory and argument bytes): a change
-to the launchers whose digest is unchanged launches exactly what the code before it launched. --profile N: the
+decode step when they are equal; bf16 weights, a BF16 cache), the host time of a step and of a launch (the
+median over --repeats steps), and a digest of the launch list (each launch's kernel, grid, block, shared memory
+and argument bytes): a change to the launchers whose digest is unchanged launches exactly what the code before
+it launched. --profile N: the
 N functions with the most own time (cProfile) over the repeats. --list: every launch, in order.
 """
 from __future__ import annotations
