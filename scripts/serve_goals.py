@@ -15,7 +15,10 @@
   2. served: `python -m tileinfer serve` with the same options (scripts/serve_load.py's ServerProcess) gets
      a warm-up, then the same requests all at once from --client-processes processes (bench_serve.py's
      streaming client): output tokens from the first send to the last answer; then the TTFT prompts one at a
-     time: sending to the first chunk with text, as bench_serve.py measures it. The server stops (SIGTERM).
+     time: sending to the first chunk with text, as bench_serve.py measures it; and from the server's /metrics
+     before and after them, its engine's own mean time to first token over them (a request's arrival in the
+     engine process to its first token), which splits the served TTFT into the engine's and the rest (HTTP,
+     the pipes between the processes, the client). The server stops (SIGTERM).
 Goals: served output tokens/s >= 90% of offline; the median TTFT at low load within 5 ms of the median
 prefill time. The warm-ups use prompts of their own, so no measured request finds its prompt in the prefix
 cache. Prints a table and writes the figures as JSON to --out ($OUT/serve_goals.json by default).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -99,9 +103,26 @@ def served(model: Path, args, work: Workload) -> dict:
         send(server.url, work.warmup, args, None, 1)
         saturation = send(server.url, work.requests, args, None, args.client_processes)
         send(server.url, work.ttft_warmup, args, 1, 1)
+        before = engine_ttft(server.url)
         low_load = send(server.url, work.ttft, args, 1, 1)
+        after = engine_ttft(server.url)
         exit_code = server.stop(args.stop_timeout)
+    requests = after[1] - before[1]
+    low_load["engine_ttft_mean_ms"] = (after[0] - before[0]) / requests * 1000 if requests else None
     return {"saturation": saturation, "low_load": low_load, "server_exit_code": exit_code, "server_log": str(log_path)}
+
+
+def engine_ttft(url: str) -> tuple[float, float]:
+    """The server's histogram of its engine's times to first token (from a request's arrival in the engine
+    process to its first token), GET /metrics: (sum of seconds, count) of the requests ended so far."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for part in ("sum", "count"):
+        match = re.search(rf"^tileinfer_time_to_first_token_seconds_{part} (\S+)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"GET /metrics has no tileinfer_time_to_first_token_seconds_{part}")
+        values[part] = float(match.group(1))
+    return values["sum"], values["count"]
 
 
 def send(url: str, specs: list, args, max_concurrency: int | None, processes: int) -> dict:
@@ -155,6 +176,12 @@ def format_table(s: dict) -> str:
              f"served at saturation: TTFT p50 {_ms(sat['ttft_ms']['p50'])}, TPOT p50 {_ms(sat['tpot_ms']['p50'])}, "
              f"{sat['duration_s']:.2f} s; offline {off['seconds']:.2f} s",
              "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s["checks"].items())]
+    engine = low.get("engine_ttft_mean_ms")
+    if engine is not None and low["ttft_ms"]["mean"] is not None:
+        lines.append(f"low load, means: the offline prefill {off['prefill_ms']['mean']:.2f} ms; in the server the "
+                     f"engine's own {engine:.2f} ms (arrival in the engine process to the first token, /metrics); "
+                     f"at the client {low['ttft_ms']['mean']:.2f} ms: HTTP, the pipes and the client "
+                     f"{low['ttft_ms']['mean'] - engine:+.2f} ms")
     for name, report in (("saturation", sat), ("low load", low)):
         if report["first_error"]:
             lines.append(f"  {name}: first error: {report['first_error']}")
