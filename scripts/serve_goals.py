@@ -28,9 +28,9 @@ result, not a failure.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -115,14 +115,12 @@ def served(model: Path, args, work: Workload) -> dict:
 def engine_ttft(url: str) -> tuple[float, float]:
     """The server's histogram of its engine's times to first token (from a request's arrival in the engine
     process to its first token), GET /metrics: (sum of seconds, count) of the requests ended so far."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = {}
-    for part in ("sum", "count"):
-        match = re.search(rf"^tileinfer_time_to_first_token_seconds_{part} (\S+)$", text, re.M)
-        if match is None:
-            raise RuntimeError(f"GET /metrics has no tileinfer_time_to_first_token_seconds_{part}")
-        values[part] = float(match.group(1))
-    return values["sum"], values["count"]
+    async def read() -> dict[str, float]:
+        async with httpx.AsyncClient(base_url=url) as client:
+            return await serve_load.scrape(client)
+    metrics = asyncio.run(read())
+    name = "tileinfer_time_to_first_token_seconds"
+    return metrics[f"{name}_sum"], metrics[f"{name}_count"]
 
 
 def send(url: str, specs: list, args, max_concurrency: int | None, processes: int) -> dict:
