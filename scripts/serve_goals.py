@@ -16,9 +16,10 @@
      a warm-up, then the same requests all at once from --client-processes processes (bench_serve.py's
      streaming client): output tokens from the first send to the last answer; then the TTFT prompts one at a
      time: sending to the first chunk with text, as bench_serve.py measures it; and from the server's /metrics
-     before and after them, its engine's own mean time to first token over them (a request's arrival in the
-     engine process to its first token), which splits the served TTFT into the engine's and the rest (HTTP,
-     the pipes between the processes, the client). The server stops (SIGTERM).
+     before and after them, two means over them that split the served TTFT: its engine's own time to first
+     token (a request's arrival in the engine process to its first token) and the server's (the request's
+     arrival at the app to its first chunk handed to the connection: the engine's, the pipes between the two
+     processes and the handler); the rest is HTTP and the client. The server stops (SIGTERM).
 Goals: served output tokens/s >= 90% of offline; the median TTFT at low load within 5 ms of the median
 prefill time. The warm-ups use prompts of their own, so no measured request finds its prompt in the prefix
 cache. Prints a table and writes the figures as JSON to --out ($OUT/serve_goals.json by default).
@@ -103,24 +104,26 @@ def served(model: Path, args, work: Workload) -> dict:
         send(server.url, work.warmup, args, None, 1)
         saturation = send(server.url, work.requests, args, None, args.client_processes)
         send(server.url, work.ttft_warmup, args, 1, 1)
-        before = engine_ttft(server.url)
+        before = first_token_times(server.url)
         low_load = send(server.url, work.ttft, args, 1, 1)
-        after = engine_ttft(server.url)
+        after = first_token_times(server.url)
         exit_code = server.stop(args.stop_timeout)
-    requests = after[1] - before[1]
-    low_load["engine_ttft_mean_ms"] = (after[0] - before[0]) / requests * 1000 if requests else None
+    for key, name in (("engine_ttft_mean_ms", "engine"), ("server_ttft_mean_ms", "http")):
+        seconds, requests = (after[f"{name}_{part}"] - before[f"{name}_{part}"] for part in ("sum", "count"))
+        low_load[key] = seconds / requests * 1000 if requests else None
     return {"saturation": saturation, "low_load": low_load, "server_exit_code": exit_code, "server_log": str(log_path)}
 
 
-def engine_ttft(url: str) -> tuple[float, float]:
-    """The server's histogram of its engine's times to first token (from a request's arrival in the engine
-    process to its first token), GET /metrics: (sum of seconds, count) of the requests ended so far."""
+def first_token_times(url: str) -> dict[str, float]:
+    """The server's two histograms of first-token times, GET /metrics, as {engine,http}_{sum,count} (seconds and
+    requests so far): its engine's (a request's arrival in the engine process to its first token; every request
+    ended) and its own (a streamed request's arrival at the app to its first chunk handed to the connection)."""
     async def read() -> dict[str, float]:
         async with httpx.AsyncClient(base_url=url) as client:
             return await serve_load.scrape(client)
     metrics = asyncio.run(read())
-    name = "tileinfer_time_to_first_token_seconds"
-    return metrics[f"{name}_sum"], metrics[f"{name}_count"]
+    names = {"engine": "tileinfer_time_to_first_token_seconds", "http": "tileinfer_http_time_to_first_token_seconds"}
+    return {f"{key}_{part}": metrics[f"{name}_{part}"] for key, name in names.items() for part in ("sum", "count")}
 
 
 def send(url: str, specs: list, args, max_concurrency: int | None, processes: int) -> dict:
@@ -174,12 +177,13 @@ def format_table(s: dict) -> str:
              f"served at saturation: TTFT p50 {_ms(sat['ttft_ms']['p50'])}, TPOT p50 {_ms(sat['tpot_ms']['p50'])}, "
              f"{sat['duration_s']:.2f} s; offline {off['seconds']:.2f} s",
              "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s["checks"].items())]
-    engine = low.get("engine_ttft_mean_ms")
-    if engine is not None and low["ttft_ms"]["mean"] is not None:
+    engine, server, client = low.get("engine_ttft_mean_ms"), low.get("server_ttft_mean_ms"), low["ttft_ms"]["mean"]
+    if engine is not None and server is not None and client is not None:
         lines.append(f"low load, means: the offline prefill {off['prefill_ms']['mean']:.2f} ms; in the server the "
                      f"engine's own {engine:.2f} ms (arrival in the engine process to the first token, /metrics); "
-                     f"at the client {low['ttft_ms']['mean']:.2f} ms: HTTP, the pipes and the client "
-                     f"{low['ttft_ms']['mean'] - engine:+.2f} ms")
+                     f"the server's {server:.2f} ms (the request's arrival at the app to its first chunk: the pipes "
+                     f"and the handler {server - engine:+.2f} ms); at the client {client:.2f} ms (HTTP and the "
+                     f"client {client - server:+.2f} ms)")
     for name, report in (("saturation", sat), ("low load", low)):
         if report["first_error"]:
             lines.append(f"  {name}: first error: {report['first_error']}")

@@ -496,6 +496,32 @@ def test_metrics_count_what_the_requests_did(served, reference):
     assert "tileinfer_preemptions_total" in after
 
 
+def test_streamed_first_tokens_are_timed_at_the_server_around_the_engines(served):
+    """tileinfer_http_time_to_first_token_seconds: one per streamed request (a completion and a chat here), none
+    for a whole reply; each spans its request's engine time to first token (the engine's lies inside it)."""
+    before = scrape(served)
+    client = served.client()
+    for _ in client.completions.create(model=NAME, prompt="Timed at the server", max_tokens=4, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True}):
+        pass
+    for _ in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}):
+        pass
+    wait_for(lambda: served.engine.num_requests == 0, 10, "both streamed requests ending")
+    middle = scrape(served)
+    client.completions.create(model=NAME, prompt="Not streamed", max_tokens=2, temperature=0)
+    wait_for(lambda: served.engine.num_requests == 0, 10, "the whole reply's request ending")
+    after = scrape(served)
+
+    def grew(name: str, a: dict, b: dict) -> float:
+        return b[name] - a.get(name, 0.0)
+
+    http, engine = "tileinfer_http_time_to_first_token_seconds", "tileinfer_time_to_first_token_seconds"
+    assert grew(f"{http}_count", before, middle) == 2 and grew(f"{engine}_count", before, middle) == 2
+    assert grew(f"{http}_sum", before, middle) > grew(f"{engine}_sum", before, middle) > 0
+    assert grew(f"{http}_count", middle, after) == 0 and grew(f"{engine}_count", middle, after) == 1
+
+
 
 def test_page_gauges_after_an_abort_without_a_later_step(served):
     """A request with a penalty runs synchronous steps: once it is aborted no step follows, yet the gauges

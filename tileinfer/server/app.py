@@ -13,6 +13,10 @@ each request to the EngineClient and await its events (engine_client.py, events.
 with OpenAI's error shape and status 400 before anything streams, so a streaming client sees a bad request
 as an HTTP error too. A streaming client that goes away aborts its request, and the engine frees its pages.
 
+A streamed request's first token is timed from the request's arrival at the app (the ASGI call, before its
+body is parsed) to its first chunk with text handed to the connection: the histogram
+tileinfer_http_time_to_first_token_seconds of /metrics, beside the engine's own time to first token.
+
 Stopping (lifecycle.py; graceful.py turns SIGTERM and Ctrl-C into it): /health answers 503 "stopping" and
 new requests 503 at once, requests in flight run on for a grace period, what is left is aborted.
 """
@@ -120,7 +124,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
         body.refuse_unsupported()
         prompts = body.prompts()
         sampling = body.sampling(body.max_tokens, body.logprobs)
-        sub = await _start(engine, prompts, sampling, body.stream, body.n,
+        sub = await _start(engine, prompts, sampling, body.stream, body.n, request.scope.get(ARRIVAL),
                            renames={"structured_outputs": body.structured_param})
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name}
@@ -144,7 +148,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
             raise APIError(400, str(e), param=body.template_param) from None
         top_n = body.top_n()
         sampling = body.sampling(body.reply_budget(), top_n)
-        sub = await _start(engine, [prompt], sampling, body.stream, body.n,
+        sub = await _start(engine, [prompt], sampling, body.stream, body.n, request.scope.get(ARRIVAL),
                            renames={"logprobs": "top_logprobs", "prompt": "messages",
                                     "structured_outputs": body.structured_param,
                                     "max_tokens": body.reply_budget_param})
@@ -163,7 +167,23 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
         return {**head, "choices": choices, "usage": _usage(sub, outs)}
 
     app.include_router(v1)
+    app.add_middleware(_Arrival)
     return app
+
+
+ARRIVAL = "tileinfer.arrival"  # the scope key of a request's arrival (time.perf_counter())
+
+
+class _Arrival:
+    """Stamps each HTTP request's scope with its arrival, before the app parses anything of it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[ARRIVAL] = time.perf_counter()
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------- errors, auth
@@ -218,10 +238,11 @@ def _check_model(model: str | None, served: str) -> None:
 
 
 # ---------------------------------------------------------------------------- one request's events
-async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bool, n: int,
+async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bool, n: int, arrival: float | None,
                  renames: dict | None = None) -> Submission:
-    """Hand the request to the engine and wait until it was taken; APIError if it was refused."""
-    sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), n=n)
+    """Hand the request to the engine and wait until it was taken; APIError if it was refused. arrival: when the
+    request reached the app (time.perf_counter(); None: not stamped)."""
+    sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), n=n, arrival=arrival)
     engine.submit(sub)
     event = await _next(engine, sub)
     if isinstance(event, Rejected):
@@ -387,6 +408,7 @@ async def _stream(engine: EngineClient, sub: Submission, head: dict, include_usa
     failure as an error chunk; then the usage chunk (if asked for and every choice finished) and [DONE].
     Closed or cancelled before every choice finished (the client went away), it aborts the request."""
     outs, left = [], sub.num_choices  # left: choices not yet finished (none after a failure)
+    first = sub.arrival is not None  # the first chunk with text is still to come (and timed)
     try:
         if opening:
             yield opening
@@ -395,6 +417,9 @@ async def _stream(engine: EngineClient, sub: Submission, head: dict, include_usa
             for event in _merged(await _batch(engine, sub)):
                 if isinstance(event, MergedDelta):
                     chunks += on_delta(event)
+                    if first and event.text:
+                        engine.metrics.http_ttft.observe(time.perf_counter() - sub.arrival)
+                        first = False
                 elif isinstance(event, Finished):
                     outs.append(event.output)
                     left -= 1

@@ -4,7 +4,9 @@ The engine process reports after every turn of its loop (events.Report): the gau
 waiting, KV pages used, free and cached), its counters (preemptions, prompt tokens added and computed,
 tokens generated), the gaps between each request's tokens this turn (inter-token latency), and per request
 ended its time to first token, end-to-end latency and prompt tokens served by the prefix cache (the hit
-rate). EngineClient hands each Report to `update` on the server's event loop.
+rate). EngineClient hands each Report to `update` on the server's event loop. The handlers observe
+http_ttft themselves (app.py): a streamed request's first token as the server sent it, HTTP and the pipes to
+the engine process and back included.
 """
 from __future__ import annotations
 
@@ -43,8 +45,12 @@ class ServerMetrics:
             "Prompt positions run through the model by prefill steps (the others came from the prefix cache)",
             registry=r)
         self.generation_tokens = Counter("tileinfer_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("tileinfer_time_to_first_token_seconds", "From a request's arrival to its first token",
+        self.ttft = Histogram("tileinfer_time_to_first_token_seconds",
+                              "In the engine: from a request's arrival in the engine process to its first token",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.http_ttft = Histogram("tileinfer_http_time_to_first_token_seconds",
+                                   "Streamed requests: from the HTTP request's arrival at the server to its first "
+                                   "chunk with text handed to the connection", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = CountedHistogram("tileinfer_inter_token_latency_seconds", "Between a request's consecutive tokens",
                                     LATENCY_BUCKETS)
         r.register(self.itl)
