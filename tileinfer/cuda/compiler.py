@@ -126,7 +126,7 @@ def compile_source(name: str, source: str, arch: str, defines: dict[str, object]
     cubin = _cached(unit)
     if cubin is None:
         start = time.perf_counter()
-        cubin, _ = _nvrtc_compile(unit.name, unit.source, unit.headers, unit.options)
+        cubin = _nvrtc_compile(unit.name, unit.source, unit.headers, unit.options)[0]
         _store(unit, cubin, time.perf_counter() - start)
     return cubin
 
@@ -269,13 +269,24 @@ def cubin_and_ptx(filename: str, arch: str) -> tuple[bytes, str]:
     order of instructions in an entry point) without compiling twice."""
     src_dir = cuda_src_dir()
     source = (src_dir / filename).read_text()
-    cubin, ptx = _nvrtc_compile(filename, source, read_headers(source, src_dir), compile_options(arch), ptx=True)
+    cubin, ptx, _ = _nvrtc_compile(filename, source, read_headers(source, src_dir), compile_options(arch), ptx=True)
     return cubin, ptx
 
 
+def assembler_log(filename: str, arch: str, defines: dict[str, object] | None = None) -> str:
+    """NVRTC's log of one uncached compile of `cuda_src/<filename>` (with `defines`: one part of a file compiled in
+    parts) with compile_file's options and the assembler's verbose output (--ptxas-options=-v): per entry point its
+    registers, stack frame, spills and shared memory, and the assembler's performance notes (scripts/ptxas_report.py
+    reads it)."""
+    src_dir = cuda_src_dir()
+    source = (src_dir / filename).read_text()
+    options = [*compile_options(arch, defines), "--ptxas-options=-v"]
+    return _nvrtc_compile(filename, source, read_headers(source, src_dir), options)[2]
+
+
 def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: list[str],
-                   ptx: bool = False) -> tuple[bytes, str | None]:
-    """(cubin, the PTX when asked for, else None) of one NVRTC compile; CompileError on failure."""
+                   ptx: bool = False) -> tuple[bytes, str | None, str]:
+    """(cubin, the PTX when asked for, else None, NVRTC's log) of one NVRTC compile; CompileError on failure."""
     names = sorted(headers)
     prog = call(nvrtc.nvrtcCreateProgram, source.encode(), name.encode(), len(names),
                 [headers[n].encode() for n in names], [n.encode() for n in names])
@@ -286,7 +297,7 @@ def _nvrtc_compile(name: str, source: str, headers: dict[str, str], options: lis
             raise CompileError(name, log_text, options, source)
         cubin = _program_output(prog, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
         text = _program_output(prog, nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX).rstrip(b"\0").decode() if ptx else None
-        return cubin, text
+        return cubin, text, log_text
     finally:
         call(nvrtc.nvrtcDestroyProgram, prog)
 

@@ -30,7 +30,7 @@ def main() -> int:
     compiler = _compiler()
     job = json.loads(sys.stdin.buffer.read())
     try:
-        cubin, _ = compiler._nvrtc_compile(job["name"], job["source"], job["headers"], job["options"])
+        cubin = compiler._nvrtc_compile(job["name"], job["source"], job["headers"], job["options"])[0]
     except compiler.CompileError as e:
         sys.stdout.buffer.write(e.log.encode())
         return compiler.COMPILE_FAILED
