@@ -124,7 +124,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
         body.refuse_unsupported()
         prompts = body.prompts()
         sampling = body.sampling(body.max_tokens, body.logprobs)
-        sub = await _start(engine, prompts, sampling, body.stream, body.n, request.scope.get(ARRIVAL),
+        sub = await _start(engine, prompts, sampling, body.stream, body.n, request.scope[ARRIVAL],
                            renames={"structured_outputs": body.structured_param})
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": served_model_name}
@@ -148,7 +148,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
             raise APIError(400, str(e), param=body.template_param) from None
         top_n = body.top_n()
         sampling = body.sampling(body.reply_budget(), top_n)
-        sub = await _start(engine, [prompt], sampling, body.stream, body.n, request.scope.get(ARRIVAL),
+        sub = await _start(engine, [prompt], sampling, body.stream, body.n, request.scope[ARRIVAL],
                            renames={"logprobs": "top_logprobs", "prompt": "messages",
                                     "structured_outputs": body.structured_param,
                                     "max_tokens": body.reply_budget_param})
@@ -238,11 +238,11 @@ def _check_model(model: str | None, served: str) -> None:
 
 
 # ---------------------------------------------------------------------------- one request's events
-async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bool, n: int, arrival: float | None,
+async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bool, n: int, arrival: float,
                  renames: dict | None = None) -> Submission:
     """Hand the request to the engine and wait until it was taken; APIError if it was refused. arrival: when the
-    request reached the app (time.perf_counter(); None: not stamped)."""
-    sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), n=n, arrival=arrival)
+    request reached the app (time.perf_counter())."""
+    sub = Submission(prompts, sampling, stream, asyncio.get_running_loop(), arrival, n=n)
     engine.submit(sub)
     event = await _next(engine, sub)
     if isinstance(event, Rejected):
@@ -408,7 +408,7 @@ async def _stream(engine: EngineClient, sub: Submission, head: dict, include_usa
     failure as an error chunk; then the usage chunk (if asked for and every choice finished) and [DONE].
     Closed or cancelled before every choice finished (the client went away), it aborts the request."""
     outs, left = [], sub.num_choices  # left: choices not yet finished (none after a failure)
-    first = sub.arrival is not None  # the first chunk with text is still to come (and timed)
+    first = True  # the first chunk with text is still to come (and timed)
     try:
         if opening:
             yield opening

@@ -52,8 +52,8 @@ class Submission:
     sampling: dict
     stream: bool
     loop: asyncio.AbstractEventLoop
+    arrival: float       # when the request reached the server (time.perf_counter())
     n: int = 1
-    arrival: float | None = None  # when the request reached the server (time.perf_counter()), if stamped
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # lists of events, in order
     backlog: deque = field(default_factory=deque)  # the handler's: events taken from the queue, not yet read
     prompt_tokens: list[int] = field(default_factory=list)  # per prompt, once added (Added)
