@@ -177,7 +177,7 @@ def format_table(s: dict) -> str:
              f"served at saturation: TTFT p50 {_ms(sat['ttft_ms']['p50'])}, TPOT p50 {_ms(sat['tpot_ms']['p50'])}, "
              f"{sat['duration_s']:.2f} s; offline {off['seconds']:.2f} s",
              "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s["checks"].items())]
-    engine, server, client = low.get("engine_ttft_mean_ms"), low.get("server_ttft_mean_ms"), low["ttft_ms"]["mean"]
+    engine, server, client = low["engine_ttft_mean_ms"], low["server_ttft_mean_ms"], low["ttft_ms"]["mean"]
     if engine is not None and server is not None and client is not None:
         lines.append(f"low load, means: the offline prefill {off['prefill_ms']['mean']:.2f} ms; in the server the "
                      f"engine's own {engine:.2f} ms (arrival in the engine process to the first token, /metrics); "
