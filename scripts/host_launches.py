@@ -22,7 +22,6 @@ N functions with the most own time (cProfile) over the repeats. --list: every la
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import cProfile
 import ctypes
@@ -125,10 +124,10 @@ class _Kernel:
         block = (*block, 1, 1)[:3]
         if min(grid) <= 0:
             return
-        values = [cuda_module._as_ctype(a) for a in args]
-        pointers = array.array("Q", map(ctypes.addressof, values))
+        pointers = cuda_module.pack_arguments(args)
         if self.recorder.on:
-            data = b"".join(ctypes.string_at(p, ctypes.sizeof(v)) for p, v in zip(pointers, values))
+            sizes = [8 if a is None or isinstance(a, cuda_memory.DeviceArray) else ctypes.sizeof(a) for a in args]
+            data = b"".join(ctypes.string_at(p, size) for p, size in zip(pointers, sizes))
             self.recorder.launches.append(Launch((self.name, grid, block, smem, data)))
 
 

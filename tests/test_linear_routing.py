@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.kernels.linear import forced_plan
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
                                       TMA_MULTICAST_ROWS, TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
                                       TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
@@ -340,3 +341,20 @@ def test_the_tma_maps_of_x_cover_whole_tiles_where_its_allocation_continues():
     assert tile_rows(root.rows(200, 290).rows(0, 50), 128) == 100  # a view of a view: the root's end
     assert tile_rows(root, 128) == 300                      # an array of its own: its rows
     assert tile_rows(DeviceArray((144, 64), np.uint16, ptr=1 << 20), 128) == 144
+
+
+def test_forced_gemm_options_are_checked_and_the_rest_default_to_the_persistent_kernel():
+    sms = 132
+    assert forced_plan(512, 4096, False, sms, None, 2, None, None, None) == TmaPlan(tma_width(512, 4096, False, sms,
+                                                                                               persistent=False), 2)
+    assert forced_plan(512, 4096, False, sms, 128, None, None, None, 64) == TmaPlan(128, 1)
+    assert forced_plan(4096, 4096, False, sms, None, 1, 2, True, None).multicast is True
+    bad = [((None, 5, None, None, None), "split must be 1 or one of"),
+           ((None, None, 7, None, None), "tail must be 1 or one of"),
+           ((200, None, None, None, None), "width must be one of"),
+           ((None, 2, None, None, 64), "for the persistent \\(unsplit\\) kernel only"),
+           ((TMA_ROUND_WIDTHS[0], 2, None, None, None), "the persistent kernel's alone"),
+           ((None, None, None, True, 3), "multicast pairs row tiles and blocks")]
+    for (width, split, tail, multicast, blocks), message in bad:
+        with pytest.raises(ValueError, match=message):
+            forced_plan(4096, 4096, False, sms, width, split, tail, multicast, blocks)

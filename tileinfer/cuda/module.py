@@ -41,21 +41,31 @@ def _pdl_attributes() -> list:
     return [attr]
 
 
-_NULL = ctypes.c_void_p(0)  # a None argument: the launch reads its address, the driver copies its value
-_SCALARS = (ctypes._SimpleCData, ctypes.Array)
-
-
-def _as_ctype(arg):
-    if type(arg) is DeviceArray:
-        return ctypes.c_void_p(arg.ptr)
-    if isinstance(arg, _SCALARS):
-        return arg  # a ctypes array goes by value (the driver copies its bytes): e.g. a tensor map
-    if arg is None:
-        return _NULL
-    if isinstance(arg, DeviceArray):
-        return ctypes.c_void_p(arg.ptr)
-    raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None, a ctypes scalar (e.g. ctypes.c_int32(n)) "
-                    "or a ctypes array (by value)")
+def pack_arguments(args) -> array.array:
+    """The `void*[]` array cuLaunchKernelEx reads a kernel's arguments through, for `args` (n of them): its
+    first n entries are the arguments' addresses, and its last n hold the device pointers those of the
+    DeviceArray and None arguments point at (a ctypes argument is read where it lies). The launch passes
+    the address of the array's first entry; the array must stay alive until the driver has copied the
+    values (the call returns after that)."""
+    n = len(args)
+    slots = array.array("Q", bytes(16 * n))
+    base = slots.buffer_info()[0]
+    for i, arg in enumerate(args):
+        if type(arg) is DeviceArray:
+            slots[n + i] = arg.ptr
+            slots[i] = base + 8 * (n + i)
+        elif arg is None:  # a null pointer: its slot stays 0
+            slots[i] = base + 8 * (n + i)
+        else:
+            try:  # a ctypes scalar; a ctypes array goes by value (the driver copies its bytes): a tensor map
+                slots[i] = ctypes.addressof(arg)
+            except TypeError:
+                if not isinstance(arg, DeviceArray):
+                    raise TypeError(f"kernel argument {arg!r}: pass a DeviceArray, None, a ctypes scalar (e.g. "
+                                    "ctypes.c_int32(n)) or a ctypes array (by value)") from None
+                slots[n + i] = arg.ptr  # a subclass of DeviceArray
+                slots[i] = base + 8 * (n + i)
+    return slots
 
 
 class _Launch:
@@ -130,8 +140,7 @@ class Kernel:
         block = (*block, 1, 1)[:3]
         if min(grid) <= 0:
             return  # nothing to do (an empty batch); launching a 0-sized grid is an error
-        values = [_as_ctype(a) for a in args]
-        pointers = array.array("Q", map(ctypes.addressof, values))  # the driver reads the arguments through these
+        pointers = pack_arguments(args)
         if smem > self.max_dynamic_smem and smem > 48 * 1024:
             self.set_max_dynamic_smem(smem)
         what = last_work[0] = _Launch(self.name, grid, block, smem)

@@ -16,6 +16,8 @@ UINT8 = np.dtype(np.uint8)
 
 def expect(name: str, array: DeviceArray | None, shape: tuple, dtype) -> None:
     """`array` must have exactly `shape` (None entries match anything) and `dtype`."""
+    if array is not None and array.shape == shape and array.dtype == dtype:
+        return  # the usual case, first: the launchers check a few arrays a launch
     if array is None:
         raise ValueError(f"{name}: expected a device array of shape {shape}, got None")
     have = array.shape

@@ -167,22 +167,11 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
         return
     silu = epilogue == "silu_mul"
     sms = get_device().info.num_sms
-    for name, value in (("split", split), ("tail", tail)):
-        if value not in (None, 1) + TMA_SPLITS:
-            raise ValueError(f"gemm: {name} must be 1 or one of {TMA_SPLITS}, got {value}")
-    if width not in (None,) + TMA_WIDTHS + TMA_ROUND_WIDTHS:
-        raise ValueError(f"gemm: width must be one of {TMA_WIDTHS + TMA_ROUND_WIDTHS}, got {width}")
     if split is None and width is None and blocks is None and tail is None and multicast is None:
         plan = _tma_plan(M, N, K, epilogue, sms)
-        width, split, tail, multicast = plan.width, plan.split, plan.tail, plan.multicast
-    split, tail, multicast = split or 1, tail or 1, bool(multicast)
-    width = width or tma_width(M, N, silu, sms, persistent=split == 1 and tail == 1 and not multicast)
-    if split > 1 and (blocks is not None or tail > 1 or multicast):
-        raise ValueError("gemm: `blocks`, `tail` and `multicast` are for the persistent (unsplit) kernel only")
-    if width in TMA_ROUND_WIDTHS and (split > 1 or tail > 1 or multicast):
-        raise ValueError(f"gemm: width {width} is the persistent kernel's alone (no split, tail or multicast)")
-    if multicast and (cdiv(M, TMA_BM) % 2 or (blocks or 2) % 2):
-        raise ValueError(f"gemm: multicast pairs row tiles and blocks: {cdiv(M, TMA_BM)} row tiles, blocks={blocks}")
+    else:
+        plan = forced_plan(M, N, silu, sms, width, split, tail, multicast, blocks)
+    width, split, tail, multicast = plan.width, plan.split, plan.tail, plan.multicast
     tiles = tma_tiles(M, N, silu, width)
     maps = [bf16_tensor_map(x.ptr, tile_rows(x, TMA_BM), K, TMA_BM), bf16_tensor_map(w.ptr, N, K, width // 2)]
 
@@ -201,6 +190,26 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     launch(1, 0, whole, grid)
     if whole < tiles:
         launch(tail, whole, tiles, (tiles - whole) * tail)
+
+
+def forced_plan(M: int, N: int, silu: bool, sms: int, width: int | None, split: int | None, tail: int | None,
+                multicast: bool | None, blocks: int | None) -> TmaPlan:
+    """gemm's plan when a caller forces any of its options (each checked); the others as the persistent
+    kernel's defaults (no split, tail or multicast; tma_width's width)."""
+    for name, value in (("split", split), ("tail", tail)):
+        if value not in (None, 1) + TMA_SPLITS:
+            raise ValueError(f"gemm: {name} must be 1 or one of {TMA_SPLITS}, got {value}")
+    if width not in (None,) + TMA_WIDTHS + TMA_ROUND_WIDTHS:
+        raise ValueError(f"gemm: width must be one of {TMA_WIDTHS + TMA_ROUND_WIDTHS}, got {width}")
+    split, tail, multicast = split or 1, tail or 1, bool(multicast)
+    width = width or tma_width(M, N, silu, sms, persistent=split == 1 and tail == 1 and not multicast)
+    if split > 1 and (blocks is not None or tail > 1 or multicast):
+        raise ValueError("gemm: `blocks`, `tail` and `multicast` are for the persistent (unsplit) kernel only")
+    if width in TMA_ROUND_WIDTHS and (split > 1 or tail > 1 or multicast):
+        raise ValueError(f"gemm: width {width} is the persistent kernel's alone (no split, tail or multicast)")
+    if multicast and (cdiv(M, TMA_BM) % 2 or (blocks or 2) % 2):
+        raise ValueError(f"gemm: multicast pairs row tiles and blocks: {cdiv(M, TMA_BM)} row tiles, blocks={blocks}")
+    return TmaPlan(width, split, tail, multicast)
 
 
 def tile_rows(x: DeviceArray, tile: int) -> int:
