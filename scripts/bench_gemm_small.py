@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""linear()'s default path on the Qwen3 decode and verify shapes (few rows: the GEMV, the swap-AB GEMM,
+"""linear()'s default path on the Qwen3 and Apertus decode and verify shapes (few rows: the GEMV, the swap-AB GEMM,
 the TMA GEMM past 64 rows), with the alternatives beside it.
 
     python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 5,16,32,64,128] [--swap] [--gemv]
                                        [--tma]
 
-For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul, down residual, LM head
-f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per call, the
-bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
+For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul (Apertus: up xielu), down
+residual, LM head f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per
+call, the bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
 GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
 rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8; --tma the TMA GEMM (gemm_tma.cu)
 past 64 rows at every tile width and split (widths 96 and 160 unsplit only; the persistent kernel's "s1" without
@@ -52,8 +52,12 @@ def model_matrices(name: str) -> list[tuple[str, int, int, str]]:
     """(matrix, N, K, epilogue) of one layer of the model, plus the LM head."""
     c = preset(name)
     d, f = c.hidden_size, c.intermediate_size
-    return [("qkv", c.qkv_size, d, "bf16"), ("o", d, c.q_size, "residual"), ("gate_up", 2 * f, d, "silu_mul"),
-            ("down", d, f, "residual"), ("lm_head", c.vocab_size, d, "f32")]
+    up = ("gate_up", 2 * f, d, "silu_mul") if c.mlp == "gated_silu" else ("up", f, d, "xielu")  # Apertus: xIELU
+    return [("qkv", c.qkv_size, d, "bf16"), ("o", d, c.q_size, "residual"), up, ("down", d, f, "residual"),
+            ("lm_head", c.vocab_size, d, "f32")]
+
+
+XIELU_PARAMS = (0.8, 0.8, 0.5, -1e-6)  # [a_p, a_n, beta, eps] of the "xielu" epilogue: values of a trained layer's size
 
 
 class Case:
@@ -70,10 +74,12 @@ class Case:
         cols = N // 2 if epilogue == "silu_mul" else N
         dtype = np.float32 if epilogue in ("residual", "f32") else BF16
         self.out = DeviceArray.zeros((max_m, cols), dtype)
+        self.act = DeviceArray.from_host(np.array(XIELU_PARAMS, np.float32)) if epilogue == "xielu" else None
 
     def free(self) -> None:
-        for a in (*self.weights, self.x, self.out):
-            a.free()
+        for a in (*self.weights, self.x, self.out, self.act):
+            if a is not None:
+                a.free()
 
 
 def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exact_x: bool = False, fn=linear,
@@ -86,6 +92,9 @@ def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exa
     if exact_x:
         x = DeviceArray.empty((M, case.K), BF16)
         x.copy_from_host(case.x.rows(0, M).to_host())
+
+    if case.act is not None:
+        linear_kwargs["act"] = case.act
 
     def enqueue(s: Stream) -> None:
         for i in range(calls):
