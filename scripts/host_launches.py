@@ -6,8 +6,8 @@ driver's launch replaced by a recorder.
         [--repeats 50] [--profile 25] [--list]
 
 What runs is the package's own Python for a step: forward(), the launchers in kernels/ with their checks and
-routing, and Kernel.launch's conversion of the arguments (a ctypes value each and the array of their
-addresses, which the driver reads). What does not: cuLaunchKernelEx and the other driver calls. Device arrays
+routing, and Kernel.launch's packing of the arguments (module.pack_arguments: the array of their addresses
+that the driver reads). What does not: cuLaunchKernelEx and the other driver calls. Device arrays
 are addresses with no memory behind them, tensor maps are 128 zero bytes, and the occupancy queries answer the
 H200's counts (132 SMs; clusters of 2, 3 and 4 blocks: 132, 117 and 120 blocks at once), so that the products
 route as they do there. The runner's preparation of a step's inputs (runner/step.py) is not included.
@@ -119,7 +119,7 @@ class _Kernel:
         return 1
 
     def launch(self, grid, block, args, stream, smem: int = 0) -> None:
-        """Kernel.launch's host work up to the driver call: the arguments as ctypes values and their addresses."""
+        """Kernel.launch's host work up to the driver call: the arguments packed as it packs them."""
         grid = (*grid, 1, 1)[:3]
         block = (*block, 1, 1)[:3]
         if min(grid) <= 0:
