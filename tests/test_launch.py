@@ -74,6 +74,20 @@ def test_an_empty_grid_launches_nothing_and_a_bad_argument_is_named(driver_reads
         k.launch((1,), (32,), [3], Stream())
 
 
+def test_packed_arguments_point_at_their_values_and_bad_ones_are_named():
+    class Named(DeviceArray):  # a subclass goes as a DeviceArray does
+        pass
+    x, y = DeviceArray((2, 8), BF16, ptr=0x1000), Named((4,), FLOAT32, ptr=0x2000)
+    scale = ctypes.c_float(2.0)
+    slots = module.pack_arguments([x, None, scale, y])
+    assert len(slots) == 8 and list(slots[4:]) == [0x1000, 0, 0, 0x2000]
+    base = slots.buffer_info()[0]
+    assert list(slots[:4]) == [base + 32, base + 40, ctypes.addressof(scale), base + 56]
+    for bad in (3, 2.5, "x", np.int32(1)):
+        with pytest.raises(TypeError, match="kernel argument .*: pass a DeviceArray, None, a ctypes scalar"):
+            module.pack_arguments([x, bad])
+
+
 def test_row_views_share_the_memory_of_their_array():
     a = DeviceArray((6, 4), FLOAT32, ptr=0x1000)
     v = a.rows(2, 5)
