@@ -57,7 +57,7 @@ def model_matrices(name: str) -> list[tuple[str, int, int, str]]:
             ("lm_head", c.vocab_size, d, "f32")]
 
 
-XIELU_PARAMS = (0.8, 0.8, 0.5, -1e-6)  # [a_p, a_n, beta, eps] of the "xielu" epilogue: values of a trained layer's size
+XIELU_PARAMS = (0.8, 0.8, 0.5, -1e-6)  # the "xielu" epilogue's [a_p, a_n, beta, eps]: finite, of no cost of their own
 
 
 class Case:
