@@ -2,13 +2,14 @@
 # Every test tier that runs on a GPU machine (the CPU tests and the tests marked `gpu`), in one
 # command, ending with one summary line. Run from a checkout after
 #   python3 -m pip install --no-deps --no-build-isolation -e .
-# Extra arguments go to pytest (e.g. -k attention). The log is written to $OUT (or /tmp).
+# Extra arguments go to pytest (e.g. -k attention). The log is written to $OUT (or /tmp) and lists the
+# 25 slowest tests (what to look at first when the suite's device time is to be cut).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}/gpu_check.log"
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-python3 -m pytest tests -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$log"
+python3 -m pytest tests -q -rs -p no:cacheprovider --durations=25 "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
-echo "gpu_check summary (${gpu:-no GPU found}): $(grep -E '(passed|failed|error)' "$log" | tail -n 1)"
+echo "gpu_check summary (${gpu:-no GPU found}): $(grep -E '(passed|failed|error|skipped)' "$log" | tail -n 1)"
 exit "$rc"
