@@ -15,13 +15,16 @@ route as they do there. The runner's preparation of a step's inputs (runner/step
 Per model it prints the launches of a step of --tokens rows in --seqs sequences (prompts of equal length; a
 decode step when they are equal; bf16 weights, a BF16 cache), the host time of a step and of a launch (the
 median over --repeats steps), and a digest of the launch list (each launch's kernel, grid, block, shared memory
-and argument bytes): a change to the launchers whose digest is unchanged launches exactly what the code before
-it launched. --profile N: the
-N functions with the most own time (cProfile) over the repeats. --list: every launch, in order.
+and arguments): a change to the launchers whose digest is unchanged launches exactly what the code before it
+launched. A device pointer enters the digest as the allocation it points into (named by its size and by how many
+allocations of that size came before it) and the offset there, not as an address, so that a change that adds a
+buffer of another size (a workspace array) leaves the digests of the steps that do not use it as they were.
+--profile N: the N functions with the most own time (cProfile) over the repeats. --list: every launch, in order.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import cProfile
 import ctypes
@@ -58,11 +61,11 @@ PAGE_SIZE = 16
 
 
 class Launch(tuple):
-    """(kernel, grid, block, smem, argument bytes)."""
+    """(kernel, grid, block, smem, its arguments as recorded, the bytes the driver would copy for them)."""
 
     def __str__(self) -> str:
-        name, grid, block, smem, args = self
-        return f"{name} grid={grid} block={block} smem={smem} args={len(args)} bytes"
+        name, grid, block, smem, _, size = self
+        return f"{name} grid={grid} block={block} smem={smem} args={size} bytes"
 
 
 class Recorder:
@@ -73,6 +76,9 @@ class Recorder:
         self.on = True
         self._modules: dict[str, _Module] = {}
         self._next_address = 1 << 32
+        self._starts: list[int] = []                # each allocation's address, in order (ascending)
+        self._allocations: list[tuple[int, int]] = []  # its (bytes, how many allocations of that size came before)
+        self._sizes: dict[int, int] = {}
 
     def module(self, filename: str) -> "_Module":
         if filename not in self._modules:
@@ -82,10 +88,35 @@ class Recorder:
     def call(self, fn, *args, detail=None):
         """cuda_memory's driver calls: an allocation gets the next free address; copies do nothing."""
         if fn is cuda_driver.driver.cuMemAlloc:
-            address = self._next_address
-            self._next_address += (int(args[0]) + 4095) // 4096 * 4096 + 4096
+            address, size = self._next_address, int(args[0])
+            self._next_address += (size + 4095) // 4096 * 4096 + 4096
+            self._starts.append(address)
+            self._allocations.append((size, self._sizes.get(size, 0)))
+            self._sizes[size] = self._sizes.get(size, 0) + 1
             return address
         return None
+
+    def where(self, address: int) -> bytes | None:
+        """An address inside an allocation named by that allocation (its size, and how many allocations of that
+        size came before it) and the offset in it: the same name whatever else is allocated, and in what order.
+        None for an address outside every allocation."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0:
+            return None
+        size, nth = self._allocations[i]
+        offset = address - self._starts[i]
+        return f"<{size} bytes #{nth} +{offset}>".encode() if offset < max(size, 1) else None
+
+    def argument(self, arg) -> bytes:
+        """What a launch's digest takes of one argument: a device pointer (a DeviceArray's, or a 64-bit integer
+        inside an allocation) as where(), a null pointer as such, any other value as its bytes."""
+        if arg is None:
+            return b"<null>"
+        if isinstance(arg, cuda_memory.DeviceArray):
+            return self.where(arg.ptr) or arg.ptr.to_bytes(8, "little")
+        if isinstance(arg, ctypes.c_uint64):
+            return self.where(arg.value) or bytes(arg)
+        return ctypes.string_at(ctypes.addressof(arg), ctypes.sizeof(arg))
 
 
 class _Module:
@@ -124,11 +155,11 @@ class _Kernel:
         block = (*block, 1, 1)[:3]
         if min(grid) <= 0:
             return
-        pointers = cuda_module.pack_arguments(args)
+        cuda_module.pack_arguments(args)
         if self.recorder.on:
-            sizes = [8 if a is None or isinstance(a, cuda_memory.DeviceArray) else ctypes.sizeof(a) for a in args]
-            data = b"".join(ctypes.string_at(p, size) for p, size in zip(pointers, sizes))
-            self.recorder.launches.append(Launch((self.name, grid, block, smem, data)))
+            size = sum(8 if a is None or isinstance(a, cuda_memory.DeviceArray) else ctypes.sizeof(a) for a in args)
+            data = b"|".join(self.recorder.argument(a) for a in args)
+            self.recorder.launches.append(Launch((self.name, grid, block, smem, data, size)))
 
 
 class _Device:

@@ -49,3 +49,30 @@ def test_the_command_prints_each_model_and_refuses_a_step_it_cannot_split(capsys
     assert "\n  resolve_tokens grid=(1, 1, 1)" in out
     assert h.main(["--models", "tiny", "--tokens", "33", "--seqs", "2"]) == 2
     assert "--tokens must be a positive multiple of --seqs" in capsys.readouterr().err
+
+
+def test_a_buffer_more_leaves_the_digest_of_a_step_that_does_not_use_it(monkeypatch):
+    # Pointers enter the digest by allocation (size, and count of that size before it), not by address: another
+    # workspace array of its own size moves every later address, not the digest.
+    import numpy as np
+
+    from tileinfer.model import forward as F
+    h = load()
+    before = h.measure("tiny", 48, 1, 1, repeats=1)
+    made = F.Workspace.__init__
+
+    def with_another_array(self, *args, **kwargs):
+        self.unused = cuda_memory.DeviceArray((12345,), np.int8)
+        made(self, *args, **kwargs)
+    monkeypatch.setattr(F.Workspace, "__init__", with_another_array)
+    after = h.measure("tiny", 48, 1, 1, repeats=1)
+    assert after["digest"] == before["digest"] and after["launches"] == before["launches"]
+    assert all(b"<" in launch[4] for launch in after["launches"])  # every launch has a pointer, named
+
+
+def test_the_digest_names_a_pointer_by_its_allocation_and_tells_offsets_apart():
+    h = load()
+    r = h.Recorder()
+    a, b, c = (r.call(cuda_driver.driver.cuMemAlloc, n) for n in (100, 200, 100))
+    assert r.where(a) == b"<100 bytes #0 +0>" and r.where(c + 8) == b"<100 bytes #1 +8>" and r.where(b) != r.where(a)
+    assert r.where(a + 100) is None and r.where(a - 1) is None  # past its end (its page padding), before the first
