@@ -177,10 +177,10 @@ def kernel_files() -> list[str]:
     return sorted(p.name for p in cuda_src_dir().glob("*.cu"))
 
 
-def part_defines(filename: str) -> list[dict[str, object] | None]:
-    """The defines of each compile of `cuda_src/<filename>`: [None] (the whole file), or one
+def part_defines(filename: str, src_dir: Path | None = None) -> list[dict[str, object] | None]:
+    """The defines of each compile of `cuda_src/<filename>` (or of src_dir's): [None] (the whole file), or one
     {"KERNEL_PART": p} a part when the file says `#define KERNEL_PARTS n`."""
-    found = _PARTS.findall((cuda_src_dir() / filename).read_text())
+    found = _PARTS.findall(((src_dir or cuda_src_dir()) / filename).read_text())
     if not found:
         return [None]
     if len(found) > 1 or int(found[0]) < 2:
