@@ -95,6 +95,14 @@ __device__ __forceinline__ void pdl_start() {
 #endif
 }
 
+// The next kernel may begin launching, without this kernel's wait for the ones before it (a kernel that orders
+// its reads after another's writes itself: gemm_swap.cu's flow consumer).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ----------------------------------------------------------------------------- reductions
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -88,6 +88,10 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, E
 // that the plain build carries none of their code (one build taking both as arguments made every product
 // slower).
 enum NormRole { NORM_NONE = 0, NORM_PRODUCER = 1, NORM_CONSUMER = 2 };
+// Builds of an MLP's two products at 33-64 rows (the _fp and _fc kernels; see "The MLP's flow" below): the up
+// product counts each chunk of its output it has written, and the down product, launched while the up product
+// still runs, waits for each chunk of its input on those counts instead of for the whole up product.
+enum Flow { FLOW_NONE = 0, FLOW_PRODUCER = 1, FLOW_CONSUMER = 2 };
 
 #define BK 64  // k per chunk: one 128-byte shared-memory row
 #define SS_LOADS 3  // the consumer sums at most 32 * SS_LOADS = 96 partials a row (rows of up to 6,144)
@@ -263,6 +267,52 @@ __device__ __forceinline__ void store4(void *__restrict__ out, int N, int epi, i
 __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ------------------------------------------------------------------- the MLP's flow
+// act = up(x) [M, I] and resid += down(act): in the plain order the down product waits (pdl_start) until the
+// whole up product has finished, and where the up product's blocks take more than one wave of the SMs (qwen3-4b's
+// gate/up at 64 rows: 304 blocks for 264 block slots) its last blocks stream their weights alone. Here the down
+// product (the consumer, _fc) skips the wait: programmatic dependent launch starts it once every block of the up
+// product (the producer, _fp) has passed its own wait, so its blocks take the slots the up product leaves and
+// stream their weights beside its last blocks. Each producer block, after its outputs, adds 1 to flags[c], c the
+// k-chunk (BK columns of act) its tile lies in; a consumer block waits, before it reads chunk c of act, until
+// flags[c] counts every block of the tiles in c (tiles_per_chunk tiles of up_ks blocks; fewer tiles in a last,
+// partial chunk). The consumer reads act through L2 (cp.async.cg, ld.global.cg): it is written while the kernel
+// runs. flags[chunks] counts the consumer's finished blocks; the last one zeroes every count for the next
+// product (the next kernel waits for the consumer's end, so the zeros are in place before any later producer).
+// Nothing the consumer writes (resid) is read or written by the up product or the norm before it, which have
+// passed their waits (the consumer starts only then), and the kernel after the consumer waits for the consumer,
+// whose end follows every producer block's last count.
+__device__ __forceinline__ void flow_wait(const int *flags, int c, int up_tiles, int tiles_per_chunk, int up_ks) {
+    const int need = min(tiles_per_chunk, up_tiles - c * tiles_per_chunk) * up_ks;
+    int have;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(have) : "l"(flags + c) : "memory");
+        if (have >= need) return;
+        __nanosleep(64);
+    }
+}
+
+__device__ __forceinline__ vec16 ld16_cg(const void *p) {  // through L2 only: data written while the kernel runs
+    vec16 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3]) : "l"(p));
+    return v;
+}
+
+// The consumer's last block (of every block's count at flags[chunks]) zeroes the counts.
+template <int THREADS> __device__ __forceinline__ void flow_reset(int *flags, int chunks) {
+    __shared__ int last;
+    __syncthreads();  // (thread 0 alone read the counts; the barrier orders this block's stores before the count)
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(flags + chunks, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    }
+    __syncthreads();
+    if (last) {
+        for (int c = threadIdx.x; c <= chunks; c += THREADS) flags[c] = 0;
+    }
+}
+
 // Partials' mbarrier (a function so that only the split builds have it).
 template <int KS> __device__ __forceinline__ u32 parts_bar() {
     __shared__ __align__(8) unsigned long long bar;
@@ -276,13 +326,14 @@ template <int B> __device__ __forceinline__ float *row_scale_smem() {
     return row_scale;
 }
 
-template <int B, int WG, int KS, int NORM, bool DEEP>
+template <int B, int WG, int KS, int NORM, bool DEEP, int FLOW = FLOW_NONE>
 __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf16 *__restrict__ W,
                                            void *__restrict__ out, int M, int N, int K, int epi,
                                            const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x,
                                            float *__restrict__ ss_out, const float *__restrict__ ss_in,
                                            int ss_tiles, float eps, const float *__restrict__ act,
-                                           float *__restrict__ cap, int cap_stride) {
+                                           float *__restrict__ cap, int cap_stride, int *flags = nullptr,
+                                           int up_tiles = 0, int tiles_per_chunk = 0, int up_ks = 0) {
     using C = Cfg<B, WG, DEEP>;
     constexpr int THREADS = C::THREADS, TR = C::TR, STAGES = C::STAGES, AHEAD = C::AHEAD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -349,7 +400,15 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         if (s < mine) load_w(s, s);
         cp_async_commit();
     }
-    pdl_start();
+    if constexpr (FLOW == FLOW_CONSUMER) {  // the first chunks' counts instead of the up product's end
+        if (tid == 0)
+            for (int s = 0; s < AHEAD && s < mine; ++s)
+                flow_wait(flags, rank + s * KS, up_tiles, tiles_per_chunk, up_ks);
+        __syncthreads();
+        pdl_launch_dependents();
+    } else {
+        pdl_start();
+    }
     // Consumer: row m's norm partials, rows warp, warp + 4, ... of this warp (requested with x, summed
     // after x is stored).
     constexpr int RPW = (B + C::THREADS / 32 - 1) / (C::THREADS / 32);
@@ -374,7 +433,8 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             for (int p = 0; p < C::XP; ++p) {
                 const int r = x_row(p);
                 xv[s][p] = vec16{{0u, 0u, 0u, 0u}};
-                if (s < mine && x_here(p) && r < M && gk < K) xv[s][p] = ld16(X + (size_t)r * K + gk);
+                if (s < mine && x_here(p) && r < M && gk < K)
+                    xv[s][p] = FLOW == FLOW_CONSUMER ? ld16_cg(X + (size_t)r * K + gk) : ld16(X + (size_t)r * K + gk);
             }
         }
         // Stored through a generic pointer: ptxas cannot tell these stores from global ones, so it keeps every
@@ -404,6 +464,10 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
     for (int i = 0; i < B / 2; ++i) d[i] = 0.f;
 
     for (int i = 0; i < mine; ++i) {
+        if constexpr (FLOW == FLOW_CONSUMER) {  // chunk i + AHEAD's count, before the barrier its copies follow
+            if (tid == 0 && i + AHEAD < mine)
+                flow_wait(flags, rank + (i + AHEAD) * KS, up_tiles, tiles_per_chunk, up_ks);
+        }
         cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk i have landed (group i)
         fence_async_smem();          // ... and they and the prologue's x stores are visible to the tensor cores
         __syncthreads();             // everyone's; and every warpgroup is done with chunk i - 1
@@ -519,14 +583,21 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
             }
         }
     }
+    if constexpr (FLOW == FLOW_PRODUCER) {  // this block's outputs, then its count for their chunk
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(flags + tile * (silu ? TR / 2 : TR) / BK, 1);
+    }
+    if constexpr (FLOW == FLOW_CONSUMER) flow_reset<THREADS>(flags, chunks);
     // No barrier before exiting: no block reads another's shared memory, and every push into this block has
     // landed (parts.wait) before it exits.
 }
 
 #else
-template <int B, int WG, int KS, int NORM, bool DEEP>
+template <int B, int WG, int KS, int NORM, bool DEEP, int FLOW = FLOW_NONE>
 __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, int, int, int, int, const bf16 *,
-                                           bf16 *, float *, const float *, int, float, const float *, float *, int) {
+                                           bf16 *, float *, const float *, int, float, const float *, float *, int,
+                                           int * = nullptr, int = 0, int = 0, int = 0) {
     pdl_start();
     __trap();
 }
@@ -552,6 +623,22 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
             int epi, const float *__restrict__ ss_in, int ss_tiles, float eps, const float *__restrict__ act) { \
         swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in,     \
                                                    ss_tiles, eps, act, nullptr, 0);                         \
+    }
+// The MLP's flow builds (B = 64 only, plain norm role): the up product gemm_swap_b64_w1_c{KS}_fp(..., act, flags)
+// and the down product gemm_swap_b64_w1_c{KS}_fc(..., flags, up_tiles, tiles_per_chunk, up_ks) (no capture).
+#define SWAP_FLOW_KERNELS(KS, CLUSTER)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_b64_w1_c##KS##_fp(                  \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi, const float *__restrict__ act, int *flags) {                                           \
+        swap_block<64, 1, KS, NORM_NONE, false, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, \
+                                                              nullptr, 0, 0.f, act, nullptr, 0, flags);     \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_b64_w1_c##KS##_fc(                  \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi, int *flags, int up_tiles, int tiles_per_chunk, int up_ks) {                            \
+        swap_block<64, 1, KS, NORM_NONE, false, FLOW_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, \
+                                                              nullptr, 0, 0.f, nullptr, nullptr, 0, flags,  \
+                                                              up_tiles, tiles_per_chunk, up_ks);            \
     }
 // Each width's splits in two halves, KS = 1, 2 and KS = 4, 8 (6 kernels each).
 #define SWAP_SPLITS_1_2(TAG, B, WG, DEEP)                                                                   \
@@ -579,9 +666,13 @@ SWAP_SPLITS_4_8(b32, 32, 1, false)
 #endif
 #if IN_PART(4)
 SWAP_SPLITS_1_2(b64, 64, 1, false)
+SWAP_FLOW_KERNELS(1, )
+SWAP_FLOW_KERNELS(2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(5)
 SWAP_SPLITS_4_8(b64, 64, 1, false)
+SWAP_FLOW_KERNELS(4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(8, __cluster_dims__(8, 1, 1))
 #endif
 #if IN_PART(6)
 SWAP_SPLITS_1_2(b16d, 16, 1, true)

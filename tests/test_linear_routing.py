@@ -287,6 +287,7 @@ def every_kernel_name() -> dict[str, set[str]]:
     swap = {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))
             for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
+    swap |= {L.SwapConfig(64, ks, (ks, 1), 0).kernel_name + suffix for ks in SWAP_SPLITS for suffix in ("_fp", "_fc")}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}
@@ -358,3 +359,50 @@ def test_forced_gemm_options_are_checked_and_the_rest_default_to_the_persistent_
     for (width, split, tail, multicast, blocks), message in bad:
         with pytest.raises(ValueError, match=message):
             forced_plan(4096, 4096, False, sms, width, split, tail, multicast, blocks)
+
+
+def test_the_mlp_flow_runs_at_33_to_64_rows_for_the_up_products_epilogues():
+    from tileinfer.kernels.routing import uses_mlp_flow
+    assert [M for M in range(1, 80) if uses_mlp_flow(M, "silu_mul")] == list(range(33, 65))
+    assert uses_mlp_flow(64, "xielu") and not uses_mlp_flow(64, "bf16") and not uses_mlp_flow(64, "residual")
+
+
+@pytest.mark.parametrize("epilogue", ["silu_mul", "xielu"])
+@pytest.mark.parametrize("intermediate", [9728, 21504, 1000, 24])
+def test_the_flow_consumers_count_of_each_chunk_is_what_the_producer_adds(epilogue, intermediate):
+    # gemm_swap.cu: producer block (rank, tile) adds 1 to flags[tile * outputs_a_tile / BK] after its outputs; the
+    # consumer waits, for chunk c, until min(tiles_per_chunk, up_tiles - c * tiles_per_chunk) * up_ks.
+    from tileinfer.kernels.routing import SWAP_BK, flow_tiles_per_chunk, swap_config
+    N_up = 2 * intermediate if epilogue == "silu_mul" else intermediate
+    cfg = swap_config(64, N_up, 2560, epilogue)
+    up_ks, up_tiles = cfg.ksplit, cfg.grid[1]
+    outputs = SWAP_TILE // 2 if epilogue == "silu_mul" else SWAP_TILE
+    chunks = -(-intermediate // SWAP_BK)
+    added = [0] * chunks
+    for tile in range(up_tiles):
+        added[tile * outputs // SWAP_BK] += up_ks
+    tpc = flow_tiles_per_chunk(epilogue)
+    assert added == [min(tpc, up_tiles - c * tpc) * up_ks for c in range(chunks)]
+
+
+def test_the_mlp_flow_names_bad_arguments():
+    # Arrays made with ptr= allocate nothing: the checks come before any launch.
+    import ml_dtypes
+    import numpy as np
+
+    from tileinfer.cuda import DeviceArray
+    from tileinfer.kernels.linear import mlp_flow
+
+    def a(*shape, dtype=np.dtype(ml_dtypes.bfloat16)):
+        return DeviceArray(shape, dtype, ptr=1 << 20)
+
+    w_up, w_down, flags = a(2 * 96, 256), a(256, 96), a(3, dtype=np.int32)  # I = 96: 2 chunks of 64, then the count
+    with pytest.raises(ValueError, match="flow builds take 33-64 rows"):
+        mlp_flow(a(16, 256), w_up, a(16, 96), w_down, a(16, 256, dtype=np.float32), "silu_mul", flags, None)
+    with pytest.raises(ValueError, match="flow builds take 33-64 rows and the silu_mul or xielu epilogue"):
+        mlp_flow(a(48, 256), a(96, 256), a(48, 96), w_down, a(48, 256, dtype=np.float32), "bf16", flags, None)
+    with pytest.raises(ValueError, match="flags"):
+        mlp_flow(a(48, 256), w_up, a(48, 96), w_down, a(48, 256, dtype=np.float32), "silu_mul",
+                 a(2, dtype=np.int32), None)
+    with pytest.raises(ValueError, match="w"):
+        mlp_flow(a(48, 256), w_up, a(48, 96), a(256, 64), a(48, 256, dtype=np.float32), "silu_mul", flags, None)

@@ -25,13 +25,13 @@ from functools import cache
 
 from ..cuda import F32, I32, U64, DeviceArray, get_device, kernel
 from ..cuda.tensormap import bf16_tensor_map
-from ._check import BF16, FLOAT32, UINT64, cdiv, expect
+from ._check import BF16, FLOAT32, INT32, UINT64, cdiv, expect
 from .rmsnorm import rmsnorm
 from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE_EPILOGUES, SWAP_TILE, SWAP_THREADS,
                       NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_SPLITS,
                       default_path, fuses_norm, gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
                       norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
-                      TmaPlan)
+                      TmaPlan, SWAP_BK, FLOW_EPILOGUES, FLOW_ROWS, flow_tiles_per_chunk)
 
 # ============================================================================= validation
 def out_spec(epilogue: str, M: int, N: int):
@@ -311,6 +311,34 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
         gemm(x, w, out, epilogue, stream, width=TMA_WIDTHS[0], split=1, act=act, capture=capture)
     else:
         gemm(x, w, out, epilogue, stream, act=act, capture=capture)
+
+
+def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceArray, resid: DeviceArray,
+             epilogue: str, flags: DeviceArray, stream, *, act: DeviceArray | None = None) -> None:
+    """h <- epilogue(x @ w_up.T) ("silu_mul" or "xielu", act as linear's), then resid += h @ w_down.T, on
+    gemm_swap.cu's flow builds (routing.uses_mlp_flow: 33-64 rows): the down product is launched right behind the up
+    product and each of its blocks waits for the chunks of h it reads, counted in flags (int32 [chunks + 1], chunks =
+    ceil(I / 64) for h [M, I], all zero before the call and again after it), instead of for the up product's end."""
+    M, D = x.shape
+    expect("x", x, (M, D), BF16)
+    if not (M in FLOW_ROWS or M == 0) or epilogue not in FLOW_EPILOGUES:
+        raise ValueError(f"mlp_flow: the flow builds take {FLOW_ROWS.start}-{FLOW_ROWS.stop - 1} rows and the "
+                         f"{' or '.join(FLOW_EPILOGUES)} epilogue, got M={M}, {epilogue!r}")
+    N_up = check_product("mlp_flow", M, D, w_up, h, epilogue, act)
+    I = h.shape[1]
+    N = check_product("mlp_flow", M, I, w_down, resid, "residual")
+    expect("flags", flags, (cdiv(I, SWAP_BK) + 1,), INT32)
+    if M == 0:
+        return
+    sms = get_device().info.num_sms
+    up, down = swap_config(M, N_up, D, epilogue, sms=sms), swap_config(M, N, I, "residual", sms=sms)
+    kernel("gemm_swap.cu", up.kernel_name + "_fp").launch(
+        up.grid, (SWAP_THREADS,), [x, w_up, h, I32(M), I32(N_up), I32(D), I32(EPILOGUES[epilogue]), act, flags],
+        stream, smem=up.smem)
+    kernel("gemm_swap.cu", down.kernel_name + "_fc").launch(
+        down.grid, (SWAP_THREADS,), [h, w_down, resid, I32(M), I32(N), I32(I), I32(EPILOGUES["residual"]), flags,
+                                     I32(up.grid[1]), I32(flow_tiles_per_chunk(epilogue)), I32(up.ksplit)],
+        stream, smem=down.smem)
 
 
 def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceArray, w: DeviceArray,

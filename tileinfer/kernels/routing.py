@@ -275,6 +275,22 @@ def swap_tiles(N: int, epilogue: str) -> int:
     return cdiv(N // 2, SWAP_TILE // 2) if epilogue == "silu_mul" else cdiv(N, SWAP_TILE)
 
 
+FLOW_ROWS = range(33, 65)  # gemm_swap.cu's flow builds (B = 64): an MLP's two products at these rows
+FLOW_EPILOGUES = ("silu_mul", "xielu")  # the up products with flow builds (their outputs are the down product's x)
+
+
+def uses_mlp_flow(M: int, epilogue: str) -> bool:
+    """Whether an MLP of M rows runs its up and down products as gemm_swap.cu's flow builds: the down product
+    launched beside the up product, each of its blocks starting on a chunk of the up product's output as soon as
+    the tiles that write it are done (the header's "The MLP's flow")."""
+    return M in FLOW_ROWS and epilogue in FLOW_EPILOGUES
+
+
+def flow_tiles_per_chunk(epilogue: str) -> int:
+    """The up product's tiles whose outputs make up one k-chunk (SWAP_BK columns) of the down product's x."""
+    return SWAP_BK // (SWAP_TILE // 2 if epilogue == "silu_mul" else SWAP_TILE)
+
+
 def swap_split(tiles: int, K: int, sms: int) -> int:
     """Blocks per cluster: the fewest (1, 2, 4, 8) whose grid reaches SWAP_WAVE of the SMs, while each
     block keeps two k-chunks."""

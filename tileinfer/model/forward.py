@@ -47,7 +47,7 @@ import numpy as np
 from .. import kernels as K
 from ..cuda import DeviceArray
 from ..cuda.memory import copy_columns
-from ..kernels.routing import SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
+from ..kernels.routing import SWAP_BK, SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
 from .inputs import StepInputs, StepShape
 from .reference import rope_table
@@ -105,8 +105,11 @@ class Workspace:
         # next layer's attention), in steps of at most EPI_NORM_MAX_ROWS rows.
         ss_shape = (EPI_NORM_MAX_ROWS, norm_tiles(c.hidden_size))
         self.ss_post, self.ss_input = DeviceArray(ss_shape, np.float32), DeviceArray(ss_shape, np.float32)
+        # The MLP's flow at 33-64 rows (kernels.mlp_flow): the up product's count of each chunk of act it has
+        # written, and the down product's count of its finished blocks; zero between steps.
+        self.flow_flags = DeviceArray.zeros((-(-c.intermediate_size // SWAP_BK) + 1,), np.int32)
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.part_o,
-                       self.part_ml, self.inv_freq, self.ss_post, self.ss_input]
+                       self.part_ml, self.inv_freq, self.ss_post, self.ss_input, self.flow_flags]
         self._logit_buffers(c, max_logit_rows, tp)
 
     def _logit_buffers(self, c, rows: int, tp: TensorParallel | None) -> None:
@@ -149,6 +152,7 @@ class _Views:
     slots: DeviceArray
     partials: tuple | None
     epi_norm: bool              # the residual products write the next norm's input and row statistics
+    flow_flags: DeviceArray | None  # the MLP's two products as gemm_swap.cu's flow builds (33-64 rows), their counts
     ss_post: DeviceArray | None
     ss_input: DeviceArray | None
     force: str | None           # "gemm" in batch-invariant mode: every product on the tensor-core GEMM
@@ -205,12 +209,14 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
     # statistics, and the product after the norm scales its rows (no rmsnorm launches but the first layer's
     # and the final one). Not under tp: the norm needs the residual summed over the ranks.
     epi_norm = tp is None and not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
+    flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp])
     fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
                                       num_kv_heads=c.num_key_value_heads, num_splits=num_splits, num_seqs=b,
                                       decode_shape=not batch_invariant)
     return _Views(n=n, b=b, resid=ws.resid.rows(0, n), x=ws.x.rows(0, n), qkv=ws.qkv.rows(0, n), q=ws.q.rows(0, n),
                   attn=ws.attn.rows(0, n), act=ws.act.rows(0, n), positions=inputs.positions.rows(0, n),
                   slots=inputs.slots.rows(0, n), partials=partials, epi_norm=epi_norm,
+                  flow_flags=ws.flow_flags if flow else None,
                   ss_post=ws.ss_post.rows(0, n) if epi_norm else None,
                   ss_input=ws.ss_input.rows(0, n) if epi_norm else None,
                   force="gemm" if batch_invariant else None, fuse_input=fuse_input,
@@ -259,6 +265,10 @@ def _mlp_block(c, lw, next_layer, v: _Views, stream, capture: tuple[DeviceArray,
         K.linear(v.x, lw.w_up, v.act, epilogue, stream, row_norm=(v.ss_post, eps), act=lw.act)
         K.linear(v.act, lw.w_down, v.resid, "residual", stream,
                  norm_out=None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input), capture=capture)
+        return
+    if v.flow_flags is not None and capture is None:  # the down product starts on act's chunks as they are written
+        K.rmsnorm(v.resid, lw.post_norm, v.x, eps, stream)
+        K.mlp_flow(v.x, lw.w_up, v.act, lw.w_down, v.resid, epilogue, v.flow_flags, stream, act=lw.act)
         return
     K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_up, v.act, epilogue, stream, force=v.force, act=lw.act)
     K.linear(v.act, lw.w_down, v.resid, v.partial, stream, force=v.force, capture=capture)

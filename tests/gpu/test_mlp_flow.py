@@ -1,0 +1,90 @@
+"""kernels.mlp_flow: an MLP's up and down products at 33-64 rows on gemm_swap.cu's flow builds, where the down
+product's blocks start on each chunk of the up product's output as soon as it is written (counted in flags),
+instead of after the whole up product.
+
+The flow changes when the down product reads each chunk, not what it computes: h and the residual stream must come
+back byte for byte as from the two plain swap-AB products, and the counts zero again after every call. The shapes
+cover an up product of more than one wave of blocks (qwen3-4b's gate/up at 64 rows: 304 blocks for 264 slots, so
+that down blocks run while up blocks still do), split and unsplit producers and consumers, Apertus' xIELU, and an
+intermediate size whose last chunk is partial. Inputs are fresh random bf16 (seeded per case).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tileinfer.cuda import DeviceArray, Graph
+from tileinfer.kernels import linear, mlp_flow
+from tileinfer.kernels._check import BF16
+from tileinfer.kernels.routing import SWAP_BK
+
+from gpu_helpers import linear_weight, rand_bf16, seed_of  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+XIELU_PARAMS = np.array([0.8, 1.3, 0.5, -1e-6], np.float32)  # [a_p, a_n, beta, eps] as the kernels take them
+
+
+def setup(buf, M: int, D: int, I: int, epilogue: str):
+    rng = np.random.default_rng(seed_of("mlp flow", M, D, I, epilogue))
+    N_up = 2 * I if epilogue == "silu_mul" else I
+    x = buf.upload(rand_bf16(rng, (M, D)))
+    w_up, w_down = buf.upload(linear_weight(N_up, D)), buf.upload(linear_weight(D, I))
+    act = buf.upload(XIELU_PARAMS) if epilogue == "xielu" else None
+    old = rng.standard_normal((M, D), dtype=np.float32)
+    return rng, x, w_up, w_down, act, old
+
+
+def plain(buf, stream, x, w_up, w_down, act, old, epilogue):
+    """h and the new residual rows from the two products on the plain swap-AB builds."""
+    M, I = x.shape[0], w_down.shape[1]
+    h, resid = buf.poisoned((M, I), BF16), buf.upload(old)
+    linear(x, w_up, h, epilogue, stream, force="swap", act=act)
+    linear(h, w_down, resid, "residual", stream, force="swap")
+    return h.to_host(stream), resid.to_host(stream)
+
+
+@pytest.mark.parametrize("M, D, I, epilogue", [
+    (64, 2560, 9728, "silu_mul"),   # qwen3-4b: up 304 blocks (more than a wave), down split 4 ways
+    (33, 1024, 3072, "silu_mul"),   # qwen3-0.6b: up split 2 ways, down 8
+    (48, 1024, 1000, "silu_mul"),   # a partial last chunk (1000 = 15 x 64 + 40) and a partial last tile
+    (64, 4096, 21504, "xielu"),     # apertus-8b: up 336 blocks, one tile a chunk
+    (40, 512, 200, "xielu"),        # few blocks, a partial last chunk
+], ids=lambda v: str(v))
+def test_the_flow_gives_the_plain_products_bytes(M, D, I, epilogue, buf, stream):
+    _, x, w_up, w_down, act, old = setup(buf, M, D, I, epilogue)
+    want_h, want_resid = plain(buf, stream, x, w_up, w_down, act, old, epilogue)
+    flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
+    try:
+        for attempt in range(3):  # the counts are back at zero after each call
+            h, resid = buf.poisoned((M, I), BF16), buf.upload(old)
+            mlp_flow(x, w_up, h, w_down, resid, epilogue, flags, stream, act=act)
+            label = f"M={M} D={D} I={I} {epilogue}, call {attempt}"
+            assert h.to_host(stream).tobytes() == want_h.tobytes(), f"{label}: h differs from the plain product's"
+            assert resid.to_host(stream).tobytes() == want_resid.tobytes(), f"{label}: the residual stream differs"
+            assert not flags.to_host(stream).any(), f"{label}: counts left behind"
+    finally:
+        flags.free()
+
+
+def test_the_flow_replayed_from_a_graph_reads_each_replays_input(buf, stream):
+    """Captured once, replayed with new x each time (as a decode step's graph is): the plain products' bytes each
+    time, and the counts zero after each replay."""
+    M, D, I, epilogue = 64, 2560, 9728, "silu_mul"
+    rng, x, w_up, w_down, act, old = setup(buf, M, D, I, epilogue)
+    h, resid = buf.poisoned((M, I), BF16), buf.upload(old)
+    flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
+    graph = Graph(stream, lambda s: mlp_flow(x, w_up, h, w_down, resid, epilogue, flags, s, act=act), "mlp flow")
+    try:
+        for replay in range(5):
+            x.copy_from_host(rand_bf16(rng, (M, D)), stream)
+            resid.copy_from_host(old, stream)
+            graph.launch(stream)
+            want_h, want_resid = plain(buf, stream, x, w_up, w_down, act, old, epilogue)
+            assert h.to_host(stream).tobytes() == want_h.tobytes(), f"replay {replay}: h differs"
+            assert resid.to_host(stream).tobytes() == want_resid.tobytes(), f"replay {replay}: resid differs"
+            assert not flags.to_host(stream).any(), f"replay {replay}: counts left behind"
+    finally:
+        graph.destroy()
+        flags.free()
+
