@@ -74,6 +74,8 @@ def test_the_flow_replayed_from_a_graph_reads_each_replays_input(buf, stream):
     rng, x, w_up, w_down, act, old = setup(buf, M, D, I, epilogue)
     h, resid = buf.poisoned((M, I), BF16), buf.upload(old)
     flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
+    mlp_flow(x, w_up, h, w_down, resid, epilogue, flags, stream, act=act)  # eager first: the kernels are loaded
+    stream.synchronize()
     graph = Graph(stream, lambda s: mlp_flow(x, w_up, h, w_down, resid, epilogue, flags, s, act=act), "mlp flow")
     try:
         for replay in range(5):
