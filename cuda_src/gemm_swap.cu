@@ -649,9 +649,9 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-// Compiled in eight parts (a width's half each), at once: the whole file in one compile takes longer
-// than its parts one after another.
-#define KERNEL_PARTS 8
+// Compiled in ten parts (a width's half each, and the flow builds' halves), at once: the whole file in one
+// compile takes longer than its parts one after another.
+#define KERNEL_PARTS 10
 #if IN_PART(0)
 SWAP_SPLITS_1_2(b16, 16, 1, false)
 #endif
@@ -666,17 +666,21 @@ SWAP_SPLITS_4_8(b32, 32, 1, false)
 #endif
 #if IN_PART(4)
 SWAP_SPLITS_1_2(b64, 64, 1, false)
-SWAP_FLOW_KERNELS(1, )
-SWAP_FLOW_KERNELS(2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(5)
 SWAP_SPLITS_4_8(b64, 64, 1, false)
-SWAP_FLOW_KERNELS(4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(8, __cluster_dims__(8, 1, 1))
 #endif
 #if IN_PART(6)
 SWAP_SPLITS_1_2(b16d, 16, 1, true)
 #endif
 #if IN_PART(7)
 SWAP_SPLITS_4_8(b16d, 16, 1, true)
+#endif
+#if IN_PART(8)
+SWAP_FLOW_KERNELS(1, )
+SWAP_FLOW_KERNELS(2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(9)
+SWAP_FLOW_KERNELS(4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(8, __cluster_dims__(8, 1, 1))
 #endif
