@@ -88,7 +88,7 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, E
 // that the plain build carries none of their code (one build taking both as arguments made every product
 // slower).
 enum NormRole { NORM_NONE = 0, NORM_PRODUCER = 1, NORM_CONSUMER = 2 };
-// Builds of an MLP's two products at 33-64 rows (the _fp and _fc kernels; see "The MLP's flow" below): the up
+// Builds of an MLP's two products at 3-64 rows (the _fp and _fc kernels; see "The MLP's flow" below): the up
 // product counts each chunk of its output it has written, and the down product, launched while the up product
 // still runs, waits for each chunk of its input on those counts instead of for the whole up product.
 enum Flow { FLOW_NONE = 0, FLOW_PRODUCER = 1, FLOW_CONSUMER = 2 };
@@ -624,19 +624,20 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
         swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in,     \
                                                    ss_tiles, eps, act, nullptr, 0);                         \
     }
-// The MLP's flow builds (B = 64 only, plain norm role): the up product gemm_swap_b64_w1_c{KS}_fp(..., act, flags)
-// and the down product gemm_swap_b64_w1_c{KS}_fc(..., flags, up_tiles, tiles_per_chunk, up_ks) (no capture).
-#define SWAP_FLOW_KERNELS(KS, CLUSTER)                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_b64_w1_c##KS##_fp(                  \
+// The MLP's flow builds (B = 16, 32, 64; the plain norm role, not the deep builds): the up product
+// gemm_swap_b{B}_w1_c{KS}_fp(..., act, flags) and the down product gemm_swap_b{B}_w1_c{KS}_fc(..., flags, up_tiles,
+// tiles_per_chunk, up_ks) (no capture).
+#define SWAP_FLOW_KERNELS(TAG, B, KS, CLUSTER)                                                              \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_fp(              \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ act, int *flags) {                                           \
-        swap_block<64, 1, KS, NORM_NONE, false, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, \
+        swap_block<B, 1, KS, NORM_NONE, false, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,  \
                                                               nullptr, 0, 0.f, act, nullptr, 0, flags);     \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_b64_w1_c##KS##_fc(                  \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_fc(              \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, int *flags, int up_tiles, int tiles_per_chunk, int up_ks) {                            \
-        swap_block<64, 1, KS, NORM_NONE, false, FLOW_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, \
+        swap_block<B, 1, KS, NORM_NONE, false, FLOW_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,  \
                                                               nullptr, 0, 0.f, nullptr, nullptr, 0, flags,  \
                                                               up_tiles, tiles_per_chunk, up_ks);            \
     }
@@ -649,9 +650,9 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-// Compiled in ten parts (a width's half each, and the flow builds' halves), at once: the whole file in one
-// compile takes longer than its parts one after another.
-#define KERNEL_PARTS 10
+// Compiled in fourteen parts (a width's half each, and each width's flow builds' halves), at once: the whole file
+// in one compile takes longer than its parts one after another.
+#define KERNEL_PARTS 14
 #if IN_PART(0)
 SWAP_SPLITS_1_2(b16, 16, 1, false)
 #endif
@@ -677,10 +678,26 @@ SWAP_SPLITS_1_2(b16d, 16, 1, true)
 SWAP_SPLITS_4_8(b16d, 16, 1, true)
 #endif
 #if IN_PART(8)
-SWAP_FLOW_KERNELS(1, )
-SWAP_FLOW_KERNELS(2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_KERNELS(b64, 64, 1, )
+SWAP_FLOW_KERNELS(b64, 64, 2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(9)
-SWAP_FLOW_KERNELS(4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_KERNELS(b64, 64, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b64, 64, 8, __cluster_dims__(8, 1, 1))
+#endif
+#if IN_PART(10)
+SWAP_FLOW_KERNELS(b16, 16, 1, )
+SWAP_FLOW_KERNELS(b16, 16, 2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(11)
+SWAP_FLOW_KERNELS(b16, 16, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b16, 16, 8, __cluster_dims__(8, 1, 1))
+#endif
+#if IN_PART(12)
+SWAP_FLOW_KERNELS(b32, 32, 1, )
+SWAP_FLOW_KERNELS(b32, 32, 2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(13)
+SWAP_FLOW_KERNELS(b32, 32, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b32, 32, 8, __cluster_dims__(8, 1, 1))
 #endif

@@ -1,4 +1,4 @@
-"""kernels.mlp_flow: an MLP's up and down products at 33-64 rows on gemm_swap.cu's flow builds, where the down
+"""kernels.mlp_flow: an MLP's up and down products at 3-64 rows on gemm_swap.cu's flow builds, where the down
 product's blocks start on each chunk of the up product's output as soon as it is written (counted in flags),
 instead of after the whole up product.
 
@@ -50,6 +50,9 @@ def plain(buf, stream, x, w_up, w_down, act, old, epilogue):
     (48, 1024, 1000, "silu_mul"),   # a partial last chunk (1000 = 15 x 64 + 40) and a partial last tile
     (64, 4096, 21504, "xielu"),     # apertus-8b: up 336 blocks, one tile a chunk
     (40, 512, 200, "xielu"),        # few blocks, a partial last chunk
+    (16, 2560, 9728, "silu_mul"),   # the B = 16 builds: up 304 blocks, down split 4 ways
+    (29, 4096, 12288, "silu_mul"),  # the B = 32 builds (qwen3-8b): up 384 blocks
+    (3, 1024, 3072, "silu_mul"),    # the fewest rows
 ], ids=lambda v: str(v))
 def test_the_flow_gives_the_plain_products_bytes(M, D, I, epilogue, buf, stream):
     _, x, w_up, w_down, act, old = setup(buf, M, D, I, epilogue)
@@ -90,3 +93,14 @@ def test_the_flow_replayed_from_a_graph_reads_each_replays_input(buf, stream):
         graph.destroy()
         flags.free()
 
+
+def test_the_deep_builds_are_refused(buf, stream):
+    # qwen3-8b's down product at 16 rows runs a deep build, which has no flow build (routing.uses_mlp_flow).
+    M, D, I = 16, 4096, 12288
+    _, x, w_up, w_down, act, old = setup(buf, M, D, I, "silu_mul")
+    flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
+    try:
+        with pytest.raises(ValueError, match="deep swap-AB builds have no flow builds"):
+            mlp_flow(x, w_up, buf.poisoned((M, I), BF16), w_down, buf.upload(old), "silu_mul", flags, stream)
+    finally:
+        flags.free()

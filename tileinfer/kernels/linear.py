@@ -316,7 +316,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
 def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceArray, resid: DeviceArray,
              epilogue: str, flags: DeviceArray, stream, *, act: DeviceArray | None = None) -> None:
     """h <- epilogue(x @ w_up.T) ("silu_mul" or "xielu", act as linear's), then resid += h @ w_down.T, on
-    gemm_swap.cu's flow builds (routing.uses_mlp_flow: 33-64 rows): the down product is launched right behind the up
+    gemm_swap.cu's flow builds (routing.uses_mlp_flow: 3-64 rows): the down product is launched right behind the up
     product and each of its blocks waits for the chunks of h it reads, counted in flags (int32 [chunks + 1], chunks =
     ceil(I / 64) for h [M, I], all zero before the call and again after it), instead of for the up product's end."""
     M, D = x.shape
@@ -332,6 +332,9 @@ def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceAr
         return
     sms = get_device().info.num_sms
     up, down = swap_config(M, N_up, D, epilogue, sms=sms), swap_config(M, N, I, "residual", sms=sms)
+    if up.deep or down.deep:
+        raise ValueError(f"mlp_flow: the deep swap-AB builds have no flow builds (M={M}, up {N_up} x {D}, down {N} x "
+                         f"{I}); routing.uses_mlp_flow says where the flow runs")
     kernel("gemm_swap.cu", up.kernel_name + "_fp").launch(
         up.grid, (SWAP_THREADS,), [x, w_up, h, I32(M), I32(N_up), I32(D), I32(EPILOGUES[epilogue]), act, flags],
         stream, smem=up.smem)
