@@ -624,20 +624,20 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
         swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in,     \
                                                    ss_tiles, eps, act, nullptr, 0);                         \
     }
-// The MLP's flow builds (B = 16, 32, 64; the plain norm role, not the deep builds): the up product
-// gemm_swap_b{B}_w1_c{KS}_fp(..., act, flags) and the down product gemm_swap_b{B}_w1_c{KS}_fc(..., flags, up_tiles,
+// The MLP's flow builds (B = 16, 32, 64 and the deep B = 16; the plain norm role): the up product
+// gemm_swap_{TAG}_w1_c{KS}_fp(..., act, flags) and the down product gemm_swap_{TAG}_w1_c{KS}_fc(..., flags, up_tiles,
 // tiles_per_chunk, up_ks) (no capture).
-#define SWAP_FLOW_KERNELS(TAG, B, KS, CLUSTER)                                                              \
+#define SWAP_FLOW_KERNELS(TAG, B, DEEP, KS, CLUSTER)                                                        \
     extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_fp(              \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ act, int *flags) {                                           \
-        swap_block<B, 1, KS, NORM_NONE, false, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,  \
+        swap_block<B, 1, KS, NORM_NONE, DEEP, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,   \
                                                               nullptr, 0, 0.f, act, nullptr, 0, flags);     \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_fc(              \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, int *flags, int up_tiles, int tiles_per_chunk, int up_ks) {                            \
-        swap_block<B, 1, KS, NORM_NONE, false, FLOW_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,  \
+        swap_block<B, 1, KS, NORM_NONE, DEEP, FLOW_CONSUMER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,   \
                                                               nullptr, 0, 0.f, nullptr, nullptr, 0, flags,  \
                                                               up_tiles, tiles_per_chunk, up_ks);            \
     }
@@ -650,9 +650,9 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-// Compiled in fourteen parts (a width's half each, and each width's flow builds' halves), at once: the whole file
+// Compiled in sixteen parts (a width's half each, and each width's flow builds' halves), at once: the whole file
 // in one compile takes longer than its parts one after another.
-#define KERNEL_PARTS 14
+#define KERNEL_PARTS 16
 #if IN_PART(0)
 SWAP_SPLITS_1_2(b16, 16, 1, false)
 #endif
@@ -678,26 +678,34 @@ SWAP_SPLITS_1_2(b16d, 16, 1, true)
 SWAP_SPLITS_4_8(b16d, 16, 1, true)
 #endif
 #if IN_PART(8)
-SWAP_FLOW_KERNELS(b64, 64, 1, )
-SWAP_FLOW_KERNELS(b64, 64, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_KERNELS(b64, 64, false, 1, )
+SWAP_FLOW_KERNELS(b64, 64, false, 2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(9)
-SWAP_FLOW_KERNELS(b64, 64, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b64, 64, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_KERNELS(b64, 64, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b64, 64, false, 8, __cluster_dims__(8, 1, 1))
 #endif
 #if IN_PART(10)
-SWAP_FLOW_KERNELS(b16, 16, 1, )
-SWAP_FLOW_KERNELS(b16, 16, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_KERNELS(b16, 16, false, 1, )
+SWAP_FLOW_KERNELS(b16, 16, false, 2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(11)
-SWAP_FLOW_KERNELS(b16, 16, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b16, 16, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_KERNELS(b16, 16, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b16, 16, false, 8, __cluster_dims__(8, 1, 1))
 #endif
 #if IN_PART(12)
-SWAP_FLOW_KERNELS(b32, 32, 1, )
-SWAP_FLOW_KERNELS(b32, 32, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_KERNELS(b32, 32, false, 1, )
+SWAP_FLOW_KERNELS(b32, 32, false, 2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(13)
-SWAP_FLOW_KERNELS(b32, 32, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b32, 32, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_KERNELS(b32, 32, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b32, 32, false, 8, __cluster_dims__(8, 1, 1))
+#endif
+#if IN_PART(14)
+SWAP_FLOW_KERNELS(b16d, 16, true, 1, )
+SWAP_FLOW_KERNELS(b16d, 16, true, 2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(15)
+SWAP_FLOW_KERNELS(b16d, 16, true, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_KERNELS(b16d, 16, true, 8, __cluster_dims__(8, 1, 1))
 #endif

@@ -287,7 +287,8 @@ def every_kernel_name() -> dict[str, set[str]]:
     swap = {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))
             for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
-    swap |= {L.SwapConfig(B, ks, (ks, 1), 0).kernel_name + suffix for B in SWAP_BATCHES for ks in SWAP_SPLITS
+    swap |= {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
+             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,)) for ks in SWAP_SPLITS
              for suffix in ("_fp", "_fc")}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
@@ -362,15 +363,11 @@ def test_forced_gemm_options_are_checked_and_the_rest_default_to_the_persistent_
             forced_plan(4096, 4096, False, sms, width, split, tail, multicast, blocks)
 
 
-def test_the_mlp_flow_runs_at_3_to_64_rows_for_the_up_products_epilogues_but_not_on_deep_builds():
+def test_the_mlp_flow_runs_at_3_to_64_rows_for_the_up_products_epilogues():
     from tileinfer.kernels.routing import uses_mlp_flow
-    c4, c8 = preset("qwen3-4b"), preset("qwen3-8b")
-    assert [M for M in range(1, 80) if uses_mlp_flow(M, "silu_mul", c4.hidden_size, c4.intermediate_size)] == \
-        list(range(3, 65))
-    assert uses_mlp_flow(64, "xielu", 4096, 21504) and not uses_mlp_flow(64, "bf16", 2560, 9728)
-    # qwen3-8b's down product at 3-16 rows runs a deep build (64 tiles x 2 blocks, 192 k-chunks)
-    assert [M for M in range(1, 80) if uses_mlp_flow(M, "silu_mul", c8.hidden_size, c8.intermediate_size)] == \
-        list(range(17, 65))
+    assert [M for M in range(1, 80) if uses_mlp_flow(M, "silu_mul")] == list(range(3, 65))
+    assert uses_mlp_flow(64, "xielu") and not uses_mlp_flow(64, "bf16") and not uses_mlp_flow(64, "residual")
+    c8 = preset("qwen3-8b")  # its down product at 3-16 rows runs a deep build, which has flow builds too
     assert swap_config(16, c8.hidden_size, c8.intermediate_size, "residual").deep
 
 

@@ -6,7 +6,7 @@ The flow changes when the down product reads each chunk, not what it computes: h
 back byte for byte as from the two plain swap-AB products, and the counts zero again after every call. The shapes
 cover an up product of more than one wave of blocks (qwen3-4b's gate/up at 64 rows: 304 blocks for 264 slots, so
 that down blocks run while up blocks still do), split and unsplit producers and consumers, Apertus' xIELU, and an
-intermediate size whose last chunk is partial. Inputs are fresh random bf16 (seeded per case).
+intermediate size whose last chunk is partial, and a deep consumer. Inputs are fresh random bf16 (seeded per case).
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def plain(buf, stream, x, w_up, w_down, act, old, epilogue):
     (40, 512, 200, "xielu"),        # few blocks, a partial last chunk
     (16, 2560, 9728, "silu_mul"),   # the B = 16 builds: up 304 blocks, down split 4 ways
     (29, 4096, 12288, "silu_mul"),  # the B = 32 builds (qwen3-8b): up 384 blocks
+    (16, 4096, 12288, "silu_mul"),  # qwen3-8b at 16 rows: the down product on a deep build (64 tiles x 2, 192 chunks)
     (3, 1024, 3072, "silu_mul"),    # the fewest rows
 ], ids=lambda v: str(v))
 def test_the_flow_gives_the_plain_products_bytes(M, D, I, epilogue, buf, stream):
@@ -93,14 +94,3 @@ def test_the_flow_replayed_from_a_graph_reads_each_replays_input(buf, stream):
         graph.destroy()
         flags.free()
 
-
-def test_the_deep_builds_are_refused(buf, stream):
-    # qwen3-8b's down product at 16 rows runs a deep build, which has no flow build (routing.uses_mlp_flow).
-    M, D, I = 16, 4096, 12288
-    _, x, w_up, w_down, act, old = setup(buf, M, D, I, "silu_mul")
-    flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
-    try:
-        with pytest.raises(ValueError, match="deep swap-AB builds have no flow builds"):
-            mlp_flow(x, w_up, buf.poisoned((M, I), BF16), w_down, buf.upload(old), "silu_mul", flags, stream)
-    finally:
-        flags.free()

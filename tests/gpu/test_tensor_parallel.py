@@ -135,8 +135,7 @@ def epilogue_norms(n: int) -> bool:
     """Whether the plain runner's step of n rows of the tiny checkpoint takes the norm statistics from the residual
     products' epilogue (model/forward.py _views: not where the MLP's flow runs, whose products are bitwise the
     plain ones)."""
-    c = preset("tiny")
-    flow = uses_mlp_flow(n, MLP_EPILOGUES[c.mlp], c.hidden_size, c.intermediate_size)
+    flow = uses_mlp_flow(n, MLP_EPILOGUES[preset("tiny").mlp])
     return n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS and not flow
 
 

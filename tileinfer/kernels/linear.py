@@ -332,9 +332,6 @@ def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceAr
         return
     sms = get_device().info.num_sms
     up, down = swap_config(M, N_up, D, epilogue, sms=sms), swap_config(M, N, I, "residual", sms=sms)
-    if up.deep or down.deep:
-        raise ValueError(f"mlp_flow: the deep swap-AB builds have no flow builds (M={M}, up {N_up} x {D}, down {N} x "
-                         f"{I}); routing.uses_mlp_flow says where the flow runs")
     kernel("gemm_swap.cu", up.kernel_name + "_fp").launch(
         up.grid, (SWAP_THREADS,), [x, w_up, h, I32(M), I32(N_up), I32(D), I32(EPILOGUES[epilogue]), act, flags],
         stream, smem=up.smem)

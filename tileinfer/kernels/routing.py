@@ -279,16 +279,11 @@ FLOW_ROWS = SWAP_DEFAULT_ROWS  # gemm_swap.cu's flow builds (B = 16, 32, 64): an
 FLOW_EPILOGUES = ("silu_mul", "xielu")  # the up products with flow builds (their outputs are the down product's x)
 
 
-def uses_mlp_flow(M: int, epilogue: str, hidden: int, intermediate: int, sms: int = H200_SMS) -> bool:
-    """Whether an MLP of M rows (x [M, hidden], act [M, intermediate]) runs its up and down products as
-    gemm_swap.cu's flow builds: the down product launched beside the up product, each of its blocks starting on a
-    chunk of the up product's output as soon as the tiles that write it are done (the header's "The MLP's flow").
-    Not where either product would take a deep build (they have no flow builds)."""
-    if M not in FLOW_ROWS or epilogue not in FLOW_EPILOGUES:
-        return False
-    up_rows = 2 * intermediate if epilogue == "silu_mul" else intermediate
-    return not (swap_config(M, up_rows, hidden, epilogue, sms=sms).deep
-                or swap_config(M, hidden, intermediate, "residual", sms=sms).deep)
+def uses_mlp_flow(M: int, epilogue: str) -> bool:
+    """Whether an MLP of M rows runs its up and down products as gemm_swap.cu's flow builds: the down product
+    launched beside the up product, each of its blocks starting on a chunk of the up product's output as soon as the
+    tiles that write it are done (the header's "The MLP's flow")."""
+    return M in FLOW_ROWS and epilogue in FLOW_EPILOGUES
 
 
 def flow_tiles_per_chunk(epilogue: str) -> int:

@@ -45,7 +45,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import kernels as K
-from ..cuda import DeviceArray, get_device
+from ..cuda import DeviceArray
 from ..cuda.memory import copy_columns
 from ..kernels.routing import SWAP_BK, SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
@@ -209,8 +209,7 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
     # statistics, and the product after the norm scales its rows (no rmsnorm launches but the first layer's
     # and the final one). Not under tp: the norm needs the residual summed over the ranks.
     # The MLP's flow (3-64 rows, kernels.mlp_flow) in place of the norm statistics where it runs.
-    flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp], c.hidden_size,
-                                                                  c.intermediate_size, get_device().info.num_sms)
+    flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp])
     epi_norm = tp is None and not batch_invariant and not flow and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
     fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
                                       num_kv_heads=c.num_key_value_heads, num_splits=num_splits, num_seqs=b,
