@@ -281,7 +281,10 @@ __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4
 // product (the next kernel waits for the consumer's end, so the zeros are in place before any later producer).
 // Nothing the consumer writes (resid) is read or written by the up product or the norm before it, which have
 // passed their waits (the consumer starts only then), and the kernel after the consumer waits for the consumer,
-// whose end follows every producer block's last count.
+// whose end follows every producer block's last count. With the norm statistics (3-32 rows: the up product the
+// consumer of o_proj's statistics, _nc_fp; the down product the producer of the next layer's, _np_fc) the down
+// product also writes the next layer's normed input x, which the up product reads: its blocks wait for every
+// chunk's count before their epilogue.
 __device__ __forceinline__ void flow_wait(const int *flags, int c, int up_tiles, int tiles_per_chunk, int up_ks) {
     const int need = min(tiles_per_chunk, up_tiles - c * tiles_per_chunk) * up_ks;
     int have;
@@ -486,6 +489,11 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         wgmma_commit();
         wgmma_wait<0>();  // the stage is refilled at the next iteration (a few hundred cycles: the loads take longer)
     }
+    if constexpr (FLOW == FLOW_CONSUMER && NORM == NORM_PRODUCER) {
+        // This build writes the next norm's input x (next_x), which the up product reads: every up block's count
+        // first (the last of them is done with x), not only the chunks this block read.
+        for (int ch = tid; ch < chunks; ch += THREADS) flow_wait(flags, ch, up_tiles, tiles_per_chunk, up_ks);
+    }
     cp_async_wait<0>();
     __syncthreads();  // no tensor-core read or copy into the pipeline's shared memory is left: reuse it
 
@@ -641,6 +649,26 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
                                                               nullptr, 0, 0.f, nullptr, nullptr, 0, flags,  \
                                                               up_tiles, tiles_per_chunk, up_ks);            \
     }
+// The flow builds with the norm statistics' roles (B = 16, 32 and the deep B = 16, the rows those run at): the up
+// product gemm_swap_{TAG}_w1_c{KS}_nc_fp(..., ss_in, ss_tiles, eps, act, flags) and the down product
+// gemm_swap_{TAG}_w1_c{KS}_np_fc(..., next_w, next_x, ss_out, flags, up_tiles, tiles_per_chunk, up_ks).
+#define SWAP_FLOW_NORM_KERNELS(TAG, B, DEEP, KS, CLUSTER)                                                   \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_nc_fp(           \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi, const float *__restrict__ ss_in, int ss_tiles, float eps, const float *__restrict__ act,   \
+            int *flags) {                                                                                   \
+        swap_block<B, 1, KS, NORM_CONSUMER, DEEP, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr,   \
+                                                                nullptr, ss_in, ss_tiles, eps, act, nullptr, 0, \
+                                                                flags);                                     \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_np_fc(           \
+            const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
+            int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out,   \
+            int *flags, int up_tiles, int tiles_per_chunk, int up_ks) {                                     \
+        swap_block<B, 1, KS, NORM_PRODUCER, DEEP, FLOW_CONSUMER>(x, W, out, M, N, K, epi, next_w, next_x,     \
+                                                                ss_out, nullptr, 0, 0.f, nullptr, nullptr, 0, \
+                                                                flags, up_tiles, tiles_per_chunk, up_ks);   \
+    }
 // Each width's splits in two halves, KS = 1, 2 and KS = 4, 8 (6 kernels each).
 #define SWAP_SPLITS_1_2(TAG, B, WG, DEEP)                                                                   \
     SWAP_KERNEL(TAG, B, WG, DEEP, 1, )                                                                      \
@@ -650,9 +678,9 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-// Compiled in sixteen parts (a width's half each, and each width's flow builds' halves), at once: the whole file
-// in one compile takes longer than its parts one after another.
-#define KERNEL_PARTS 16
+// Compiled in twenty-two parts (a width's half each, each width's flow builds' halves, with the norm roles too), at
+// once: the whole file in one compile takes longer than its parts one after another.
+#define KERNEL_PARTS 22
 #if IN_PART(0)
 SWAP_SPLITS_1_2(b16, 16, 1, false)
 #endif
@@ -708,4 +736,28 @@ SWAP_FLOW_KERNELS(b16d, 16, true, 2, __cluster_dims__(2, 1, 1))
 #if IN_PART(15)
 SWAP_FLOW_KERNELS(b16d, 16, true, 4, __cluster_dims__(4, 1, 1))
 SWAP_FLOW_KERNELS(b16d, 16, true, 8, __cluster_dims__(8, 1, 1))
+#endif
+#if IN_PART(16)
+SWAP_FLOW_NORM_KERNELS(b16, 16, false, 1, )
+SWAP_FLOW_NORM_KERNELS(b16, 16, false, 2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(17)
+SWAP_FLOW_NORM_KERNELS(b16, 16, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_NORM_KERNELS(b16, 16, false, 8, __cluster_dims__(8, 1, 1))
+#endif
+#if IN_PART(18)
+SWAP_FLOW_NORM_KERNELS(b32, 32, false, 1, )
+SWAP_FLOW_NORM_KERNELS(b32, 32, false, 2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(19)
+SWAP_FLOW_NORM_KERNELS(b32, 32, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_NORM_KERNELS(b32, 32, false, 8, __cluster_dims__(8, 1, 1))
+#endif
+#if IN_PART(20)
+SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 1, )
+SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 2, __cluster_dims__(2, 1, 1))
+#endif
+#if IN_PART(21)
+SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 8, __cluster_dims__(8, 1, 1))
 #endif

@@ -289,7 +289,7 @@ def every_kernel_name() -> dict[str, set[str]]:
             for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
     swap |= {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
              for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,)) for ks in SWAP_SPLITS
-             for suffix in ("_fp", "_fc")}
+             for suffix in ("_fp", "_fc") + (("_nc_fp", "_np_fc") if B <= 32 else ())}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}

@@ -94,3 +94,40 @@ def test_the_flow_replayed_from_a_graph_reads_each_replays_input(buf, stream):
         graph.destroy()
         flags.free()
 
+
+
+@pytest.mark.parametrize("M, D, I, epilogue, last", [
+    (16, 2560, 9728, "silu_mul", False),   # qwen3-4b at 16 rows: up 304 blocks on the consumer build of the statistics
+    (32, 1024, 3072, "silu_mul", False),   # qwen3-0.6b at 32 rows
+    (5, 4096, 12288, "silu_mul", False),   # qwen3-8b's verify step (k = 4): the down product on a deep build
+    (24, 512, 200, "xielu", False),        # a partial last chunk
+    (16, 2560, 9728, "silu_mul", True),    # the last layer: the up product's statistics, no next layer's
+], ids=lambda v: str(v))
+def test_the_flow_with_the_norm_statistics_gives_the_plain_products_bytes(M, D, I, epilogue, last, buf, stream):
+    """At 3-32 rows the up product scales its rows by the statistics o_proj wrote (row_norm) and the down product
+    writes the next layer's normed input and statistics (norm_out), which is also what the up product read: the
+    bytes of h, the residual stream, next_x and its statistics as from the plain _nc and _np products."""
+    rng, x, w_up, w_down, act, old = setup(buf, M, D, I, epilogue)
+    ss_in = buf.upload(rng.uniform(0.5, 2.0, (M, -(-D // 64))).astype(np.float32) * np.float32(D / -(-D // 64)))
+    next_w = buf.upload(rand_bf16(rng, (D,), scale=0.1, mean=1.0))
+    eps = 1e-6
+
+    def run(flow: bool):
+        h, resid = buf.poisoned((M, I), BF16), buf.upload(old)
+        x_in = buf.upload(x.to_host(stream))  # the down product's norm_out writes the up product's input
+        norm_out = None if last else (next_w, x_in, buf.poisoned((M, -(-D // 64)), np.float32))
+        if flow:
+            flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
+            mlp_flow(x_in, w_up, h, w_down, resid, epilogue, flags, stream, act=act, row_norm=(ss_in, eps),
+                     norm_out=norm_out)
+            left = flags.to_host(stream)
+            flags.free()
+            assert not left.any(), "counts left behind"
+        else:
+            linear(x_in, w_up, h, epilogue, stream, force="swap", act=act, row_norm=(ss_in, eps))
+            linear(h, w_down, resid, "residual", stream, force="swap", norm_out=norm_out)
+        out = [h.to_host(stream), resid.to_host(stream), x_in.to_host(stream)]
+        return out + ([] if last else [norm_out[2].to_host(stream)])
+
+    for name, got, want in zip(("h", "the residual stream", "next_x", "the statistics"), run(True), run(False)):
+        assert got.tobytes() == want.tobytes(), f"M={M} D={D} I={I} {epilogue}: {name} differs from the plain products'"

@@ -30,12 +30,10 @@ from tileinfer.cuda import DeviceArray, PinnedBuffer
 from tileinfer.cuda.memory import copy_columns
 from tileinfer.graphs import bucket_for
 from tileinfer.kernels import embedding, fetch_step, linear
-from tileinfer.kernels.routing import SWAP_DEFAULT_ROWS, uses_mlp_flow
+from tileinfer.kernels.routing import SWAP_DEFAULT_ROWS
 from tileinfer.kv import Sequence
-from tileinfer.model.config import preset
 from tileinfer.model.forward import EPI_NORM_MAX_ROWS
 from tileinfer.model.sharding import TensorParallel, vocab_part, vocab_range
-from tileinfer.model.weights import MLP_EPILOGUES
 from tileinfer.runner.gpu import GPURunner, decode_buckets
 from tileinfer.runner.step import SamplingRow
 
@@ -132,11 +130,9 @@ def check_close(logits: list, want_logits: list, tokens: np.ndarray, want_tokens
 
 
 def epilogue_norms(n: int) -> bool:
-    """Whether the plain runner's step of n rows of the tiny checkpoint takes the norm statistics from the residual
-    products' epilogue (model/forward.py _views: not where the MLP's flow runs, whose products are bitwise the
-    plain ones)."""
-    flow = uses_mlp_flow(n, MLP_EPILOGUES[preset("tiny").mlp])
-    return n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS and not flow
+    """Whether the plain runner's step of n rows takes the norm statistics from the residual products' epilogue
+    (model/forward.py _views)."""
+    return n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
 
 
 def check_comm_works(comm, stream) -> None:

@@ -31,7 +31,7 @@ from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE
                       NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_SPLITS,
                       default_path, fuses_norm, gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
                       norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
-                      TmaPlan, SWAP_BK, FLOW_EPILOGUES, FLOW_ROWS, flow_tiles_per_chunk)
+                      TmaPlan, SWAP_BATCHES, SWAP_BK, FLOW_EPILOGUES, FLOW_ROWS, flow_tiles_per_chunk)
 
 # ============================================================================= validation
 def out_spec(epilogue: str, M: int, N: int):
@@ -314,11 +314,14 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
 
 
 def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceArray, resid: DeviceArray,
-             epilogue: str, flags: DeviceArray, stream, *, act: DeviceArray | None = None) -> None:
+             epilogue: str, flags: DeviceArray, stream, *, act: DeviceArray | None = None,
+             row_norm: tuple[DeviceArray, float] | None = None,
+             norm_out: tuple[DeviceArray, DeviceArray, DeviceArray] | None = None) -> None:
     """h <- epilogue(x @ w_up.T) ("silu_mul" or "xielu", act as linear's), then resid += h @ w_down.T, on
     gemm_swap.cu's flow builds (routing.uses_mlp_flow: 3-64 rows): the down product is launched right behind the up
     product and each of its blocks waits for the chunks of h it reads, counted in flags (int32 [chunks + 1], chunks =
-    ceil(I / 64) for h [M, I], all zero before the call and again after it), instead of for the up product's end."""
+    ceil(I / 64) for h [M, I], all zero before the call and again after it), instead of for the up product's end.
+    row_norm (the up product's) and norm_out (the down product's) are linear's norm statistics (3-32 rows)."""
     M, D = x.shape
     expect("x", x, (M, D), BF16)
     if not (M in FLOW_ROWS or M == 0) or epilogue not in FLOW_EPILOGUES:
@@ -328,16 +331,20 @@ def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceAr
     I = h.shape[1]
     N = check_product("mlp_flow", M, I, w_down, resid, "residual")
     expect("flags", flags, (cdiv(I, SWAP_BK) + 1,), INT32)
+    up_norm, up_role = swap_norm_args(M, N_up, D, epilogue, None, row_norm)
+    down_norm, down_role = swap_norm_args(M, N, I, "residual", norm_out, None)
+    if (up_role or down_role) and M > SWAP_BATCHES[1]:
+        raise ValueError(f"mlp_flow: the norm statistics' flow builds take at most {SWAP_BATCHES[1]} rows, got M={M}")
     if M == 0:
         return
     sms = get_device().info.num_sms
     up, down = swap_config(M, N_up, D, epilogue, sms=sms), swap_config(M, N, I, "residual", sms=sms)
-    kernel("gemm_swap.cu", up.kernel_name + "_fp").launch(
-        up.grid, (SWAP_THREADS,), [x, w_up, h, I32(M), I32(N_up), I32(D), I32(EPILOGUES[epilogue]), act, flags],
-        stream, smem=up.smem)
-    kernel("gemm_swap.cu", down.kernel_name + "_fc").launch(
-        down.grid, (SWAP_THREADS,), [h, w_down, resid, I32(M), I32(N), I32(I), I32(EPILOGUES["residual"]), flags,
-                                     I32(up.grid[1]), I32(flow_tiles_per_chunk(epilogue)), I32(up.ksplit)],
+    kernel("gemm_swap.cu", up.kernel_name + up_role + "_fp").launch(
+        up.grid, (SWAP_THREADS,), [x, w_up, h, I32(M), I32(N_up), I32(D), I32(EPILOGUES[epilogue]), *up_norm, act,
+                                   flags], stream, smem=up.smem)
+    kernel("gemm_swap.cu", down.kernel_name + down_role + "_fc").launch(
+        down.grid, (SWAP_THREADS,), [h, w_down, resid, I32(M), I32(N), I32(I), I32(EPILOGUES["residual"]), *down_norm,
+                                     flags, I32(up.grid[1]), I32(flow_tiles_per_chunk(epilogue)), I32(up.ksplit)],
         stream, smem=down.smem)
 
 

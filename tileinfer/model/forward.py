@@ -208,9 +208,10 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
     # Steps of 3-32 rows (on the swap-AB GEMM): o_proj and down_proj also write the next norm's input and row
     # statistics, and the product after the norm scales its rows (no rmsnorm launches but the first layer's
     # and the final one). Not under tp: the norm needs the residual summed over the ranks.
-    # The MLP's flow (3-64 rows, kernels.mlp_flow) in place of the norm statistics where it runs.
+    epi_norm = tp is None and not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
+    # The MLP's two products as gemm_swap.cu's flow builds (3-64 rows, kernels.mlp_flow), with the norm statistics
+    # where those run.
     flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp])
-    epi_norm = tp is None and not batch_invariant and not flow and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
     fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
                                       num_kv_heads=c.num_key_value_heads, num_splits=num_splits, num_seqs=b,
                                       decode_shape=not batch_invariant)
@@ -262,14 +263,18 @@ def _mlp_block(c, lw, next_layer, v: _Views, stream, capture: tuple[DeviceArray,
     last layer). capture: where the down product also writes the new residual rows (linear's capture)."""
     eps = c.rms_norm_eps
     epilogue = MLP_EPILOGUES[c.mlp]
+    norm_out = None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input)
+    if v.flow_flags is not None and capture is None:  # the down product starts on act's chunks as they are written
+        if v.epi_norm:
+            K.mlp_flow(v.x, lw.w_up, v.act, lw.w_down, v.resid, epilogue, v.flow_flags, stream, act=lw.act,
+                       row_norm=(v.ss_post, eps), norm_out=norm_out)
+        else:
+            K.rmsnorm(v.resid, lw.post_norm, v.x, eps, stream)
+            K.mlp_flow(v.x, lw.w_up, v.act, lw.w_down, v.resid, epilogue, v.flow_flags, stream, act=lw.act)
+        return
     if v.epi_norm:
         K.linear(v.x, lw.w_up, v.act, epilogue, stream, row_norm=(v.ss_post, eps), act=lw.act)
-        K.linear(v.act, lw.w_down, v.resid, "residual", stream,
-                 norm_out=None if next_layer is None else (next_layer.input_norm, v.x, v.ss_input), capture=capture)
-        return
-    if v.flow_flags is not None and capture is None:  # the down product starts on act's chunks as they are written
-        K.rmsnorm(v.resid, lw.post_norm, v.x, eps, stream)
-        K.mlp_flow(v.x, lw.w_up, v.act, lw.w_down, v.resid, epilogue, v.flow_flags, stream, act=lw.act)
+        K.linear(v.act, lw.w_down, v.resid, "residual", stream, norm_out=norm_out, capture=capture)
         return
     K.norm_linear(v.resid, lw.post_norm, eps, v.x, lw.w_up, v.act, epilogue, stream, force=v.force, act=lw.act)
     K.linear(v.act, lw.w_down, v.resid, v.partial, stream, force=v.force, capture=capture)
