@@ -285,14 +285,16 @@ __device__ __forceinline__ float4 scale4(float4 v, float s) { return make_float4
 // consumer of o_proj's statistics, _nc_fp; the down product the producer of the next layer's, _np_fc) the down
 // product also writes the next layer's normed input x, which the up product reads: its blocks wait for every
 // chunk's count before their epilogue.
-__device__ __forceinline__ void flow_wait(const int *flags, int c, int up_tiles, int tiles_per_chunk, int up_ks) {
-    const int need = min(tiles_per_chunk, up_tiles - c * tiles_per_chunk) * up_ks;
+__device__ __forceinline__ int flow_need(int c, int up_tiles, int tiles_per_chunk, int up_ks) {
+    return min(tiles_per_chunk, up_tiles - c * tiles_per_chunk) * up_ks;  // chunk c's up blocks
+}
+__device__ __forceinline__ int flow_count(const int *flags, int c) {
     int have;
-    for (;;) {
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(have) : "l"(flags + c) : "memory");
-        if (have >= need) return;
-        __nanosleep(64);
-    }
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(have) : "l"(flags + c) : "memory");
+    return have;
+}
+__device__ __forceinline__ void flow_wait(const int *flags, int c, int up_tiles, int tiles_per_chunk, int up_ks) {
+    while (flow_count(flags, c) < flow_need(c, up_tiles, tiles_per_chunk, up_ks)) __nanosleep(64);
 }
 
 __device__ __forceinline__ vec16 ld16_cg(const void *p) {  // through L2 only: data written while the kernel runs
@@ -403,10 +405,25 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
         if (s < mine) load_w(s, s);
         cp_async_commit();
     }
+    // The consumer's counts, read by warp 0: each lane one chunk's (this block's chunks known_ + 1 + lane), so that a
+    // poll covers 32 chunks in one round trip; known_: this block's chunks whose counts are complete, in order.
+    int known_ = -1;
+    auto flow_poll = [&](int upto) {  // warp 0: until this block's chunks 0..upto are known complete
+        while (known_ < upto) {
+            const int j = known_ + 1 + lane;
+            bool ok = true;
+            if (j < mine) {
+                const int ch = rank + j * KS;
+                ok = flow_count(flags, ch) >= flow_need(ch, up_tiles, tiles_per_chunk, up_ks);
+            }
+            const unsigned missing = __ballot_sync(0xffffffffu, !ok);
+            const int more = missing ? __ffs(missing) - 1 : 32;
+            known_ += more;
+            if (more == 0) __nanosleep(64);
+        }
+    };
     if constexpr (FLOW == FLOW_CONSUMER) {  // the first chunks' counts instead of the up product's end
-        if (tid == 0)
-            for (int s = 0; s < AHEAD && s < mine; ++s)
-                flow_wait(flags, rank + s * KS, up_tiles, tiles_per_chunk, up_ks);
+        if (warp == 0) flow_poll(min(AHEAD, mine) - 1);
         __syncthreads();
         pdl_launch_dependents();
     } else {
@@ -468,8 +485,7 @@ __device__ __forceinline__ void swap_block(const bf16 *__restrict__ X, const bf1
 
     for (int i = 0; i < mine; ++i) {
         if constexpr (FLOW == FLOW_CONSUMER) {  // chunk i + AHEAD's count, before the barrier its copies follow
-            if (tid == 0 && i + AHEAD < mine)
-                flow_wait(flags, rank + (i + AHEAD) * KS, up_tiles, tiles_per_chunk, up_ks);
+            if (warp == 0 && i + AHEAD < mine) flow_poll(i + AHEAD);  // (a load only where it is not known yet)
         }
         cp_async_wait<AHEAD - 1>();  // this thread's copies of chunk i have landed (group i)
         fence_async_smem();          // ... and they and the prologue's x stores are visible to the tensor cores
