@@ -363,10 +363,16 @@ def test_forced_gemm_options_are_checked_and_the_rest_default_to_the_persistent_
             forced_plan(4096, 4096, False, sms, width, split, tail, multicast, blocks)
 
 
-def test_the_mlp_flow_runs_at_3_to_64_rows_for_the_up_products_epilogues():
+def test_the_mlp_flow_runs_where_the_up_product_takes_more_than_one_wave_of_blocks():
     from tileinfer.kernels.routing import uses_mlp_flow
-    assert [M for M in range(1, 80) if uses_mlp_flow(M, "silu_mul")] == list(range(3, 65))
-    assert uses_mlp_flow(64, "xielu") and not uses_mlp_flow(64, "bf16") and not uses_mlp_flow(64, "residual")
+
+    def rows(name):
+        c = preset(name)
+        epilogue = "silu_mul" if c.mlp == "gated_silu" else "xielu"
+        return [M for M in range(1, 80) if uses_mlp_flow(M, epilogue, c.hidden_size, c.intermediate_size)]
+    assert rows("qwen3-4b") == rows("qwen3-8b") == rows("apertus-8b") == list(range(3, 65))  # 304, 384, 336 blocks
+    assert rows("qwen3-0.6b") == [] and rows("tiny") == []  # one wave (192 blocks at 2 an SM of 132)
+    assert not uses_mlp_flow(64, "bf16", 2560, 9728)
     c8 = preset("qwen3-8b")  # its down product at 3-16 rows runs a deep build, which has flow builds too
     assert swap_config(16, c8.hidden_size, c8.intermediate_size, "residual").deep
 

@@ -132,6 +132,7 @@ SWAP_SPLITS = (1, 2, 4, 8)
 SWAP_STAGES = {16: 10, 32: 8, 64: 6}
 SWAP_DEEP_STAGES = 20  # the deep B = 16 builds (gemm_swap_b16d_*): one block an SM
 SWAP_WAVE = 0.9  # swap_config: the fewest splits whose grid reaches this fraction of the SMs
+SWAP_SLOTS_PER_SM = 2  # blocks of the ordinary builds an SM holds at once (~97-103 KB of shared memory each)
 SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA GEMM takes the rest
 NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
 
@@ -279,11 +280,17 @@ FLOW_ROWS = SWAP_DEFAULT_ROWS  # gemm_swap.cu's flow builds (B = 16, 32, 64): an
 FLOW_EPILOGUES = ("silu_mul", "xielu")  # the up products with flow builds (their outputs are the down product's x)
 
 
-def uses_mlp_flow(M: int, epilogue: str) -> bool:
-    """Whether an MLP of M rows runs its up and down products as gemm_swap.cu's flow builds: the down product
-    launched beside the up product, each of its blocks starting on a chunk of the up product's output as soon as the
-    tiles that write it are done (the header's "The MLP's flow")."""
-    return M in FLOW_ROWS and epilogue in FLOW_EPILOGUES
+def uses_mlp_flow(M: int, epilogue: str, hidden: int, intermediate: int, sms: int = H200_SMS) -> bool:
+    """Whether an MLP of M rows (x [M, hidden], act [M, intermediate]) runs its up and down products as gemm_swap.cu's
+    flow builds: the down product launched beside the up product, each of its blocks starting on a chunk of the up
+    product's output as soon as the tiles that write it are done (the header's "The MLP's flow"). Only where the up
+    product's blocks are more than the GPU holds at once (two an SM), so that its last ones would stream alone: on
+    an H100, qwen3-4b (304 blocks) gained 2.9% at batch 16 and 3.8% at 64, and qwen3-0.6b (192 blocks, one wave)
+    lost 7.1% and 3.6% (docs/benchmarks.md, The batched products)."""
+    if M not in FLOW_ROWS or epilogue not in FLOW_EPILOGUES:
+        return False
+    up = swap_config(M, 2 * intermediate if epilogue == "silu_mul" else intermediate, hidden, epilogue, sms=sms)
+    return up.grid[0] * up.grid[1] > SWAP_SLOTS_PER_SM * sms
 
 
 def flow_tiles_per_chunk(epilogue: str) -> int:

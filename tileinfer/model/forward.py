@@ -45,7 +45,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import kernels as K
-from ..cuda import DeviceArray
+from ..cuda import DeviceArray, get_device
 from ..cuda.memory import copy_columns
 from ..kernels.routing import SWAP_BK, SWAP_DEFAULT_ROWS, head_key_count, norm_tiles
 from ..kv import PagedKVCache
@@ -211,7 +211,8 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
     epi_norm = tp is None and not batch_invariant and n in SWAP_DEFAULT_ROWS and n <= EPI_NORM_MAX_ROWS
     # The MLP's two products as gemm_swap.cu's flow builds (3-64 rows, kernels.mlp_flow), with the norm statistics
     # where those run.
-    flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp])
+    flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp], c.hidden_size,
+                                                                  c.intermediate_size, get_device().info.num_sms)
     fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
                                       num_kv_heads=c.num_key_value_heads, num_splits=num_splits, num_seqs=b,
                                       decode_shape=not batch_invariant)
