@@ -648,16 +648,19 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
         swap_block<B, WG, KS, NORM_CONSUMER, DEEP>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr, ss_in,     \
                                                    ss_tiles, eps, act, nullptr, 0);                         \
     }
-// The MLP's flow builds (B = 16, 32, 64 and the deep B = 16; the plain norm role): the up product
-// gemm_swap_{TAG}_w1_c{KS}_fp(..., act, flags) and the down product gemm_swap_{TAG}_w1_c{KS}_fc(..., flags, up_tiles,
-// tiles_per_chunk, up_ks) (no capture).
-#define SWAP_FLOW_KERNELS(TAG, B, DEEP, KS, CLUSTER)                                                        \
+// The MLP's flow builds, each role a macro of its own, so that a width has only the roles the engine runs at its rows
+// (linear.mlp_flow): the up product gemm_swap_{TAG}_w1_c{KS}_fp(..., act, flags) and the down product
+// gemm_swap_{TAG}_w1_c{KS}_fc(..., flags, up_tiles, tiles_per_chunk, up_ks) (no capture); with the norm statistics
+// (3-32 rows) the up product gemm_swap_{TAG}_w1_c{KS}_nc_fp(..., ss_in, ss_tiles, eps, act, flags) and the down
+// product gemm_swap_{TAG}_w1_c{KS}_np_fc(..., next_w, next_x, ss_out, flags, up_tiles, tiles_per_chunk, up_ks).
+#define SWAP_FLOW_UP(TAG, B, DEEP, KS, CLUSTER)                                                             \
     extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_fp(              \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ act, int *flags) {                                           \
         swap_block<B, 1, KS, NORM_NONE, DEEP, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr, nullptr,   \
                                                               nullptr, 0, 0.f, act, nullptr, 0, flags);     \
-    }                                                                                                       \
+    }
+#define SWAP_FLOW_DOWN(TAG, B, DEEP, KS, CLUSTER)                                                           \
     extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_fc(              \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, int *flags, int up_tiles, int tiles_per_chunk, int up_ks) {                            \
@@ -665,10 +668,7 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
                                                               nullptr, 0, 0.f, nullptr, nullptr, 0, flags,  \
                                                               up_tiles, tiles_per_chunk, up_ks);            \
     }
-// The flow builds with the norm statistics' roles (B = 16, 32 and the deep B = 16, the rows those run at): the up
-// product gemm_swap_{TAG}_w1_c{KS}_nc_fp(..., ss_in, ss_tiles, eps, act, flags) and the down product
-// gemm_swap_{TAG}_w1_c{KS}_np_fc(..., next_w, next_x, ss_out, flags, up_tiles, tiles_per_chunk, up_ks).
-#define SWAP_FLOW_NORM_KERNELS(TAG, B, DEEP, KS, CLUSTER)                                                   \
+#define SWAP_FLOW_NORM_UP(TAG, B, DEEP, KS, CLUSTER)                                                        \
     extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_nc_fp(           \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const float *__restrict__ ss_in, int ss_tiles, float eps, const float *__restrict__ act,   \
@@ -676,7 +676,8 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
         swap_block<B, 1, KS, NORM_CONSUMER, DEEP, FLOW_PRODUCER>(x, W, out, M, N, K, epi, nullptr, nullptr,   \
                                                                 nullptr, ss_in, ss_tiles, eps, act, nullptr, 0, \
                                                                 flags);                                     \
-    }                                                                                                       \
+    }
+#define SWAP_FLOW_NORM_DOWN(TAG, B, DEEP, KS, CLUSTER)                                                      \
     extern "C" __global__ void __launch_bounds__(128) CLUSTER gemm_swap_##TAG##_w1_c##KS##_np_fc(           \
             const bf16 *__restrict__ x, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int epi, const bf16 *__restrict__ next_w, bf16 *__restrict__ next_x, float *__restrict__ ss_out,   \
@@ -685,6 +686,12 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
                                                                 ss_out, nullptr, 0, 0.f, nullptr, nullptr, 0, \
                                                                 flags, up_tiles, tiles_per_chunk, up_ks);   \
     }
+// One role's builds at the four splits.
+#define SWAP_FLOW_SPLITS(ROLE, TAG, B, DEEP)                                                                \
+    ROLE(TAG, B, DEEP, 1, )                                                                                 \
+    ROLE(TAG, B, DEEP, 2, __cluster_dims__(2, 1, 1))                                                        \
+    ROLE(TAG, B, DEEP, 4, __cluster_dims__(4, 1, 1))                                                        \
+    ROLE(TAG, B, DEEP, 8, __cluster_dims__(8, 1, 1))
 // Each width's splits in two halves, KS = 1, 2 and KS = 4, 8 (6 kernels each).
 #define SWAP_SPLITS_1_2(TAG, B, WG, DEEP)                                                                   \
     SWAP_KERNEL(TAG, B, WG, DEEP, 1, )                                                                      \
@@ -694,9 +701,12 @@ __device__ __forceinline__ void swap_block(const bf16 *, const bf16 *, void *, i
     SWAP_KERNEL(TAG, B, WG, DEEP, 8, __cluster_dims__(8, 1, 1))
 // One warpgroup a block only: on the Qwen3 layer matrices two warpgroups were rarely faster and often
 // slower, and the launcher's rule (linear.swap_config) is fitted to the WG = 1 builds.
-// Compiled in twenty-two parts (a width's half each, each width's flow builds' halves, with the norm roles too), at
-// once: the whole file in one compile takes longer than its parts one after another.
-#define KERNEL_PARTS 22
+// Compiled in eighteen parts (a width's half each, and the flow builds four kernels a part), at once: the whole file
+// in one compile takes longer than its parts one after another. The flow builds are the roles linear.mlp_flow
+// launches: at 33-64 rows (B = 64) the plain up and down products; at 3-32 rows (B = 16, 32) the up product is the
+// norm statistics' consumer and the down product their producer, or plain after the last layer. The up product's
+// grid is more than a wave of blocks (routing.uses_mlp_flow), so never a deep build's; the down product's may be.
+#define KERNEL_PARTS 18
 #if IN_PART(0)
 SWAP_SPLITS_1_2(b16, 16, 1, false)
 #endif
@@ -722,58 +732,38 @@ SWAP_SPLITS_1_2(b16d, 16, 1, true)
 SWAP_SPLITS_4_8(b16d, 16, 1, true)
 #endif
 #if IN_PART(8)
-SWAP_FLOW_KERNELS(b64, 64, false, 1, )
-SWAP_FLOW_KERNELS(b64, 64, false, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_UP(b64, 64, false, 1, )
+SWAP_FLOW_UP(b64, 64, false, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_DOWN(b64, 64, false, 1, )
+SWAP_FLOW_DOWN(b64, 64, false, 2, __cluster_dims__(2, 1, 1))
 #endif
 #if IN_PART(9)
-SWAP_FLOW_KERNELS(b64, 64, false, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b64, 64, false, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_UP(b64, 64, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_UP(b64, 64, false, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_DOWN(b64, 64, false, 4, __cluster_dims__(4, 1, 1))
+SWAP_FLOW_DOWN(b64, 64, false, 8, __cluster_dims__(8, 1, 1))
 #endif
 #if IN_PART(10)
-SWAP_FLOW_KERNELS(b16, 16, false, 1, )
-SWAP_FLOW_KERNELS(b16, 16, false, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_DOWN, b16, 16, false)
 #endif
 #if IN_PART(11)
-SWAP_FLOW_KERNELS(b16, 16, false, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b16, 16, false, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_DOWN, b32, 32, false)
 #endif
 #if IN_PART(12)
-SWAP_FLOW_KERNELS(b32, 32, false, 1, )
-SWAP_FLOW_KERNELS(b32, 32, false, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_DOWN, b16d, 16, true)
 #endif
 #if IN_PART(13)
-SWAP_FLOW_KERNELS(b32, 32, false, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b32, 32, false, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_NORM_UP, b16, 16, false)
 #endif
 #if IN_PART(14)
-SWAP_FLOW_KERNELS(b16d, 16, true, 1, )
-SWAP_FLOW_KERNELS(b16d, 16, true, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_NORM_UP, b32, 32, false)
 #endif
 #if IN_PART(15)
-SWAP_FLOW_KERNELS(b16d, 16, true, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_KERNELS(b16d, 16, true, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_NORM_DOWN, b16, 16, false)
 #endif
 #if IN_PART(16)
-SWAP_FLOW_NORM_KERNELS(b16, 16, false, 1, )
-SWAP_FLOW_NORM_KERNELS(b16, 16, false, 2, __cluster_dims__(2, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_NORM_DOWN, b32, 32, false)
 #endif
 #if IN_PART(17)
-SWAP_FLOW_NORM_KERNELS(b16, 16, false, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_NORM_KERNELS(b16, 16, false, 8, __cluster_dims__(8, 1, 1))
-#endif
-#if IN_PART(18)
-SWAP_FLOW_NORM_KERNELS(b32, 32, false, 1, )
-SWAP_FLOW_NORM_KERNELS(b32, 32, false, 2, __cluster_dims__(2, 1, 1))
-#endif
-#if IN_PART(19)
-SWAP_FLOW_NORM_KERNELS(b32, 32, false, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_NORM_KERNELS(b32, 32, false, 8, __cluster_dims__(8, 1, 1))
-#endif
-#if IN_PART(20)
-SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 1, )
-SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 2, __cluster_dims__(2, 1, 1))
-#endif
-#if IN_PART(21)
-SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 4, __cluster_dims__(4, 1, 1))
-SWAP_FLOW_NORM_KERNELS(b16d, 16, true, 8, __cluster_dims__(8, 1, 1))
+SWAP_FLOW_SPLITS(SWAP_FLOW_NORM_DOWN, b16d, 16, true)
 #endif

@@ -7,8 +7,10 @@ Compiles each file (every part of a file compiled in parts) from the git revisio
 tree, with the options the package compiles with, and compares each entry point's SASS (its .text section in
 the cubin). A change meant to leave some kernels alone (a comment, a build added beside the others, code
 shared between builds) shows here whether it did: the kernels of the same bytes run as before, and only those
-listed as changed need the GPU's tests and timings. The cubins come from the package's kernel cache where it has
-them. Prints a line a changed, added or removed entry point, then a count of each.
+listed as changed need the GPU's tests and timings. A kernel's code can change with its neighbours in a compile
+unit: a function-local `static __shared__` variable is declared in the kernel where it alone uses it, else in the
+module, and the assembler lays out the kernel differently (gemm_swap.cu's parts_bar, when builds beside the split
+ones were removed). The cubins come from the package's kernel cache where it has them. Prints a line a changed, added or removed entry point, then a count of each.
 """
 from __future__ import annotations
 

@@ -287,9 +287,11 @@ def every_kernel_name() -> dict[str, set[str]]:
     swap = {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))
             for ks in SWAP_SPLITS for suffix in ("", "_np", "_nc")}
+    # The MLP's flow (mlp_flow): the up product never on a deep build; with the norm statistics at B = 16 and 32.
+    flow = {"_fp": [(64, False)], "_fc": [(16, False), (32, False), (64, False), (16, True)],
+            "_nc_fp": [(16, False), (32, False)], "_np_fc": [(16, False), (32, False), (16, True)]}
     swap |= {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
-             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,)) for ks in SWAP_SPLITS
-             for suffix in ("_fp", "_fc") + (("_nc_fp", "_np_fc") if B <= 32 else ())}
+             for suffix, builds in flow.items() for B, deep in builds for ks in SWAP_SPLITS}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}
@@ -377,6 +379,32 @@ def test_the_mlp_flow_runs_where_the_up_product_takes_more_than_one_wave_of_bloc
     assert swap_config(16, c8.hidden_size, c8.intermediate_size, "residual").deep
 
 
+@pytest.mark.parametrize("sms", [78, 114, 132])
+def test_every_flow_the_engine_runs_has_its_builds(sms):
+    # The engine's steps of 3-32 rows give the up product the norm statistics (and the down product the next layer's,
+    # but after the last layer), of 33-64 rows neither: mlp_flow's kernel names for each model wherever the flow runs,
+    # on GPUs of several sizes, all among gemm_swap.cu's builds, and the up product never on a deep one.
+    from tileinfer.kernels.routing import uses_mlp_flow
+    from tileinfer.model.config import PRESETS
+    builds = every_kernel_name()["gemm_swap.cu"]
+    ran = 0
+    for name, c in PRESETS.items():
+        epilogue = "silu_mul" if c.mlp == "gated_silu" else "xielu"
+        N_up = 2 * c.intermediate_size if epilogue == "silu_mul" else c.intermediate_size
+        for M in range(1, 80):
+            if not uses_mlp_flow(M, epilogue, c.hidden_size, c.intermediate_size, sms):
+                continue
+            ran += 1
+            up = swap_config(M, N_up, c.hidden_size, epilogue, sms=sms)
+            down = swap_config(M, c.hidden_size, c.intermediate_size, "residual", sms=sms)
+            assert not up.deep, f"{name} at {M} rows on {sms} SMs: the up product on a deep build"
+            up_role, down_roles = ("_nc", ("_np", "")) if M <= SWAP_BATCHES[1] else ("", ("",))
+            wanted = [up.kernel_name + up_role + "_fp"] + [down.kernel_name + r + "_fc" for r in down_roles]
+            missing = [k for k in wanted if k not in builds]
+            assert not missing, f"{name} at {M} rows on {sms} SMs launches {missing}, which gemm_swap.cu lacks"
+    assert ran
+
+
 @pytest.mark.parametrize("epilogue", ["silu_mul", "xielu"])
 @pytest.mark.parametrize("intermediate", [9728, 21504, 1000, 24])
 def test_the_flow_consumers_count_of_each_chunk_is_what_the_producer_adds(epilogue, intermediate):
@@ -411,6 +439,8 @@ def test_the_mlp_flow_names_bad_arguments():
         mlp_flow(a(2, 256), w_up, a(2, 96), w_down, a(2, 256, dtype=np.float32), "silu_mul", flags, None)
     with pytest.raises(ValueError, match="flow builds take 3-64 rows and the silu_mul or xielu epilogue"):
         mlp_flow(a(48, 256), a(96, 256), a(48, 96), w_down, a(48, 256, dtype=np.float32), "bf16", flags, None)
+    with pytest.raises(ValueError, match="at 3-32 rows the flow builds take the up product's norm statistics"):
+        mlp_flow(a(16, 256), w_up, a(16, 96), w_down, a(16, 256, dtype=np.float32), "silu_mul", flags, None)
     with pytest.raises(ValueError, match="flags"):
         mlp_flow(a(48, 256), w_up, a(48, 96), w_down, a(48, 256, dtype=np.float32), "silu_mul",
                  a(2, dtype=np.int32), None)

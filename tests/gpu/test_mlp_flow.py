@@ -5,8 +5,9 @@ instead of after the whole up product.
 The flow changes when the down product reads each chunk, not what it computes: h and the residual stream must come
 back byte for byte as from the two plain swap-AB products, and the counts zero again after every call. The shapes
 cover an up product of more than one wave of blocks (qwen3-4b's gate/up at 64 rows: 304 blocks for 264 slots, so
-that down blocks run while up blocks still do), split and unsplit producers and consumers, Apertus' xIELU, and an
-intermediate size whose last chunk is partial, and a deep consumer. Inputs are fresh random bf16 (seeded per case).
+that down blocks run while up blocks still do), split and unsplit producers and consumers, Apertus' xIELU, an
+intermediate size whose last chunk is partial, and deep consumers; at 3-32 rows with the norm statistics, as the
+engine runs them (the builds are the roles it launches). Inputs are fresh random bf16 (seeded per case).
 """
 from __future__ import annotations
 
@@ -50,12 +51,9 @@ def plain(buf, stream, x, w_up, w_down, act, old, epilogue):
     (48, 1024, 1000, "silu_mul"),   # a partial last chunk (1000 = 15 x 64 + 40) and a partial last tile
     (64, 4096, 21504, "xielu"),     # apertus-8b: up 336 blocks, one tile a chunk
     (40, 512, 200, "xielu"),        # few blocks, a partial last chunk
-    (16, 2560, 9728, "silu_mul"),   # the B = 16 builds: up 304 blocks, down split 4 ways
-    (29, 4096, 12288, "silu_mul"),  # the B = 32 builds (qwen3-8b): up 384 blocks
-    (16, 4096, 12288, "silu_mul"),  # qwen3-8b at 16 rows: the down product on a deep build (64 tiles x 2, 192 chunks)
-    (3, 1024, 3072, "silu_mul"),    # the fewest rows
 ], ids=lambda v: str(v))
 def test_the_flow_gives_the_plain_products_bytes(M, D, I, epilogue, buf, stream):
+    """At 33-64 rows (no norm statistics): h and the residual stream as from the two plain products."""
     _, x, w_up, w_down, act, old = setup(buf, M, D, I, epilogue)
     want_h, want_resid = plain(buf, stream, x, w_up, w_down, act, old, epilogue)
     flags = DeviceArray.zeros((-(-I // SWAP_BK) + 1,), np.int32)
@@ -102,6 +100,9 @@ def test_the_flow_replayed_from_a_graph_reads_each_replays_input(buf, stream):
     (5, 4096, 12288, "silu_mul", False),   # qwen3-8b's verify step (k = 4): the down product on a deep build
     (24, 512, 200, "xielu", False),        # a partial last chunk
     (16, 2560, 9728, "silu_mul", True),    # the last layer: the up product's statistics, no next layer's
+    (29, 4096, 12288, "silu_mul", False),  # the B = 32 builds (qwen3-8b): up 384 blocks
+    (16, 4096, 12288, "silu_mul", True),   # qwen3-8b's last layer at 16 rows: the plain down product on a deep build
+    (3, 1024, 3072, "silu_mul", False),    # the fewest rows
 ], ids=lambda v: str(v))
 def test_the_flow_with_the_norm_statistics_gives_the_plain_products_bytes(M, D, I, epilogue, last, buf, stream):
     """At 3-32 rows the up product scales its rows by the statistics o_proj wrote (row_norm) and the down product

@@ -321,7 +321,9 @@ def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceAr
     gemm_swap.cu's flow builds (routing.uses_mlp_flow: 3-64 rows): the down product is launched right behind the up
     product and each of its blocks waits for the chunks of h it reads, counted in flags (int32 [chunks + 1], chunks =
     ceil(I / 64) for h [M, I], all zero before the call and again after it), instead of for the up product's end.
-    row_norm (the up product's) and norm_out (the down product's) are linear's norm statistics (3-32 rows)."""
+    row_norm (the up product's) and norm_out (the down product's) are linear's norm statistics: the flow builds are
+    the roles the engine runs, so at 3-32 rows row_norm is needed (norm_out is None after the last layer) and at
+    33-64 rows neither is taken; the up product's grid must be more than a wave of blocks (routing.uses_mlp_flow)."""
     M, D = x.shape
     expect("x", x, (M, D), BF16)
     if not (M in FLOW_ROWS or M == 0) or epilogue not in FLOW_EPILOGUES:
@@ -335,10 +337,17 @@ def mlp_flow(x: DeviceArray, w_up: DeviceArray, h: DeviceArray, w_down: DeviceAr
     down_norm, down_role = swap_norm_args(M, N, I, "residual", norm_out, None)
     if (up_role or down_role) and M > SWAP_BATCHES[1]:
         raise ValueError(f"mlp_flow: the norm statistics' flow builds take at most {SWAP_BATCHES[1]} rows, got M={M}")
+    if not up_role and 0 < M <= SWAP_BATCHES[1]:
+        raise ValueError(f"mlp_flow: at 3-{SWAP_BATCHES[1]} rows the flow builds take the up product's norm "
+                         f"statistics (row_norm), as the engine's steps of those rows have them; got M={M} without")
     if M == 0:
         return
     sms = get_device().info.num_sms
     up, down = swap_config(M, N_up, D, epilogue, sms=sms), swap_config(M, N, I, "residual", sms=sms)
+    if up.deep:
+        raise ValueError(f"mlp_flow: the up product's grid ({up.grid[0] * up.grid[1]} blocks for {sms} SMs) would "
+                         f"run a deep build, which has no flow build; the flow is for up products of more blocks "
+                         f"than the GPU holds at once (routing.uses_mlp_flow)")
     kernel("gemm_swap.cu", up.kernel_name + up_role + "_fp").launch(
         up.grid, (SWAP_THREADS,), [x, w_up, h, I32(M), I32(N_up), I32(D), I32(EPILOGUES[epilogue]), *up_norm, act,
                                    flags], stream, smem=up.smem)

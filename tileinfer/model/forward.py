@@ -105,7 +105,7 @@ class Workspace:
         # next layer's attention), in steps of at most EPI_NORM_MAX_ROWS rows.
         ss_shape = (EPI_NORM_MAX_ROWS, norm_tiles(c.hidden_size))
         self.ss_post, self.ss_input = DeviceArray(ss_shape, np.float32), DeviceArray(ss_shape, np.float32)
-        # The MLP's flow at 33-64 rows (kernels.mlp_flow): the up product's count of each chunk of act it has
+        # The MLP's flow at 3-64 rows (kernels.mlp_flow): the up product's count of each chunk of act it has
         # written, and the down product's count of its finished blocks; zero between steps.
         self.flow_flags = DeviceArray.zeros((-(-c.intermediate_size // SWAP_BK) + 1,), np.int32)
         self.arrays = [self.resid, self.x, self.qkv, self.q, self.attn, self.act, self.final_x, self.part_o,
@@ -152,7 +152,7 @@ class _Views:
     slots: DeviceArray
     partials: tuple | None
     epi_norm: bool              # the residual products write the next norm's input and row statistics
-    flow_flags: DeviceArray | None  # the MLP's two products as gemm_swap.cu's flow builds (33-64 rows), their counts
+    flow_flags: DeviceArray | None  # the MLP's two products as gemm_swap.cu's flow builds (3-64 rows), their counts
     ss_post: DeviceArray | None
     ss_input: DeviceArray | None
     force: str | None           # "gemm" in batch-invariant mode: every product on the tensor-core GEMM
