@@ -185,6 +185,8 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving():
     llm = fake_llm()
     with pytest.raises(ValueError, match="prompt 1 is not valid UTF-8"):
         llm.generate(["fine", b"\xff\xfe broken"], SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match=r"prompt 1 holds a lone UTF-16 surrogate \(U\+DC00 at character 2\)"):
+        llm.generate(["fine", "ab\udc00"], SamplingParams(max_tokens=3, temperature=0))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2], [VOCAB + 5]], SamplingParams(max_tokens=3, temperature=0))
     with pytest.raises(ValueError, match="max_context"):

@@ -385,6 +385,26 @@ def test_bad_chats_are_400_naming_the_problem(served, kwargs, param, words):
     assert err["param"] == param and words in err["message"], err
 
 
+def test_a_lone_surrogate_is_400_and_the_server_serves_on(served):
+    # JSON can spell half a UTF-16 pair ("\\ud800"), which no client library sends as text (so the bodies here are
+    # written by hand) and the tokenizer refuses. Each place text is tokenized answers 400 naming it, and the
+    # engine process lives on.
+    def send(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{served.url}{path}", content=json.dumps(body).encode(), timeout=10,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    lone = "caf\ud800e"
+    chat = [{"role": "user", "content": lone}]
+    for path, body, param in (("/v1/completions", {"model": NAME, "prompt": lone, "max_tokens": 2}, "prompt"),
+                              ("/v1/chat/completions", {"model": NAME, "messages": chat, "max_tokens": 2}, "messages.0"),
+                              ("/tokenize", {"prompt": lone}, "prompt"), ("/tokenize", {"messages": chat}, "messages.0")):
+        r = send(path, body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (path, r.text)
+        assert "holds a lone UTF-16 surrogate (U+D800 at character 3)" in err["message"], (path, err)
+    pair = "caf\U0001F600"  # a character outside the BMP: a surrogate pair in JSON, one character here
+    assert served.client().completions.create(model=NAME, prompt=pair, max_tokens=2).usage.completion_tokens == 2
+
+
 def test_a_stream_closed_early_aborts_its_request(served):
     before = generated(served)
     stream = served.client().completions.create(model=NAME, prompt="Tell me a long story", max_tokens=480,
@@ -572,6 +592,39 @@ def test_serve_checks_its_arguments_before_loading(capsys, tiny_checkpoint, argv
     rc = cli.main(["serve", "--device", "cpu", "--model", str(tiny_checkpoint), *argv])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and words in err, err
+
+
+def test_a_bug_in_checking_one_request_fails_it_alone(reference, monkeypatch):
+    """The engine loop alone: where checking a request raises what no check means (a bug), that request gets
+    Failed with status 500 and nothing of it is added; the loop serves the next one."""
+    from tileinfer.server.engine_process import EngineLoop
+    from tileinfer.server.events import Added, Failed, Finished
+
+    real = reference.engine.prompt_ids
+
+    def prompt_ids(prompt, index=0):
+        if prompt == "trips a bug":
+            raise TypeError("a simulated bug")
+        return real(prompt, index)
+    monkeypatch.setattr(reference.engine, "prompt_ids", prompt_ids)
+    sent = []
+    sampling = {"max_tokens": 3, "temperature": 0}
+    commands = [("add", 0, ["Hi", "trips a bug"], sampling, False, 1), ("add", 1, ["Hi"], sampling, False, 1)]
+    try:
+        loop = EngineLoop(reference.engine, sent.append)
+        loop.run(lambda block: commands.pop(0) if commands else ("stop",) if block else None)
+    finally:
+        monkeypatch.undo()
+    events = {}
+    for message in sent:
+        for sid, evs in message[1]:
+            events.setdefault(sid, []).extend(evs)
+    failed, = events[0]
+    assert isinstance(failed, Failed) and failed.status == 500 and "TypeError: a simulated bug" in failed.message
+    assert isinstance(events[1][0], Added) and isinstance(events[1][-1], Finished)
+    want = reference.generate(["Hi"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    assert events[1][-1].output.token_ids == want
+    assert not reference.engine.has_unfinished
 
 
 def test_an_engine_failure_answers_every_request(reference, monkeypatch):

@@ -61,6 +61,8 @@ def random_schema(rng: np.random.Generator, depth: int = 0) -> dict:
     (dict(choice=[]), "choice must be a non-empty list"),
     (dict(regex=""), "regex must be a non-empty string"),
     (dict(json=3), "json is a JSON schema"),
+    (dict(regex="a\ud800"), "regex holds a lone UTF-16 surrogate (U+D800 at character 1)"),
+    (dict(choice=["yes", "\udfff"]), "choice holds a lone UTF-16 surrogate"),
 ])
 def test_a_malformed_constraint_names_the_problem(kwargs, words):
     with pytest.raises(ValueError, match="structured_outputs") as e:

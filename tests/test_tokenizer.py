@@ -95,6 +95,12 @@ def test_no_tokens_are_added_around_the_text(hf):
     assert hf.encode("hi", add_special_tokens=True).ids == hf.encode("hi", add_special_tokens=False).ids
 
 
+def test_encode_text_names_a_lone_surrogate(hf):
+    assert tok.encode_text(hf, "caf\u00e9 \U0001F600") == hf.encode("caf\u00e9 \U0001F600", add_special_tokens=False).ids
+    with pytest.raises(ValueError, match=r"the message holds a lone UTF-16 surrogate \(U\+D83D at character 1\)"):
+        tok.encode_text(hf, "a\ud83d", "the message")  # the first half of a pair, alone
+
+
 def test_decode_round_trips(hf):
     for text in varied_texts():
         assert hf.decode(hf.encode(text).ids) == unicodedata.normalize("NFC", text)

@@ -31,7 +31,7 @@ from .kv import Sequence
 from .kv.paged_cache import check_kv_quantize
 from .llm import LLM
 from .model.chat_template import render_chat
-from .model.tokenizer import CHAT_TEMPLATE
+from .model.tokenizer import CHAT_TEMPLATE, encode_text
 
 
 DEFAULT_MAX_CONTEXT = 4096  # a chat's positions when neither the caller nor an LLM says
@@ -139,7 +139,7 @@ class ChatSession:
         """The token ids of the conversation (with a generation prompt), as the next turn would see them."""
         text = render_chat(self.template, self.messages if messages is None else messages,
                            enable_thinking=enable_thinking)
-        return self.model.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_text(self.model.tokenizer, text, "the conversation")
 
     def _fit(self, messages: list[dict], max_tokens: int, enable_thinking) -> tuple[list[int], int]:
         ids = self.render(messages, enable_thinking)

@@ -27,7 +27,7 @@ from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.dflash_config import DFlashConfig
 from .model.forward import check_supported
 from .model.sharding import check_world
-from .model.tokenizer import CHAT_TEMPLATE
+from .model.tokenizer import CHAT_TEMPLATE, encode_text
 from .runner.startup import Started, start_cpu, start_gpu
 from .runner.tensor_parallel import TensorParallelGroup, TensorParallelRunner, tensor_parallel_group
 
@@ -226,7 +226,7 @@ class LLM:
 
     # ------------------------------------------------------------------ one sequence
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_text(self.tokenizer, text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

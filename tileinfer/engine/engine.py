@@ -38,6 +38,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..cuda import CudaError
 from ..kv import BlockManager
+from ..model.tokenizer import encode_text
 from ..runner.step import SamplingRow
 from ..runner.tensor_parallel import WorkerError
 from .detokenize import IncrementalDetokenizer
@@ -143,7 +144,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty: give some text or token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False).ids, prompt
+            return encode_text(self.tokenizer, prompt, f"prompt {index}"), prompt
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError(f"prompt {index} is an empty token list")

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..model.tokenizer import check_text
+
 
 @dataclass(frozen=True)
 class StructuredOutputs:
@@ -55,6 +57,10 @@ class StructuredOutputs:
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar", "choice"):  # (the grammar engine takes UTF-8)
+            value = getattr(self, name)
+            for text in [value] if isinstance(value, str) else value or ():
+                check_text(text, f"structured_outputs.{name}")
 
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar."""

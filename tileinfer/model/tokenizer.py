@@ -177,6 +177,23 @@ def load_tokenizer(directory: str | Path) -> tokenizers.Tokenizer:
         raise ValueError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
 
 
+def check_text(text: str, what: str) -> None:
+    """ValueError, naming `what`, for a string that is not Unicode text: one holding a lone UTF-16 surrogate,
+    which JSON can spell ("\\ud800") and the tokenizer refuses."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at character "
+                         f"{e.start}), which is not text: send valid Unicode (a surrogate pair is one character)"
+                         ) from None
+
+
+def encode_text(tokenizer: tokenizers.Tokenizer, text: str, what: str = "the prompt") -> list[int]:
+    """The token ids of `text` (no special tokens added); check_text's ValueError for what is not text."""
+    check_text(text, what)
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def tokenizer_config(model_max_length: int) -> dict:
     """tokenizer_config.json for a Qwen3 checkpoint: special tokens, chat template, tokenizer class."""
     added = {

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kv import Sequence
+from ..model.tokenizer import encode_text
 
 
 class CheckpointRunner:
@@ -34,7 +35,7 @@ class CheckpointRunner:
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return encode_text(self.tokenizer, text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..model.chat_template import render_chat
+from ..model.tokenizer import encode_text
 from .engine_client import EngineClient, Submission
 from .events import Added, Busy, Failed, Finished, Rejected, is_delta
 from .lifecycle import Lifecycle
@@ -98,7 +99,10 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
                 raise APIError(400, str(e), param="messages") from None
         else:
             text = body.prompt
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = encode_text(tokenizer, text, "messages" if body.messages is not None else "prompt")
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages" if body.messages is not None else "prompt") from None
         return {"count": len(ids), "max_model_len": max_context, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth)
@@ -251,7 +255,7 @@ async def _start(engine: EngineClient, prompts: list, sampling: dict, stream: bo
     if isinstance(event, Busy):
         raise APIError(503, event.message, type="server_error", code="server_busy")
     if isinstance(event, Failed):
-        raise APIError(503, event.message, type="server_error")
+        raise APIError(event.status, event.message, type="server_error")
     assert isinstance(event, Added), event
     sub.prompt_tokens = event.prompt_tokens
     return sub

@@ -142,6 +142,11 @@ class EngineLoop:
         except ValueError as e:
             self._say(sid, Rejected(str(e), _param_of(str(e))))
             return
+        except Exception as e:  # noqa: BLE001 - a bug in checking this request: it alone fails (nothing was added)
+            log.exception("checking a request failed")
+            self._say(sid, Failed(f"the server failed on this request ({type(e).__name__}: {e}); its log has the "
+                                  f"details", status=500))
+            return
         for index, req in enumerate(requests):
             self.engine.add(req, stream=stream)
             self._live[req.request_id] = (req, sid, stream, index)

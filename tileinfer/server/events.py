@@ -8,8 +8,9 @@ hands them to the request's handler, app.py reads them):
                                      (text is what is safe to show; token -1: text held back until the end,
                                      by stop strings, with no token of its own; logprobs: the token's entry);
     Finished(index, output)          once per choice: the engine's RequestOutput;
-    Failed(message)                  last, when the engine itself stopped (a CUDA error, a bug), or the
-                                     server is shutting down (first and last for a request it refused).
+    Failed(message, status)          last, when the engine itself stopped (a CUDA error, a bug), or the
+                                     server is shutting down (first and last for a request it refused), or
+                                     first and last when checking the request failed on a bug (status 500).
 
 A Delta is a plain tuple: a step of 256 streams pipes 256 of them, and pickle writes and reads tuples about
 ten times faster than dataclasses. Choice index = prompt number x n + choice number (OpenAI's order).
@@ -49,6 +50,7 @@ class Finished:
 @dataclass(frozen=True, slots=True)
 class Failed:
     message: str
+    status: int = 503  # the handler's answer before the request was taken: 500 for a bug on this request alone
 
 
 def is_delta(event) -> bool:

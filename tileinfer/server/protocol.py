@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.structured import StructuredOutputs
+from ..model.tokenizer import check_text
 
 
 MAX_N = 16          # choices per prompt
@@ -243,6 +244,9 @@ class ChatMessage(BaseModel):
             raise ValueError("tool_calls belong to assistant messages")
         if self.role == "tool" and self.content is None:
             raise ValueError("a tool message needs content (the tool's result)")
+        parts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or ()]
+        for text in (*parts, self.reasoning_content or ""):
+            check_text(text, "the content")
         return self
 
     def as_template_dict(self) -> dict:
