@@ -316,6 +316,9 @@ def test_a_non_streaming_client_that_goes_away_aborts_its_request(served):
     (dict(logit_bias={"999999999": 1}), "logit_bias", "outside the vocabulary"),
     (dict(suffix=" the end"), "suffix", "suffix (text to follow the completion"),
     (dict(best_of=3, n=2), "best_of", "best_of=3 (keeping the best"),
+    (dict(extra_body={"allowed_token_ids": [5, 6]}), "allowed_token_ids", "allowed_token_ids (sampling only from a "
+                                                                          "set of tokens) is not supported"),
+    (dict(extra_body={"prompt_logprobs": 0}), "prompt_logprobs", "prompt_logprobs (the prompt's log-probabilities)"),
 ])
 def test_bad_completions_are_400_naming_the_problem(served, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -327,7 +330,9 @@ def test_bad_completions_are_400_naming_the_problem(served, kwargs, param, words
 
 def test_what_is_refused_when_it_asks_for_something_is_taken_when_it_asks_for_nothing(served, reference):
     r = served.client().completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0, logit_bias={},
-                                           suffix="", best_of=2, n=2)
+                                           suffix="", best_of=2, n=2,
+                                           extra_body={"bad_words": [], "allowed_token_ids": None,
+                                                       "use_beam_search": False})
     assert [c.text for c in r.choices] == [greedy(reference, "Hi", 3)] * 2
 
 
@@ -376,6 +381,7 @@ def test_malformed_chat_bodies_and_keys(served):
      "the chat template failed to render: TypeError"),
     (dict(extra_body={"chat_template_kwargs": {"messages": []}}), "chat_template_kwargs", "cannot set messages"),
     (dict(max_completion_tokens=0), "max_completion_tokens", "max_tokens must be an integer >= 1"),
+    (dict(extra_body={"bad_words": ["Paris"]}), "bad_words", "bad_words (banning words from the output) is not"),
 ])
 def test_bad_chats_are_400_naming_the_problem(served, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:

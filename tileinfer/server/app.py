@@ -124,8 +124,8 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
-        _note_ignored(body, "/v1/completions")
         body.refuse_unsupported()
+        _note_ignored(body, "/v1/completions")
         prompts = body.prompts()
         sampling = body.sampling(body.max_tokens, body.logprobs)
         sub = await _start(engine, prompts, sampling, body.stream, body.n, request.scope[ARRIVAL],
@@ -145,6 +145,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, served_model_name)
+        body.refuse_unhonoured()
         _note_ignored(body, "/v1/chat/completions")
         try:
             prompt = render_chat(template, [m.as_template_dict() for m in body.messages], **body.template_variables())

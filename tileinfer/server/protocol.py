@@ -62,6 +62,18 @@ class GuidedFields(BaseModel):
     json_object: bool | None = None
 
 
+# vLLM's fields that would change the output, which this server does not implement: asking for one (a value other
+# than null, false or empty) is a 400 (refuse_unhonoured), not a request run as if it had not been asked; other
+# unknown fields are ignored, with a log line.
+UNHONOURED = {
+    "allowed_token_ids": "sampling only from a set of tokens",
+    "bad_words": "banning words from the output",
+    "prompt_logprobs": "the prompt's log-probabilities",
+    "truncate_prompt_tokens": "truncating the prompt",
+    "use_beam_search": "beam search",
+}
+
+
 class _Sampling(BaseModel):
     """What completions and chat share. Unknown top-level fields are kept aside (`ignored`)."""
     model_config = ConfigDict(extra="allow")
@@ -146,6 +158,14 @@ class _Sampling(BaseModel):
         """The body's fields this server does not know (it ignores them)."""
         return sorted(self.model_extra or {})
 
+    def refuse_unhonoured(self) -> None:
+        """APIError for a field of UNHONOURED that asks for something."""
+        for name, what in UNHONOURED.items():
+            value = (self.model_extra or {}).get(name)
+            if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+                continue
+            raise APIError(400, f"{name} ({what}) is not supported by this server", param=name)
+
     def token_bias(self) -> dict[int, float] | None:
         """logit_bias with its keys as token ids; APIError naming a key that is not one."""
         if not self.logit_bias:
@@ -187,6 +207,7 @@ class CompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         """APIError for a field this server knows but does not honour, when it asks for something."""
+        self.refuse_unhonoured()
         if self.suffix:
             raise APIError(400, "suffix (text to follow the completion, for insertion) is not supported by this "
                                 "server", param="suffix")
