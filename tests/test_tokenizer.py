@@ -99,6 +99,9 @@ def test_encode_text_names_a_lone_surrogate(hf):
     assert tok.encode_text(hf, "caf\u00e9 \U0001F600") == hf.encode("caf\u00e9 \U0001F600", add_special_tokens=False).ids
     with pytest.raises(ValueError, match=r"the message holds a lone UTF-16 surrogate \(U\+D83D at character 1\)"):
         tok.encode_text(hf, "a\ud83d", "the message")  # the first half of a pair, alone
+    argv = b"caf\xff".decode("utf-8", "surrogateescape")  # how Python reads a command line that is not UTF-8
+    with pytest.raises(ValueError, match=r"U\+DCFF at character 3 or the byte 0xFF, not UTF-8"):
+        tok.encode_text(hf, argv)
 
 
 def test_decode_round_trips(hf):

@@ -183,9 +183,11 @@ def check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at character "
-                         f"{e.start}), which is not text: send valid Unicode (a surrogate pair is one character)"
-                         ) from None
+        code = ord(text[e.start])
+        # Python reads a byte that is not UTF-8 (in a command line, say) as U+DC80..U+DCFF
+        byte = f" or the byte 0x{code - 0xDC00:02X}, not UTF-8, as Python reads it" if 0xDC80 <= code <= 0xDCFF else ""
+        raise ValueError(f"{what} holds a lone UTF-16 surrogate (U+{code:04X} at character {e.start}{byte}), which "
+                         f"is not text: send valid Unicode (a surrogate pair is one character)") from None
 
 
 def encode_text(tokenizer: tokenizers.Tokenizer, text: str, what: str = "the prompt") -> list[int]:
