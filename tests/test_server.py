@@ -259,6 +259,28 @@ def test_streamed_logprobs_equal_the_whole_ones(served):
     assert streamed == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content])
 
 
+def test_logprobs_of_tokens_a_constraint_rules_out_are_the_floor_not_infinity(served):
+    # A choice of one word allows a few tokens first: the other alternatives asked for have probability 0, whose
+    # logprob (-inf) JSON cannot carry. They come as -9999.0 (as vLLM's server sends them), streamed or not.
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a response: not JSON"))
+    body = {"model": NAME, "prompt": "Answer:", "max_tokens": 4, "temperature": 0, "logprobs": 5,
+            "structured_outputs": {"choice": ["yes"]}}
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    logprobs = strict(r.text)["choices"][0]["logprobs"]
+    values = [lp for top in logprobs["top_logprobs"] for lp in top.values()]
+    assert -9999.0 in values and min(values) == -9999.0
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=30, json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                                        "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 5,
+                                        "structured_outputs": {"choice": ["yes"]}}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    values = [t["logprob"] for line in lines for c in strict(line)["choices"] if c["logprobs"]
+              for e in c["logprobs"]["content"] for t in e["top_logprobs"]]
+    assert lines and -9999.0 in values and min(values) == -9999.0
+
+
 def test_tool_messages_are_rendered_by_the_template(served, reference):
     tools = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city",
                                                "parameters": {"type": "object",

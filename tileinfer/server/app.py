@@ -544,9 +544,17 @@ def _pairs(out) -> list[tuple[int, dict[int, float]]]:
     return list(zip(out.token_ids, out.logprobs or []))
 
 
+LOGPROB_FLOOR = -9999.0  # a logprob of -inf (a token a constraint or top-k/top-p rules out) as JSON says it, as vLLM
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token of probability 0 is given LOGPROB_FLOOR."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     """The n most likely tokens (the engine's entry lists them first, then the sampled one if it is not among them)."""
-    return list(entry.items())[:n]
+    return [(token, _finite(logprob)) for token, logprob in list(entry.items())[:n]]
 
 
 def _completion_logprobs(pairs, tokenizer, n: int, at: int = 0) -> tuple[dict, int]:
@@ -555,7 +563,7 @@ def _completion_logprobs(pairs, tokenizer, n: int, at: int = 0) -> tuple[dict, i
     for token, entry in pairs:
         text = tokenizer.decode([token], skip_special_tokens=False)
         tokens.append(text)
-        token_logprobs.append(entry[token])
+        token_logprobs.append(_finite(entry[token]))
         top_logprobs.append({tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in _top(entry, n)})
         offsets.append(at)
         at += len(text)
@@ -566,7 +574,7 @@ def _completion_logprobs(pairs, tokenizer, n: int, at: int = 0) -> tuple[dict, i
 def _chat_logprobs(pairs, tokenizer, n: int) -> dict:
     def item(token: int, logprob: float) -> dict:
         text = tokenizer.decode([token], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     return {"content": [{**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, n)]}
                         for token, entry in pairs]}
