@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import random
 import signal
 import socket
 import struct
@@ -431,6 +432,77 @@ def test_a_lone_surrogate_is_400_and_the_server_serves_on(served):
         assert "holds a lone UTF-16 surrogate (U+D800 at character 3)" in err["message"], (path, err)
     pair = "caf\U0001F600"  # a character outside the BMP: a surrogate pair in JSON, one character here
     assert served.client().completions.create(model=NAME, prompt=pair, max_tokens=2).usage.completion_tokens == 2
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def random_body(rng: random.Random) -> tuple[str, dict]:
+    """A request of random options, most of them valid together: (path, body)."""
+    body = {"model": NAME, "max_tokens": rng.randint(1, 40), "temperature": rng.choice([0, 0.7, 2.0]),
+            "n": rng.choice([1, 1, 2, 3]), "stream": rng.random() < 0.5}
+    options = {"top_k": lambda: rng.choice([-1, 1, 50]), "min_p": lambda: rng.choice([0, 0.2]),
+               "top_p": lambda: rng.choice([0.2, 1]), "presence_penalty": lambda: rng.uniform(-2, 2),
+               "frequency_penalty": lambda: rng.uniform(-2, 2), "repetition_penalty": lambda: rng.uniform(0.5, 2),
+               "logit_bias": lambda: {str(rng.randint(0, 300)): rng.uniform(-100, 100)},
+               "seed": lambda: rng.randint(0, 2**63), "min_tokens": lambda: rng.randint(0, body["max_tokens"]),
+               "ignore_eos": lambda: True, "stop": lambda: [rng.choice(["e", "\n", ".", "}"])],
+               "stop_token_ids": lambda: [rng.randint(0, 300)]}
+    body.update({k: make() for k, make in options.items() if rng.random() < 0.15})
+    constraint = rng.random()
+    if constraint < 0.15:
+        body["response_format"] = {"type": "json_object"}
+    elif constraint < 0.25:
+        body["structured_outputs"] = {"choice": ["red", "green", "blue"]}
+    elif constraint < 0.3:
+        body["max_tokens"] = MAX_CONTEXT  # with the prompt, longer than the context: a 400
+    if body["stream"] and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.5:
+        body["prompt"] = rng.choice(["Hello", [1, 2, 3], ["a", "b c"], "x " * rng.randint(1, 60)])
+        body["logprobs"] = rng.choice([None, 0, 5])
+        return "/v1/completions", body
+    body["messages"] = [{"role": "user", "content": rng.choice(["hi", "weather in Paris?", "a story"])}]
+    if rng.random() < 0.5:
+        body.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+    if rng.random() < 0.25 and constraint >= 0.25:
+        body.update(tools=[TOOL], tool_choice=rng.choice(["auto", "required", "none"]))
+    return "/v1/chat/completions", body
+
+
+def test_random_requests_get_an_answer_or_a_400_and_leave_the_pool_free(served):
+    # Seeded random mixes of the options (sampling, penalties, stops, constraints, logprobs, tools, n, streaming)
+    # from three clients at once: every answer is 200 or a 400 naming the problem, every body and event strict
+    # JSON (no NaN or Infinity), every stream ends in [DONE], and afterwards no page is held.
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a response: not JSON"))
+
+    def client(seed: int) -> list[str]:
+        rng, seen = random.Random(seed), []
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            for _ in range(12):
+                path, body = random_body(rng)
+                with c.stream("POST", f"{served.url}{path}", json=body) as r:
+                    text = "".join(r.iter_text())
+                assert r.status_code in (200, 400), (r.status_code, text, body)
+                if r.status_code == 400:
+                    assert strict(text)["error"]["message"], (text, body)
+                elif body["stream"]:
+                    events = [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
+                    assert events[-1] == "[DONE]", (text[-300:], body)
+                    for event in events[:-1]:
+                        assert "error" not in strict(event), (event, body)
+                else:
+                    assert len(strict(text)["choices"]) == body["n"] * (len(body["prompt"]) if isinstance(
+                        body.get("prompt"), list) and isinstance(body["prompt"][0], str) else 1), (text, body)
+                seen.append(f"{path} {r.status_code}")
+        return seen
+
+    with ThreadPoolExecutor(3) as pool:
+        seen = sum(pool.map(client, range(3)), [])
+    assert any("400" in s for s in seen) and sum("200" in s for s in seen) > len(seen) // 2, seen
+    wait_for(served.idle, 30, "every request ending and its pages coming back")
 
 
 def test_a_stream_closed_early_aborts_its_request(served):
