@@ -544,7 +544,7 @@ def _pairs(out) -> list[tuple[int, dict[int, float]]]:
     return list(zip(out.token_ids, out.logprobs or []))
 
 
-LOGPROB_FLOOR = -9999.0  # a logprob of -inf (a token a constraint or top-k/top-p rules out) as JSON says it, as vLLM
+LOGPROB_FLOOR = -9999.0  # what a response says for a logprob of -inf (a token of probability 0), as vLLM's does
 
 
 def _finite(logprob: float) -> float:

@@ -266,8 +266,8 @@ class ChatMessage(BaseModel):
         if self.role == "tool" and self.content is None:
             raise ValueError("a tool message needs content (the tool's result)")
         parts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or ()]
-        for text in (*parts, self.reasoning_content or ""):
-            check_text(text, "the content")
+        for name, text in (*(("content", t) for t in parts), ("reasoning_content", self.reasoning_content or "")):
+            check_text(text, f"its {name}")
         return self
 
     def as_template_dict(self) -> dict:
