@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which kernels' machine code a change to cuda_src/ changes, on any machine (NVRTC alone, no GPU).
 
-    python3 scripts/sass_diff.py BASE [--files gemm_swap.cu,gemm_tma.cu] [--arch sm_90a]
+    python3 scripts/sass_diff.py BASE [--files gemm_swap.cu,gemm_tma.cu] [--arch sm_90a] [--timings]
 
 Compiles each file (every part of a file compiled in parts) from the git revision BASE and from the working
 tree, with the options the package compiles with, and compares each entry point's SASS (its .text section in
@@ -10,15 +10,20 @@ shared between builds) shows here whether it did: the kernels of the same bytes 
 listed as changed need the GPU's tests and timings. A kernel's code can change with its neighbours in a compile
 unit: a function-local `static __shared__` variable is declared in the kernel where it alone uses it, else in the
 module, and the assembler lays out the kernel differently (gemm_swap.cu's parts_bar, when builds beside the split
-ones were removed). The cubins come from the package's kernel cache where it has them. Prints a line a changed, added or removed entry point, then a count of each.
+ones were removed). The cubins come from the package's kernel cache where it has them. Prints a line a changed,
+added or removed entry point, then a count of each. --timings: every unit compiled afresh (an empty cache), one
+at a time, and each file's NVRTC seconds and cubin bytes, summed over its units, for both trees (what a change
+costs a cold start's compiles).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -42,16 +47,38 @@ def text_sections(cubin: bytes) -> dict[str, bytes]:
     return out
 
 
-def _compile(src_dir: str, filename: str, defines, arch: str) -> bytes:
+def _compile(src_dir: str, filename: str, defines, arch: str) -> tuple[bytes, float]:
+    """The unit's cubin and the seconds its compile (or its cache's read) took."""
     source = (Path(src_dir) / filename).read_text()
-    return compile_source(filename, source, arch, defines, Path(src_dir))
+    start = time.perf_counter()
+    cubin = compile_source(filename, source, arch, defines, Path(src_dir))
+    return cubin, time.perf_counter() - start
 
 
-def kernels(src_dir: Path, files: list[str], arch: str, pool: ProcessPoolExecutor) -> dict[tuple[str, str], bytes]:
-    """(file, entry point) -> SASS for `files` of src_dir, every part compiled."""
+def units(src_dir: Path, files: list[str], arch: str, pool) -> dict[tuple[str, int], tuple[bytes, float]]:
+    """(file, part) -> (cubin, seconds) for `files` of src_dir, every part compiled."""
     jobs = {(f, i): pool.submit(_compile, str(src_dir), f, d, arch)
             for f in files if (src_dir / f).is_file() for i, d in enumerate(part_defines(f, src_dir))}
-    return {(f, name): text for (f, _), job in jobs.items() for name, text in text_sections(job.result()).items()}
+    return {key: job.result() for key, job in jobs.items()}
+
+
+def sections(compiled: dict[tuple[str, int], tuple[bytes, float]]) -> dict[tuple[str, str], bytes]:
+    """(file, entry point) -> SASS of units' cubins."""
+    return {(f, name): text for (f, _), (cubin, _) in compiled.items() for name, text in text_sections(cubin).items()}
+
+
+def kernels(src_dir: Path, files: list[str], arch: str, pool) -> dict[tuple[str, str], bytes]:
+    """(file, entry point) -> SASS for `files` of src_dir, every part compiled."""
+    return sections(units(src_dir, files, arch, pool))
+
+
+def costs(compiled: dict[tuple[str, int], tuple[bytes, float]]) -> dict[str, tuple[int, float, int]]:
+    """file -> (units, NVRTC seconds summed, cubin bytes summed)."""
+    out: dict[str, tuple[int, float, int]] = {}
+    for (f, _), (cubin, seconds) in compiled.items():
+        n, t, b = out.get(f, (0, 0.0, 0))
+        out[f] = (n + 1, t + seconds, b + len(cubin))
+    return out
 
 
 def compare(base: dict, tree: dict) -> dict[str, list[tuple[str, str]]]:
@@ -75,21 +102,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("base", help="the git revision to compare the working tree's cuda_src/ with")
     p.add_argument("--files", default="", help="kernel files, comma-separated (default: every one)")
     p.add_argument("--arch", default="sm_90a", help="the architecture compiled for (sm_90a: the wgmma builds)")
+    p.add_argument("--timings", action="store_true",
+                   help="compile every unit afresh, one at a time, and print each file's NVRTC seconds and bytes")
     args = p.parse_args(argv)
     here = cuda_src_dir()
     files = [f for f in args.files.split(",") if f] or sorted(q.name for q in here.glob("*.cu"))
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor() as pool:
-        base_dir = Path(tmp)
+    with tempfile.TemporaryDirectory() as tmp:
+        base_dir, cache = Path(tmp) / "base", Path(tmp) / "cache"
+        base_dir.mkdir()
         try:
             checkout_sources(args.base, base_dir)
         except subprocess.CalledProcessError as e:
             print(f"sass_diff: no cuda_src/ at {args.base!r} in this git checkout ({e.stderr.strip()})",
                   file=sys.stderr)
             return 2
-        result = compare(kernels(base_dir, files, args.arch, pool), kernels(here, files, args.arch, pool))
+        saved = os.environ.get("TILEINFER_CACHE")
+        if args.timings:  # (the pool's worker, started below, inherits it)
+            os.environ["TILEINFER_CACHE"] = str(cache)
+        try:
+            with ProcessPoolExecutor(1 if args.timings else None) as pool:
+                base, tree = units(base_dir, files, args.arch, pool), units(here, files, args.arch, pool)
+        finally:
+            if saved is None:
+                os.environ.pop("TILEINFER_CACHE", None)
+            else:
+                os.environ["TILEINFER_CACHE"] = saved
+    result = compare(sections(base), sections(tree))
     for kind in ("changed", "added", "removed"):
         for f, name in result[kind]:
             print(f"{kind:8s} {f}: {name}")
+    if args.timings:
+        before, after = costs(base), costs(tree)
+        for f in sorted(before.keys() | after.keys()):
+            (n0, t0, b0), (n1, t1, b1) = before.get(f, (0, 0.0, 0)), after.get(f, (0, 0.0, 0))
+            print(f"compiles {f}: {n0} units, {t0:.2f} s, {b0:,} bytes at {args.base}; {n1} units, {t1:.2f} s, "
+                  f"{b1:,} bytes in the working tree")
     print(", ".join(f"{len(result[k])} {k}" for k in ("same", "changed", "added", "removed")) +
           f" ({args.arch}, against {args.base})")
     return 0

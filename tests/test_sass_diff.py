@@ -50,3 +50,14 @@ def test_a_cubin_is_read_as_an_elf_image_or_refused():
 def test_a_revision_without_cuda_src_is_named(capsys):
     assert sass_diff.main(["no-such-revision-anywhere", "--files", "rmsnorm.cu"]) == 2
     assert "no cuda_src/ at 'no-such-revision-anywhere'" in capsys.readouterr().err
+
+
+def test_timings_compile_both_trees_afresh_and_name_each_files_cost(capsys, monkeypatch, tmp_path):
+    import os
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path / "kept"))
+    assert sass_diff.main(["HEAD", "--files", "rmsnorm.cu", "--arch", "sm_90", "--timings"]) == 0
+    out = capsys.readouterr().out
+    line, = [x for x in out.splitlines() if x.startswith("compiles rmsnorm.cu: 1 units, ")]
+    assert line.count(" 1 units, ") == 2 and "bytes at HEAD" in line and "bytes in the working tree" in line
+    assert os.environ["TILEINFER_CACHE"] == str(tmp_path / "kept")  # put back
+    assert not (tmp_path / "kept").exists()  # the compiles went to a cache of their own
