@@ -99,10 +99,11 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
                 raise APIError(400, str(e), param="messages") from None
         else:
             text = body.prompt
+        field = "messages" if body.messages is not None else "prompt"
         try:
-            ids = encode_text(tokenizer, text, "messages" if body.messages is not None else "prompt")
+            ids = encode_text(tokenizer, text, field)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages" if body.messages is not None else "prompt") from None
+            raise APIError(400, str(e), param=field) from None
         return {"count": len(ids), "max_model_len": max_context, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth)
