@@ -3,7 +3,7 @@
 #   source scripts/install_wheels.sh
 #
 # installs the wheels carried in .whl/ (fetched where a registry is reachable: python3 -m pip download --no-deps
-# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ... -d .whl NAME==VERSION) that the
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64 ... -d .whl NAME==VERSION) that the
 # machine lacks, or has in a version another carried wheel does not accept, into /tmp/site, puts that on
 # PYTHONPATH (the machine's own copies are not shadowed otherwise), then the checkout itself (pip install -e:
 # nothing is downloaded). A second run installs no wheel. Returns 1 (the caller's `|| exit 1`) on failure.
