@@ -14,7 +14,9 @@ python3 -c 'import time; t = time.perf_counter(); import tileinfer; t = time.per
 import numpy, ml_dtypes, tokenizers
 print(f"gpu_check imports: numpy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}, tokenizers "
       f"{tokenizers.__version__}; import tileinfer {t:.2f} s")'
-python3 -m pytest tests -q -rs -p no:cacheprovider --durations=25 "$@" 2>&1 | tee "$log"
+python3 -m pytest tests -q -rfEs -p no:cacheprovider --durations=25 "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
-echo "gpu_check summary (${gpu:-no GPU found}): $(grep -E '(passed|failed|error|skipped)' "$log" | tail -n 1)"
+# pytest's last line of counts ("3 failed, 1312 passed, ... in 372.10s"); a second -q (-qq) leaves it out.
+counts=$(grep -E '^(=+ )?([0-9]+ (passed|failed|skipped|deselected|errors?)|no tests ran)' "$log" | tail -n 1)
+echo "gpu_check summary (${gpu:-no GPU found}): ${counts:-no line of counts in the log (was -q given again?)}"
 exit "$rc"
