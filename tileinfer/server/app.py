@@ -92,14 +92,14 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     async def tokenize(body: TokenizeRequest):
         _check_model(body.model, served_model_name)
         if body.messages is not None:
+            field = "messages"
             try:
                 text = render_chat(template, [m.as_template_dict() for m in body.messages],
                                    add_generation_prompt=body.add_generation_prompt)
             except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
+                raise APIError(400, str(e), param=field) from None
         else:
-            text = body.prompt
-        field = "messages" if body.messages is not None else "prompt"
+            field, text = "prompt", body.prompt
         try:
             ids = encode_text(tokenizer, text, field)
         except ValueError as e:

@@ -265,9 +265,10 @@ class ChatMessage(BaseModel):
             raise ValueError("tool_calls belong to assistant messages")
         if self.role == "tool" and self.content is None:
             raise ValueError("a tool message needs content (the tool's result)")
-        parts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or ()]
-        for name, text in (*(("content", t) for t in parts), ("reasoning_content", self.reasoning_content or "")):
-            check_text(text, f"its {name}")
+        for text in [self.content] if isinstance(self.content, str) else [p.text for p in self.content or ()]:
+            check_text(text, "its content")
+        if self.reasoning_content:
+            check_text(self.reasoning_content, "its reasoning_content")
         return self
 
     def as_template_dict(self) -> dict:
