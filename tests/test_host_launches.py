@@ -76,3 +76,26 @@ def test_the_digest_names_a_pointer_by_its_allocation_and_tells_offsets_apart():
     a, b, c = (r.call(cuda_driver.driver.cuMemAlloc, n) for n in (100, 200, 100))
     assert r.where(a) == b"<100 bytes #0 +0>" and r.where(c + 8) == b"<100 bytes #1 +8>" and r.where(b) != r.where(a)
     assert r.where(a + 100) is None and r.where(a - 1) is None  # past its end (its page padding), before the first
+
+
+def test_a_step_whose_rows_read_each_others_new_keys_stores_them_before_attention():
+    # A DFlash block pass (runner/step.py token_rows_shape): 16 one-token sequences, but the block tokens of a
+    # request attend to each other's new keys. Its attention must not store them itself (the fused input, which a
+    # decode step of 16 sequences takes): another block of the launch could read a key before it is stored.
+    from tileinfer.model import forward as F
+    from tileinfer.model.inputs import StepShape
+    from tileinfer.runner.step import token_rows_shape
+    h = load()
+
+    def attention_launches(shape):
+        with h.recording() as recorder:
+            weights, ws, cache, inputs = h.step_objects("tiny", 16, 16)
+            F.forward(weights, ws, cache, inputs, shape, all_logits=True, num_splits=2, stream=h._Stream())
+        names = [launch[0] for launch in recorder.launches]
+        return [n for n in names if n.startswith(("attention", "attn_input"))]
+
+    decode = attention_launches(StepShape(num_tokens=16, num_seqs=16, max_q_len=1))
+    assert decode and all(n.endswith("_fused") or n == "attention_combine" for n in decode), decode
+    block = attention_launches(token_rows_shape(16))
+    assert block.count("attn_input") == 2 and not any(n.endswith("_fused") for n in block), block
+    assert block.index("attn_input") < min(i for i, n in enumerate(block) if n.startswith("attention_decode"))

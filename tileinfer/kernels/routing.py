@@ -26,6 +26,7 @@ HALF_ROWS = 8
 # group's queries and its head's new key and value while its first tiles load, and attn_input's launch and wait
 # go. On the H200 (scripts/bench.py --batches 16,64,144,256, qwen3-0.6b and qwen3-4b) fusing gained 0.6-7% at
 # 16 and 64 sequences and lost 0.4-2.3% at 144 and 256 (with or without the persistent decode build beside it).
+# Never where a step's rows read each other's new keys (model/inputs.py StepShape.rows_share_keys).
 FUSED_MIN_SPLITS = 16
 FUSED_MIN_SEQS = 8
 FUSED_MAX_SEQS = 64

@@ -17,6 +17,11 @@ class StepShape:
     num_tokens: int     # rows of the step (sum of the sequences' new tokens, padding included)
     num_seqs: int       # sequences (padding included)
     max_q_len: int      # most new tokens of any one sequence
+    # The rows of one request read each other's new keys (a DFlash block pass, runner/step.py token_rows_shape:
+    # every block token is a sequence of its own over the request's shared block table). Each layer then stores
+    # all new keys and values (attn_input) before attention reads them: an attention launch that stores its own
+    # row's key (the fused input) would race with the launch's other blocks reading it.
+    rows_share_keys: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,11 +45,10 @@ from ..kv.paged_cache import cdiv
 from ..model.checkpoint import Checkpoint
 from ..model.dflash_config import DFlashConfig
 from ..model.forward import BF16, Workspace, check_supported, forward
-from ..model.inputs import StepShape
 from ..model.weights import DeviceWeights
 from .base import AheadRow, ContextRow, DeviceDrafts, DraftRow, Proposals
 from .gpu import KEY_TILE, GPURunner, attention_splits
-from .step import StepBuffers, prepare_token_rows
+from .step import StepBuffers, prepare_token_rows, token_rows_shape
 
 CONTEXT_TOKENS = 512        # context entries a chunk of the context pass takes (its workspace rows)
 DRAFT_TOKENS = 128          # block tokens a group of the block pass takes (its logits rows)
@@ -393,7 +392,7 @@ class GPUDFlashRunner:
     def _enqueue_block(self, n: int, stream) -> None:
         """A block pass of n tokens (rows 0..n of the step inputs) and each logits row's argmax."""
         logits = forward(self.weights, self.workspace, self.cache, self.steps.inputs,
-                         StepShape(num_tokens=n, num_seqs=n, max_q_len=1), all_logits=True,
+                         token_rows_shape(n), all_logits=True,
                          num_splits=self._block_splits(n), stream=stream)
         K.argmax(logits, self.workspace.logit_argmax.rows(0, n), stream)
 

@@ -303,7 +303,13 @@ def prepare_token_rows(buffers: StepBuffers, groups, tokens, positions, slots, k
         at += count
     if at != n:
         raise ValueError(f"prepare_token_rows: groups of {at} tokens for {n} tokens")
-    return StepShape(num_tokens=n, num_seqs=n, max_q_len=1)
+    return token_rows_shape(n)
+
+
+def token_rows_shape(n: int) -> StepShape:
+    """The shape of prepare_token_rows' step of n tokens: n one-token sequences whose block tokens read each
+    other's new keys."""
+    return StepShape(num_tokens=n, num_seqs=n, max_q_len=1, rows_share_keys=True)
 
 
 @dataclass
