@@ -98,12 +98,13 @@ def imported_from(name: str) -> Path:
 
 def figures(text: str, units: tuple[str, ...]) -> list[tuple[str, float]]:
     """(label, value) for the first figure of each line that has one: a number (thousands commas allowed)
-    followed by a unit; the label is the line's text before the number, its spaces collapsed."""
+    followed by a unit; the label is the line's text before the number, its spaces collapsed. Markdown table
+    rows are passed over: their cells carry no units, and a header's unit ("% of 790 TFLOP/s") is no figure."""
     unit = "|".join(re.escape(u) for u in sorted(units, key=len, reverse=True))
     pattern = re.compile(rf"(?<![\w.])(\d[\d,]*(?:\.\d+)?) ?(?:{unit})(?!\w)")
     out = []
     for line in text.splitlines():
-        m = pattern.search(line)
+        m = None if line.lstrip().startswith("|") else pattern.search(line)
         if m:
             out.append((" ".join(line[:m.start()].split()), float(m.group(1).replace(",", ""))))
     return out

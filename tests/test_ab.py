@@ -27,6 +27,7 @@ def test_figures_from_benchmark_lines():
         "qwen3-0.6b: offline 26454 output tok/s (256 requests, 5.6 s)",
         "qwen3-4b: prefill 4096 tokens 61234 tok/s (557.3 TFLOP/s)",
         "qwen3-0.6b: batch 64 decode 30,600 tok/s in total",
+        "| model | prompt tokens | prefill tok/s | TFLOP/s | % of 790 TFLOP/s |",
     ])
     found = ab.figures(text, ab.UNITS)
     assert found == [("qwen3-0.6b: batch 64 decode", 30677.0), ("qwen3-0.6b: offline", 26454.0),
