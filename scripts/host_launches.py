@@ -184,6 +184,7 @@ def recording():
     originals = [getattr(m, name) for m, name in saved]
 
     def clear_caches():
+        cuda_driver.get_device.cache_clear()  # else the stand-in device outlives the recording
         cuda_tensormap.bf16_tensor_map.cache_clear()
         linear_module._tma_plan.cache_clear()
         linear_module._cluster_slots.clear()

@@ -36,9 +36,10 @@ def test_the_same_step_launches_the_same_and_another_step_differs():
 
 def test_the_driver_facing_pieces_are_restored_after():
     h = load()
-    before = (cuda_module.load_module, cuda_driver.Device, cuda_memory.call)
+    before = (cuda_module.load_module, cuda_driver.Device, cuda_memory.call, cuda_driver.gpu_available())
     h.measure("tiny", 16, 2, 1, repeats=1)
-    assert (cuda_module.load_module, cuda_driver.Device, cuda_memory.call) == before
+    # gpu_available: the process's device (get_device's cached one) is not the recording's stand-in
+    assert (cuda_module.load_module, cuda_driver.Device, cuda_memory.call, cuda_driver.gpu_available()) == before
 
 
 def test_the_command_prints_each_model_and_refuses_a_step_it_cannot_split(capsys):
