@@ -26,7 +26,6 @@ HALF_ROWS = 8
 # group's queries and its head's new key and value while its first tiles load, and attn_input's launch and wait
 # go. On the H200 (scripts/bench.py --batches 16,64,144,256, qwen3-0.6b and qwen3-4b) fusing gained 0.6-7% at
 # 16 and 64 sequences and lost 0.4-2.3% at 144 and 256 (with or without the persistent decode build beside it).
-# Never where a step's rows read each other's new keys (model/inputs.py StepShape.rows_share_keys).
 FUSED_MIN_SPLITS = 16
 FUSED_MIN_SEQS = 8
 FUSED_MAX_SEQS = 64
@@ -54,10 +53,11 @@ def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_sha
 
 
 def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int, num_seqs: int = 1,
-                       decode_shape: bool = True) -> bool:
+                       decode_shape: bool = True, rows_share_keys: bool = False) -> bool:
     """Whether the engine's forward pass fuses the input of an attention launch: where the shape allows it, from
-    FUSED_MIN_SPLITS splits on, or at FUSED_MIN_SEQS to FUSED_MAX_SEQS sequences."""
-    if num_splits < FUSED_MIN_SPLITS and not FUSED_MIN_SEQS <= num_seqs <= FUSED_MAX_SEQS:
+    FUSED_MIN_SPLITS splits on, or at FUSED_MIN_SEQS to FUSED_MAX_SEQS sequences; never where rows read each
+    other's new keys (StepShape.rows_share_keys)."""
+    if rows_share_keys or (num_splits < FUSED_MIN_SPLITS and not FUSED_MIN_SEQS <= num_seqs <= FUSED_MAX_SEQS):
         return False
     return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
 

@@ -213,11 +213,9 @@ def _views(c, ws: Workspace, inputs: StepInputs, shape: StepShape, num_splits: i
     # where those run.
     flow = tp is None and not batch_invariant and K.uses_mlp_flow(n, MLP_EPILOGUES[c.mlp], c.hidden_size,
                                                                   c.intermediate_size, get_device().info.num_sms)
-    # The attention launch does attn_input's work where that is faster, and where no row reads another row's new
-    # key (StepShape.rows_share_keys).
-    fuse_input = not shape.rows_share_keys and K.engine_fuses_input(
-        max_q_len=shape.max_q_len, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-        num_splits=num_splits, num_seqs=b, decode_shape=not batch_invariant)
+    fuse_input = K.engine_fuses_input(max_q_len=shape.max_q_len, num_heads=c.num_attention_heads,
+                                      num_kv_heads=c.num_key_value_heads, num_splits=num_splits, num_seqs=b,
+                                      decode_shape=not batch_invariant, rows_share_keys=shape.rows_share_keys)
     return _Views(n=n, b=b, resid=ws.resid.rows(0, n), x=ws.x.rows(0, n), qkv=ws.qkv.rows(0, n), q=ws.q.rows(0, n),
                   attn=ws.attn.rows(0, n), act=ws.act.rows(0, n), positions=inputs.positions.rows(0, n),
                   slots=inputs.slots.rows(0, n), partials=partials, epi_norm=epi_norm,
