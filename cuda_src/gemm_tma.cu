@@ -563,8 +563,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #define CLUSTER_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_3 __cluster_dims__(3, 1, 1)
 #define CLUSTER_4 __cluster_dims__(4, 1, 1)
-// Compiled in six parts (10 kernels each), at once.
-#define KERNEL_PARTS 6
+// Compiled in seven parts (the last 5 kernels, the others 10 each), at once.
+#define KERNEL_PARTS 7
 
 // The persistent kernel, gemm_tma_e{EPI} and gemm_tma_n128_e{EPI}: grid min(tile1 - tile0, SMs).
 #if IN_PART(0)
@@ -602,4 +602,13 @@ GEMM_KERNEL(gemm_tma_n160_e1, 1, 160, 1, false, NO_CLUSTER)
 GEMM_KERNEL(gemm_tma_n160_e2, 2, 160, 1, false, NO_CLUSTER)
 GEMM_KERNEL(gemm_tma_n160_e3, 3, 160, 1, false, NO_CLUSTER)
 GEMM_KERNEL(gemm_tma_n160_e4, 4, 160, 1, false, NO_CLUSTER)
+#endif
+
+// Split K 2 ways on 96-wide tiles, gemm_tma_n96_s2_e{EPI} (routing.py TMA_ROUND_SPLITS).
+#if IN_PART(6)
+GEMM_KERNEL(gemm_tma_n96_s2_e0, 0, 96, 2, false, CLUSTER_2)
+GEMM_KERNEL(gemm_tma_n96_s2_e1, 1, 96, 2, false, CLUSTER_2)
+GEMM_KERNEL(gemm_tma_n96_s2_e2, 2, 96, 2, false, CLUSTER_2)
+GEMM_KERNEL(gemm_tma_n96_s2_e3, 3, 96, 2, false, CLUSTER_2)
+GEMM_KERNEL(gemm_tma_n96_s2_e4, 4, 96, 2, false, CLUSTER_2)
 #endif

@@ -15,7 +15,8 @@ from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLI
                                       TMA_MULTICAST_ROWS, TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
                                       TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
                                       norm_kernel_name, swap_config,
-                                      tma_kernel_name, tma_multicast, tma_plan, tma_tail_split, tma_tiles, tma_width)
+                                      tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split,
+                                      tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
 # The routing module, its sizes and kernel names.
@@ -97,10 +98,11 @@ def test_tma_plan_splits_only_within_one_wave():
     # engine), now 160 wide (122 tiles, one round, each 1.25 narrow k-steps against 1.84). Prefill-sized products
     # split only when they are residual ones (below).
     c = preset("qwen3-4b")
-    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
+    # o_proj and down_proj: 54 tiles 96 wide, 2 ways (108 blocks), not 40 narrow ones (80 blocks)
+    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
     assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(160, 1)
     o_k = c.num_attention_heads * c.head_dim
-    assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
+    assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
     assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 1)
     assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1, 1, True)
     assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == \
@@ -112,7 +114,7 @@ def test_tma_plan_splits_only_within_one_wave():
             plan = tma_plan(M, n, k, epilogue, 132, H200_SLOTS)
             width, split = plan.width, plan.split
             assert width in TMA_WIDTHS + TMA_ROUND_WIDTHS and plan.tail == 1  # no split last round below
-            assert split == 1 or width in TMA_WIDTHS                          # TMA_TAIL_SPLIT_ROWS
+            assert split == 1 or tma_split_built(width, split)                # TMA_TAIL_SPLIT_ROWS
             assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
             assert split == 1 or -(-k // 64) >= 2 * split
 
@@ -132,7 +134,8 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
     if plan.tail > 1:
         assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
     if plan.width in TMA_ROUND_WIDTHS:
-        assert plan.split == 1 and plan.tail == 1 and not plan.multicast and M < TMA_TAIL_SPLIT_ROWS
+        assert plan.tail == 1 and not plan.multicast
+        assert (plan.split == 1 and M < TMA_TAIL_SPLIT_ROWS) or tma_split_built(plan.width, plan.split)
     tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width)
     assert tiles >= 1
     if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS):
@@ -157,12 +160,14 @@ def test_tma_round_widths_fill_the_rounds_of_batched_decode():
     # A split launch without a width asks for one every build kind has.
     assert tma_width(256, gate_up[0], True, persistent=False) == 128
     assert tma_width(256, qkv[0], False, persistent=False) == 128
-    # Their builds: the persistent kernel's alone.
+    # Their builds: the persistent kernel's, and 96 wide a 2-way split.
     assert tma_kernel_name(96, 1, "bf16") == "gemm_tma_n96_e0"
     assert tma_kernel_name(160, 1, "silu_mul") == "gemm_tma_n160_e2"
-    for split, multicast in ((2, False), (1, True)):
-        with pytest.raises(ValueError, match="no split or multicast build 160 wide"):
-            tma_kernel_name(160, split, "bf16", multicast)
+    assert tma_kernel_name(96, 2, "residual") == "gemm_tma_n96_s2_e1"
+    for width, split, multicast, what in ((160, 2, False, "2-way split"), (96, 3, False, "3-way split"),
+                                          (160, 1, True, "multicast"), (96, 1, True, "multicast")):
+        with pytest.raises(ValueError, match=f"no {what} build {width} wide"):
+            tma_kernel_name(width, split, "bf16", multicast)
 
 
 def test_tma_plan_splits_prefill_residual_products_two_ways():
@@ -294,6 +299,7 @@ def every_kernel_name() -> dict[str, set[str]]:
              for suffix, builds in flow.items() for B, deep in builds for ks in SWAP_SPLITS}
     tma = {L.tma_kernel_name(w, s, e) for w in L.TMA_WIDTHS for s in (1,) + L.TMA_SPLITS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
+    tma |= {L.tma_kernel_name(w, s, e) for w, splits in L.TMA_ROUND_SPLITS.items() for s in splits for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}
     return {"gemv.cu": gemv, "gemm_swap.cu": swap, "gemm_tma.cu": tma}
 
@@ -358,7 +364,9 @@ def test_forced_gemm_options_are_checked_and_the_rest_default_to_the_persistent_
            ((None, None, 7, None, None), "tail must be 1 or one of"),
            ((200, None, None, None, None), "width must be one of"),
            ((None, 2, None, None, 64), "for the persistent \\(unsplit\\) kernel only"),
-           ((TMA_ROUND_WIDTHS[0], 2, None, None, None), "the persistent kernel's alone"),
+           ((160, 2, None, None, None), "is the persistent kernel's"),
+           ((96, 3, None, None, None), "is the persistent kernel's"),
+           ((96, None, 2, None, None), "is the persistent kernel's"),
            ((None, None, None, True, 3), "multicast pairs row tiles and blocks")]
     for (width, split, tail, multicast, blocks), message in bad:
         with pytest.raises(ValueError, match=message):

@@ -16,7 +16,7 @@ import pytest
 import test_kernels
 from tileinfer.cuda import get_device
 from tileinfer.kernels.linear import cluster_slots, gemm, tile_rows
-from tileinfer.kernels.routing import TMA_SPLITS, tma_plan
+from tileinfer.kernels.routing import TMA_ROUND_SPLITS, TMA_SPLITS, tma_plan
 
 from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
 from test_kernels import BF16, EPILOGUES, F32, check_linear  # noqa: E402
@@ -38,6 +38,9 @@ SHAPES = [(128, 128, 64), (33, 8, 8), (129, 264, 136), (1000, 136, 1000), (77, 5
 # column blocks, W boxes of 48 and 80 rows; 6 and 5 stages) leave partial tiles where 128 and 256 do not.
 VARIANTS = [(256, None), (128, None), (256, 3), (128, 5), (160, None), (96, None), (160, 3), (96, 5)]
 WIDTHS = [128, 256]
+# Every split build: each split at both widths, and the round widths' (96 wide, 2 ways).
+SPLIT_BUILDS = [(w, ks) for w in WIDTHS for ks in TMA_SPLITS] + [(w, ks) for w, splits in TMA_ROUND_SPLITS.items()
+                                                                  for ks in splits]
 # Split-K shapes: partial tiles everywhere, a single k-step (K = 8: splits leave ranks with no k-step,
 # whose partial tile is zero), a W box wholly past N, uneven k-step counts (K = 136: 3 k-steps; 4104: 65),
 # and one M past 512.
@@ -98,8 +101,7 @@ def test_gemm_tma_multicast(M, N, K, epilogue, buf, stream):
 
 # Smoke (first, under a short timeout in a device call: a hang means a cluster-barrier deadlock): every
 # split and width, every epilogue, one small shape of two row tiles and uneven k-step counts.
-@pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("split", TMA_SPLITS)
+@pytest.mark.parametrize("width, split", SPLIT_BUILDS)
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_gemm_tma_split_smoke(epilogue, split, width, buf, stream):
     M, N, K = 200, 264, 456
@@ -107,8 +109,7 @@ def test_gemm_tma_split_smoke(epilogue, split, width, buf, stream):
                  label=f"gemm_tma split smoke {epilogue} M={M} N={N} K={K} split={split} width={width}")
 
 
-@pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("split", TMA_SPLITS)
+@pytest.mark.parametrize("width, split", SPLIT_BUILDS)
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("M, N, K", SPLIT_SHAPES)
 def test_gemm_tma_every_split(M, N, K, epilogue, split, width, buf, stream):

@@ -28,7 +28,8 @@ from ..cuda.tensormap import bf16_tensor_map
 from ._check import BF16, FLOAT32, INT32, UINT64, cdiv, expect
 from .rmsnorm import rmsnorm
 from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE_EPILOGUES, SWAP_TILE, SWAP_THREADS,
-                      NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_SPLITS,
+                      NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_ROUND_SPLITS,
+                      TMA_SPLITS, tma_split_built,
                       default_path, fuses_norm, gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
                       norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
                       TmaPlan, SWAP_BATCHES, SWAP_BK, FLOW_EPILOGUES, FLOW_ROWS, flow_tiles_per_chunk)
@@ -205,8 +206,9 @@ def forced_plan(M: int, N: int, silu: bool, sms: int, width: int | None, split: 
     width = width or tma_width(M, N, silu, sms, persistent=split == 1 and tail == 1 and not multicast)
     if split > 1 and (blocks is not None or tail > 1 or multicast):
         raise ValueError("gemm: `blocks`, `tail` and `multicast` are for the persistent (unsplit) kernel only")
-    if width in TMA_ROUND_WIDTHS and (split > 1 or tail > 1 or multicast):
-        raise ValueError(f"gemm: width {width} is the persistent kernel's alone (no split, tail or multicast)")
+    if width in TMA_ROUND_WIDTHS and (tail > 1 or multicast or (split > 1 and not tma_split_built(width, split))):
+        raise ValueError(f"gemm: width {width} is the persistent kernel's (no tail or multicast), and a split's only "
+                         f"as {TMA_ROUND_SPLITS}")
     if multicast and (cdiv(M, TMA_BM) % 2 or (blocks or 2) % 2):
         raise ValueError(f"gemm: multicast pairs row tiles and blocks: {cdiv(M, TMA_BM)} row tiles, blocks={blocks}")
     return TmaPlan(width, split, tail, multicast)

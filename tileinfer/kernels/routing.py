@@ -151,6 +151,10 @@ TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*: every build (persis
 # past them the rounds are many (a partial one costs less) and the plan's tail split and multicast builds exist at
 # TMA_WIDTHS only.
 TMA_ROUND_WIDTHS = (160, 96)
+# The split builds at a round width (gemm_tma_n96_s2_e*): 2-block clusters on 96-wide tiles. qwen3-4b's o_proj and
+# down_proj at 129-256 rows (N = 2,560): 54 tiles, 108 blocks, against the 40 narrow tiles' 80 blocks of a 2-way
+# split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters).
+TMA_ROUND_SPLITS = {96: (2,)}
 # Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
 # tile for three quarters of the columns, so a little over 0.75).
 TMA_ROUND_COST = {160: 1.25, 96: 0.8}
@@ -398,7 +402,8 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
         return TmaPlan(tma_residual_width(M, N, slots[2]), 2)
     width = tma_width(M, N, silu, sms)
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
-    split = tma_cheapest_split(K, {w: tma_tiles(M, N, silu, w) for w in TMA_WIDTHS}, slots, TMA_SPLIT_MARGIN * unsplit)
+    split = tma_cheapest_split(K, {w: tma_tiles(M, N, silu, w) for w in TMA_WIDTHS + tuple(TMA_ROUND_SPLITS)}, slots,
+                               TMA_SPLIT_MARGIN * unsplit)
     if split is not None:
         return TmaPlan(*split)
     tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
@@ -435,9 +440,17 @@ def tma_cheapest_split(K: int, tiles: dict[int, int], slots: dict[int, int], bou
         if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
             continue
         for width, n in tiles.items():
+            if not tma_split_built(width, split):
+                continue
             if n * split <= slots.get(split, 0) and (c := tma_split_cost(K, width, split)) < bound:
                 best, bound = (width, split), c
     return best
+
+
+def tma_split_built(width: int, split: int) -> bool:
+    """Whether gemm_tma.cu has a split build (`split` > 1) `width` wide: at TMA_WIDTHS every split, at a round
+    width those of TMA_ROUND_SPLITS."""
+    return width in TMA_WIDTHS or split in TMA_ROUND_SPLITS.get(width, ())
 
 
 def tma_residual_width(M: int, N: int, slots2: int) -> int:
@@ -450,8 +463,9 @@ def tma_residual_width(M: int, N: int, slots2: int) -> int:
 
 def tma_kernel_name(width: int, split: int, epilogue: str, multicast: bool = False) -> str:
     """gemm_tma.cu's build: gemm_tma[_n{width}][_s{split} | _mc]_e{epilogue} (no _n for 256; TMA_ROUND_WIDTHS:
-    the persistent kernel only)."""
-    if width in TMA_ROUND_WIDTHS and (split > 1 or multicast):
-        raise ValueError(f"gemm_tma.cu has no split or multicast build {width} wide (only {TMA_WIDTHS})")
+    the persistent kernel, and the splits of TMA_ROUND_SPLITS)."""
+    if width in TMA_ROUND_WIDTHS and (multicast or (split > 1 and not tma_split_built(width, split))):
+        raise ValueError(f"gemm_tma.cu has no {'multicast' if multicast else f'{split}-way split'} build {width} "
+                         f"wide (multicast: {TMA_WIDTHS}; splits: {TMA_WIDTHS} and {TMA_ROUND_SPLITS})")
     build = f"_s{split}" if split > 1 else "_mc" if multicast else ""
     return f"gemm_tma{'' if width == 256 else f'_n{width}'}{build}_e{EPILOGUES[epilogue]}"
