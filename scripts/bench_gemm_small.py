@@ -10,10 +10,10 @@ residual, LM head f32) and every batch M: microseconds per call and GB/s of weig
 call, the bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
 GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
 rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8; --tma the TMA GEMM (gemm_tma.cu)
-past 64 rows at every tile width and split (widths 96 and 160 unsplit only; the persistent kernel's "s1" without
-a split last round or multicast), marking the (width, split) tma_plan picks and, t2-t4, the split of the last
-round it adds, "mc" its multicast build (the default path's time includes both); a split whose clusters do not
-all fit at once runs in more than one wave.
+past 64 rows at every tile width and split (width 160 unsplit only, 96 also split 2 ways; the persistent
+kernel's "s1" without a split last round or multicast), marking the (width, split) tma_plan picks and, t2-t4,
+the split of the last round it adds, "mc" its multicast build (the default path's time includes both); a split
+whose clusters do not all fit at once runs in more than one wave.
 
 Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
@@ -40,8 +40,8 @@ from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
 from tileinfer.kernels.linear import cluster_slots, gemm
-from tileinfer.kernels.routing import (GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, TMA_ROUND_WIDTHS, TMA_SPLITS, TMA_WIDTHS,
-                                       default_path, swap_config, tma_plan)
+from tileinfer.kernels.routing import (GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, TMA_ROUND_SPLITS, TMA_ROUND_WIDTHS,
+                                       TMA_SPLITS, TMA_WIDTHS, default_path, swap_config, tma_plan)
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12  # the H200's measured read bandwidth (docs/benchmarks.md, Rooflines)
@@ -141,6 +141,7 @@ def main() -> None:
     if args.gemv:
         header += " gemv us |"
     tma_options = [(w, ks) for w in TMA_WIDTHS for ks in (1,) + TMA_SPLITS] + [(w, 1) for w in TMA_ROUND_WIDTHS]
+    tma_options += [(w, ks) for w, splits in TMA_ROUND_SPLITS.items() for ks in splits]
     if args.tma:
         header += " tma pick | " + " | ".join(f"tma {w} s{ks} us" for w, ks in tma_options) + " |"
     print(header)
