@@ -28,8 +28,9 @@ def test_only_consecutive_decode_steps_of_the_batch_are_paired():
     assert s["step_ms"].tolist() == [2.0, 2.0, 2.0, 2.0]
     assert s["gap_ms"].tolist() == [0.0, 0.5]
     assert s["wall_ms"].tolist() == pytest.approx([2.0, 4.4])
-    text = dt.render("m batch 4", 4, s, 1.9)
-    assert "ms a step, median over 4 steps); graph replay 1.900 ms" in text
+    text = dt.render("m batch 4", 4, s, 1.9, "of a step at the prompts' end", 2.05)
+    assert ("ms a step, median over 4 steps); graph replay 1.900 ms of a step at the prompts' end (that step in the "
+            "run: 2.050 ms)") in text
     assert "GPU idle between steps: median 250.0 us" in text
 
 
