@@ -167,12 +167,16 @@ TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (
 # batch-96 decode fell from 16,246 to 15,724 tok/s with them).
 TMA_WIDE_COST = 0.92
 TMA_WIDE_SPLIT_COST = 1.05
-# tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a split block's
-# fixed cost (its first TMA loads, the epilogue), and its cluster reduction per rank and 128 columns (the
-# persistent kernel hides its fills behind the previous tile). Estimates, not fitted; a split must beat
-# the unsplit launch by TMA_SPLIT_MARGIN.
-TMA_SPLIT_FILL = 3.0
-TMA_SPLIT_REDUCE = 0.5
+# tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a launch's fixed
+# cost (its first TMA loads, the epilogue; the persistent kernel hides its later fills behind the previous
+# tile), a split block's (the cluster's launch and barriers besides), and a split's reduction per rank and 128
+# columns. Fitted to `scripts/bench_gemm_small.py --tma` (qwen3-0.6b and 4b at 96-256 rows, each build alone,
+# on an H100: a k-step of a 128 x 128 tile ~0.44 us, an unsplit launch's fixed cost ~4 k-steps, a 2-way split's
+# fixed cost with its reduction ~14): qwen3-0.6b's QKV at 96 rows took 7.3 us unsplit 96 wide, 8.8 split 2 ways.
+# A split must beat the unsplit launch by TMA_SPLIT_MARGIN.
+TMA_FILL = 3.0
+TMA_SPLIT_FILL = 6.0
+TMA_SPLIT_REDUCE = 2.0
 TMA_SPLIT_MARGIN = 0.9
 TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 # From this many rows on, a residual product (o_proj, down_proj: out += x W^T in float32) splits 2 ways however
@@ -401,7 +405,7 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
             and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2):
         return TmaPlan(tma_residual_width(M, N, slots[2]), 2)
     width = tma_width(M, N, silu, sms)
-    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_SPLIT_FILL
+    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_FILL
     split = tma_cheapest_split(K, {w: tma_tiles(M, N, silu, w) for w in TMA_WIDTHS + tuple(TMA_ROUND_SPLITS)}, slots,
                                TMA_SPLIT_MARGIN * unsplit)
     if split is not None:
