@@ -119,6 +119,24 @@ def test_tma_plan_splits_only_within_one_wave():
             assert split == 1 or -(-k // 64) >= 2 * split
 
 
+def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares():
+    # A split's fixed cost (its cluster and reduction, ~14 k-steps alone on an H100 against an unsplit launch's 4)
+    # outweighs half of qwen3-0.6b's 16 k-steps: its QKV and gate/up at 65-256 rows run unsplit 96 wide (QKV at
+    # 96 rows: 7.3 us against 8.8 split 2 ways); o_proj's 32 k-steps still split, now 96 wide 2 ways; qwen3-4b's
+    # products of 40-152 k-steps split as before.
+    c = preset("qwen3-0.6b")
+    o_k = c.num_attention_heads * c.head_dim
+    for M in (65, 96, 128, 144, 256):
+        assert tma_plan(M, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(96, 1)
+        assert tma_plan(M, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
+    for M in (65, 96, 128):
+        assert tma_plan(M, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(96, 1)
+    assert tma_plan(96, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 4)
+    big = preset("qwen3-4b")
+    assert tma_plan(96, big.hidden_size, big.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 4)
+    assert tma_plan(96, big.qkv_size, big.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(96, 2)
+
+
 @settings(max_examples=400, deadline=None)
 @given(M=st.integers(65, 8192), n8=st.integers(1, 20000), k8=st.integers(1, 2048),
        epilogue=st.sampled_from(sorted(L.EPILOGUES)), slots=st.sampled_from([H200_SLOTS, {2: 120, 3: 117, 4: 120},

@@ -153,7 +153,8 @@ TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*: every build (persis
 TMA_ROUND_WIDTHS = (160, 96)
 # The split builds at a round width (gemm_tma_n96_s2_e*): 2-block clusters on 96-wide tiles. qwen3-4b's o_proj and
 # down_proj at 129-256 rows (N = 2,560): 54 tiles, 108 blocks, against the 40 narrow tiles' 80 blocks of a 2-way
-# split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters).
+# split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters). Alone on an H100
+# (`scripts/bench_gemm_small.py --tma`) o_proj / down_proj at 256 rows took 15.8 / 33.5 us against 19.5 / 40.2.
 TMA_ROUND_SPLITS = {96: (2,)}
 # Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
 # tile for three quarters of the columns, so a little over 0.75).
@@ -170,10 +171,10 @@ TMA_WIDE_SPLIT_COST = 1.05
 # tma_plan's cost model, in k-steps (64 deep) of a 128 x 128 tile at the full per-SM rate: a launch's fixed
 # cost (its first TMA loads, the epilogue; the persistent kernel hides its later fills behind the previous
 # tile), a split block's (the cluster's launch and barriers besides), and a split's reduction per rank and 128
-# columns. Fitted to `scripts/bench_gemm_small.py --tma` (qwen3-0.6b and 4b at 96-256 rows, each build alone,
-# on an H100: a k-step of a 128 x 128 tile ~0.44 us, an unsplit launch's fixed cost ~4 k-steps, a 2-way split's
-# fixed cost with its reduction ~14): qwen3-0.6b's QKV at 96 rows took 7.3 us unsplit 96 wide, 8.8 split 2 ways.
-# A split must beat the unsplit launch by TMA_SPLIT_MARGIN.
+# columns. The split's two are the values whose picks took the least time in total over `scripts/bench_gemm_small.py
+# --tma` (qwen3-0.6b and 4b at 96-256 rows, every build alone, on an H100). With the estimates before them (3 and
+# 0.5) qwen3-0.6b's QKV and gate/up at 65-256 rows split 2 ways, slower alone (QKV at 96 rows 8.8 us against 7.3
+# unsplit 96 wide) and in the engine. A split must beat the unsplit launch by TMA_SPLIT_MARGIN.
 TMA_FILL = 3.0
 TMA_SPLIT_FILL = 6.0
 TMA_SPLIT_REDUCE = 2.0
