@@ -120,10 +120,10 @@ def test_tma_plan_splits_only_within_one_wave():
 
 
 def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares():
-    # A split's fixed cost (its cluster and reduction, ~14 k-steps alone on an H100 against an unsplit launch's 4)
-    # outweighs half of qwen3-0.6b's 16 k-steps: its QKV and gate/up at 65-256 rows run unsplit 96 wide (QKV at
-    # 96 rows: 7.3 us against 8.8 split 2 ways); o_proj's 32 k-steps still split, now 96 wide 2 ways; qwen3-4b's
-    # products of 40-152 k-steps split as before.
+    # A split's fixed cost (its cluster and reduction) outweighs half of qwen3-0.6b's 16 k-steps: its QKV and
+    # gate/up at 65-256 rows run unsplit 96 wide (QKV at 96 rows, alone on an H100: 7.3 us against 8.8 split 2
+    # ways); o_proj's 32 k-steps still split, now 96 wide 2 ways; qwen3-4b's products of 40-152 k-steps split as
+    # before.
     c = preset("qwen3-0.6b")
     o_k = c.num_attention_heads * c.head_dim
     for M in (65, 96, 128, 144, 256):
