@@ -151,14 +151,14 @@ TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*: every build (persis
 # past them the rounds are many (a partial one costs less) and the plan's tail split and multicast builds exist at
 # TMA_WIDTHS only.
 TMA_ROUND_WIDTHS = (160, 96)
+# Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
+# tile for three quarters of the columns, so a little over 0.75).
+TMA_ROUND_COST = {160: 1.25, 96: 0.8}
 # The split builds at a round width (gemm_tma_n96_s2_e*): 2-block clusters on 96-wide tiles. qwen3-4b's o_proj and
 # down_proj at 129-256 rows (N = 2,560): 54 tiles, 108 blocks, against the 40 narrow tiles' 80 blocks of a 2-way
 # split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters). Alone on an H100
 # (`scripts/bench_gemm_small.py --tma`) o_proj / down_proj at 256 rows took 15.8 / 33.5 us against 19.5 / 40.2.
 TMA_ROUND_SPLITS = {96: (2,)}
-# Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
-# tile for three quarters of the columns, so a little over 0.75).
-TMA_ROUND_COST = {160: 1.25, 96: 0.8}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 # A 128 x 256 tile's time over two 128 x 128 tiles': in the persistent kernel an estimate, not fitted; in a split
 # launch fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384 rows;
