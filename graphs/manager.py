@@ -7,11 +7,12 @@ sequences replays the smallest bucket >= b, and the padding rows are no-ops for 
 tokens, slot -1).
 
 Kinds: "decode" (one token a sequence, a bucket per batch size), ("decode", "masked") (the same step whose
-sampling first waits for the host's allowed-token bitmasks: structured output, runner/gpu.py) and
-("verify", tokens a row, logits) (a speculative verify step: each row a sequence's last committed token
-and its proposals, padded to the bucket x tokens a row). A kind is registered with the function that
-enqueues one step of a bucket; the first run of (kind, bucket) runs that step eagerly (loading every
-kernel it uses) and captures it.
+sampling first waits for the host's allowed-token bitmasks: structured output, runner/gpu.py), "prefill" and
+("prefill", "masked") (one sequence's prompt step, its token rows padded to the bucket: a bucket per prompt
+size, runner/gpu.py prefill_bucket) and ("verify", tokens a row, logits) (a speculative verify step: each row a
+sequence's last committed token and its proposals, padded to the bucket x tokens a row). A kind is registered
+with the function that enqueues one step of a bucket; the first run of (kind, bucket) runs that step eagerly
+(loading every kernel it uses) and captures it.
 
 All host planning (reserving pages, filling the step buffers) happens outside the graph.
 """
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 DECODE = "decode"
 DECODE_MASKED = ("decode", "masked")
+PREFILL = "prefill"
+PREFILL_MASKED = ("prefill", "masked")
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
@@ -40,6 +43,10 @@ def bucket_for(batch: int, buckets: Sequence[int]) -> int:
 def _label(kind: Hashable, bucket: int) -> str:
     if kind == DECODE:
         return f"the decode graph for batch {bucket}"
+    if kind == PREFILL:
+        return f"the prefill graph for {bucket} tokens"
+    if kind == PREFILL_MASKED:
+        return f"the masked prefill graph for {bucket} tokens"
     return f"the {' '.join(map(str, kind))} graph for batch {bucket}"
 
 

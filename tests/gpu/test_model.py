@@ -180,6 +180,52 @@ def test_graph_replay_equals_eager(tiny_model):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("n", [2, 17, 64, 100, 319, 512])
+def test_padded_prefill_step_matches_extend_and_stores_only_its_positions(tiny_model, n):
+    # A sampled prompt step of one sequence is padded to its token bucket (runner/gpu.py prefill_bucket) and
+    # replays the bucket's prefill graph: its logits against the same prompt through extend (unpadded), the keys
+    # and values it stores against extend's, and every other page of the pools as it was (the padding rows
+    # store nothing).
+    from tileinfer.graphs import PREFILL
+    from tileinfer.runner.gpu import prefill_bucket
+    model = tiny_model
+    cache = model.ensure_cache(1400)
+    manager = cache.manager
+    layers = (0, model.config.num_hidden_layers - 1)
+    ids = random_prompt(n, seed=40 + n)
+    other, ref, seq = Sequence(), Sequence(), Sequence()
+    written = set()
+    try:
+        model.extend(other, random_prompt(70, seed=39))  # pages beside the step's, which it must leave alone
+        before = [(cache.k_pool(i).to_host(), cache.v_pool(i).to_host()) for i in layers]
+        want = model.extend(ref, ids, logits="last")[0]
+        for _ in range(2):  # the bucket's first step runs eagerly and captures its graph; the second replays it
+            manager.release(seq)
+            seq = Sequence()
+            manager.reserve(seq, n)
+            written.update(seq.block_table)
+            token = model.step([(seq, ids)], [SamplingRow()])[0]
+            got = model.logits_rows(1)[0]
+            assert token == got.argmax()
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * want.std())
+        assert prefill_bucket(n, model.max_batch_tokens) in model.graphs.buckets(PREFILL)
+        written.update(ref.block_table)
+        rest = np.ones(before[0][0].shape[0], bool)
+        rest[sorted(written)] = False
+
+        def positions(pool, s):  # [n, KV, 128]: the sequence's first n positions
+            return pool[s.block_table].transpose(0, 2, 1, 3).reshape(-1, pool.shape[1], pool.shape[3])[:n]
+
+        for layer, old in zip(layers, before):
+            for pool, was in zip((cache.k_pool(layer).to_host(), cache.v_pool(layer).to_host()), old):
+                np.testing.assert_array_equal(pool[rest], was[rest])  # other's pages and the free ones
+                mine, theirs = positions(pool, seq).astype(np.float32), positions(pool, ref).astype(np.float32)
+                np.testing.assert_allclose(mine, theirs, rtol=2e-2, atol=2e-2 * theirs.std())
+    finally:
+        for s in (other, ref, seq):
+            manager.release(s)
+
+
 @pytest.mark.parametrize("n", [300, 7])  # chunked, and one chunk
 def test_extend_last_and_none_match_all(tiny_model, n):
     model = tiny_model

@@ -3,7 +3,11 @@
 `launch(batch, ...)` enqueues one forward step over (sequence, new token ids[, start]) rows and returns
 the slot its sampled tokens arrive in; `collect(slot, n)` waits for them (`step` does both). A decode
 step (one new token per sequence, at most `max_num_seqs` of them) is padded to its batch bucket and
-replays that bucket's CUDA graph; a step with prompt chunks runs eagerly (its shapes vary). `verify`
+replays that bucket's CUDA graph. A sampled step over one sequence's prompt of at most PREFILL_BUCKETS[-1]
+tokens is padded to its token bucket (prefill_bucket) and replays that bucket's prefill graph, captured on
+its first use: launched one by one from Python its ~230 kernels (qwen3-0.6b) cost the host more than the GPU
+takes to run them, so a short prompt's first token waited for the host. Other steps with prompt chunks (several
+sequences, longer chunks) run eagerly. Eager or replayed, a padded step runs the same launches. `verify`
 runs a speculative verify step (every new token's logits) from a graph per (bucket, tokens a row);
 `extend` runs teacher-forced prompt chunks and returns their logits. The forward pass
 (model/forward.py) has one caller, `_forward`. The engine (tileinfer/engine) drives a runner; the CPU
@@ -56,7 +60,7 @@ from .. import kernels as K
 from ..cuda import DeviceArray, Event, PinnedBuffer, Stream, call, get_device
 from ..cuda import compiler
 from ..cuda.module import load_all
-from ..graphs import DECODE, DECODE_MASKED, GraphManager, bucket_for
+from ..graphs import DECODE, DECODE_MASKED, PREFILL, PREFILL_MASKED, GraphManager, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
 from ..kv.paged_cache import check_kv_quantize
@@ -87,6 +91,21 @@ def attention_splits(row_tiles: int, kv_heads: int, max_tiles: int, per_sm: int,
     up: a grid just past one wave idles most SMs for a second, short one."""
     want = per_sm * sms // (row_tiles * kv_heads)
     return max(1, min(MAX_SPLITS, max_tiles, want))
+
+
+# Token rows a one-sequence prompt step is padded to (prefill_bucket): steps of 64 from 64 tokens, so that a
+# prompt past 64 tokens computes at most 63 padding rows (under 1.5x its own at 128 and beyond).
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+
+
+def prefill_bucket(tokens: int, max_tokens: int) -> int | None:
+    """The token rows a sampled prompt step of one sequence with `tokens` new tokens is padded to and its prefill
+    graph's bucket: the smallest of PREFILL_BUCKETS that holds them, or None (an eager step of its own size) past
+    the largest bucket or past max_tokens (the runner's largest step)."""
+    for bucket in PREFILL_BUCKETS:
+        if bucket >= tokens:
+            return bucket if bucket <= max_tokens else None
+    return None
 
 
 def verify_kind(width: int, logits: str, drafted: int = 0) -> tuple:
@@ -267,6 +286,8 @@ class GPURunner(CheckpointRunner):
         self.graphs = GraphManager()
         self.graphs.add_kind(DECODE, self._enqueue_decode)
         self.graphs.add_kind(DECODE_MASKED, lambda bucket, stream: self._enqueue_decode(bucket, stream, masked=True))
+        self.graphs.add_kind(PREFILL, self._enqueue_prefill)
+        self.graphs.add_kind(PREFILL_MASKED, lambda bucket, stream: self._enqueue_prefill(bucket, stream, masked=True))
 
     def _splits_for(self, row_tiles: int, max_tiles: int, per_sm: int | None = None) -> int:
         """attention_splits on this GPU for this runner's KV heads; per_sm by default the attached cache's
@@ -361,6 +382,13 @@ class GPURunner(CheckpointRunner):
         self._enqueue_step(shape, sample=True, num_splits=self.decode_splits(bucket), stream=stream, embedded=True,
                            masked=masked)
 
+    def _enqueue_prefill(self, bucket: int, stream, masked: bool = False) -> None:
+        """A sampled prompt step of one sequence padded to `bucket` token rows (what its graph captures): the
+        padding rows are no sequence's (past cu_q[1]: attention skips them) and store nothing (slot -1); the
+        sampling takes the sequence's last real row (last_rows)."""
+        shape = StepShape(num_tokens=bucket, num_seqs=1, max_q_len=bucket)
+        self._enqueue_step(shape, sample=True, num_splits=1, stream=stream, masked=masked)
+
     # ------------------------------------------------------------------ steps
     def launch(self, batch, sampling: list[SamplingRow] | None = None, *, sample: bool = True,
                penalties: list | None = None, masked: list[bool] | None = None,
@@ -388,12 +416,19 @@ class GPURunner(CheckpointRunner):
                 self._enqueue_decode(bucket, self.stream, masked=with_masks)
             self.steps.fetched()
         else:
+            bucket = prefill_bucket(len(batch[0][1]), self.max_batch_tokens) if sample and len(batch) == 1 else None
+            pad = dict(pad_to=1, pad_tokens=bucket) if bucket else {}
             shape = prepare_step(self.steps, self.cache.manager, batch, sampling, penalties=penalties,
-                                 masked=masked, token_src=token_src)
+                                 masked=masked, token_src=token_src, **pad)
             with_masks = self._await_masks()
             self.steps.set_sample_slot(self._slot)
             self.steps.upload(self.stream)
-            self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream, masked=with_masks)
+            if bucket is None:
+                self._enqueue_step(shape, sample=sample, num_splits=1, stream=self.stream, masked=with_masks)
+            elif self.use_graphs:
+                self.graphs.run(PREFILL_MASKED if with_masks else PREFILL, bucket, self.stream)
+            else:
+                self._enqueue_prefill(bucket, self.stream, masked=with_masks)
         if not sample:
             return None
         slot = self._slot  # the sampling kernel writes the ids into this row of the mapped sampled_host
