@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tileinfer
-from tileinfer.graphs import DECODE, DECODE_MASKED
+from tileinfer.graphs import DECODE, DECODE_MASKED, PREFILL_MASKED
 from tileinfer.kv import Sequence
 from tileinfer.runner.step import SamplingRow
 
@@ -120,6 +120,8 @@ def test_masked_steps_graphed_eager_and_pipelined_agree_and_obey_the_masks(model
     plain_graphs = model.graphs.count(DECODE)
     graphed = decode(model, prompts, masks)
     assert model.graphs.count(DECODE_MASKED) >= 1 and model.graphs.count(DECODE) == plain_graphs
+    if b == 1:  # one prompt: its first token (row 0 has a mask) comes from a masked prefill graph
+        assert model.graphs.count(PREFILL_MASKED) >= 1
     pipelined = decode(model, prompts, masks, pipelined=True)
     queued = decode(model, prompts, masks, pipelined=True, queued=True)
     unmasked = decode(model, prompts, random_masks(b, vocab, seed=0, with_masks=False))
