@@ -154,9 +154,9 @@ def test_decode_buckets_cover_max_num_seqs():
 
 def test_prefill_buckets_pad_a_prompt_by_fewer_rows_than_a_gemm_row_tile():
     from tileinfer.runner.gpu import PREFILL_BUCKETS, prefill_bucket
-    assert [prefill_bucket(n, 4096) for n in (2, 16, 17, 33, 64, 65, 129, 300, 512, 513, 1000, 2048)] == \
-        [16, 16, 32, 64, 64, 128, 192, 320, 512, 640, 1024, 2048]
-    assert prefill_bucket(2049, 4096) is None                 # past the largest bucket: an eager step of its own
+    assert [prefill_bucket(n, 4096) for n in (2, 16, 17, 33, 64, 65, 129, 300, 512, 513, 700, 896)] == \
+        [16, 16, 32, 64, 64, 128, 192, 320, 512, 640, 768, 896]
+    assert prefill_bucket(897, 4096) is None                  # past the largest bucket: an eager step of its own
     assert prefill_bucket(200, 256) == 256 and prefill_bucket(300, 256) is None  # no bucket past the largest step
     for n in range(65, PREFILL_BUCKETS[-1] + 1):
         bucket = prefill_bucket(n, 4096)
