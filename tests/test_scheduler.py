@@ -152,11 +152,13 @@ def test_decode_buckets_cover_max_num_seqs():
     assert all(x < y for x, y in zip(b, b[1:])) and len(b) == 4 + 7 + 12
 
 
-def test_prefill_buckets_pad_a_prompt_past_64_tokens_by_fewer_than_64_rows():
+def test_prefill_buckets_pad_a_prompt_by_fewer_rows_than_a_gemm_row_tile():
     from tileinfer.runner.gpu import PREFILL_BUCKETS, prefill_bucket
-    assert [prefill_bucket(n, 2048) for n in (2, 16, 17, 33, 64, 65, 129, 300, 512)] == \
-        [16, 16, 32, 64, 64, 128, 192, 320, 512]
-    assert prefill_bucket(513, 2048) is None                  # past the largest bucket: an eager step of its own
+    assert [prefill_bucket(n, 4096) for n in (2, 16, 17, 33, 64, 65, 129, 300, 512, 513, 700, 896)] == \
+        [16, 16, 32, 64, 64, 128, 192, 320, 512, 640, 768, 896]
+    assert prefill_bucket(897, 4096) is None                  # past the largest bucket: an eager step of its own
     assert prefill_bucket(200, 256) == 256 and prefill_bucket(300, 256) is None  # no bucket past the largest step
     for n in range(65, PREFILL_BUCKETS[-1] + 1):
-        assert 0 <= prefill_bucket(n, 2048) - n < 64
+        bucket = prefill_bucket(n, 4096)
+        assert 0 <= bucket - n < (64 if n <= 512 else 128)
+        assert n <= 512 or bucket // 128 == -(-n // 128)     # past 512: the products' 128-row tiles unpadded

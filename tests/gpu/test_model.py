@@ -180,7 +180,7 @@ def test_graph_replay_equals_eager(tiny_model):
     assert graphed == eager
 
 
-@pytest.mark.parametrize("n", [2, 17, 64, 100, 319, 512])
+@pytest.mark.parametrize("n", [2, 17, 64, 100, 319, 512, 700, 896])
 def test_padded_prefill_step_matches_extend_and_stores_only_its_positions(tiny_model, n):
     # A sampled prompt step of one sequence is padded to its token bucket (runner/gpu.py prefill_bucket) and
     # replays the bucket's prefill graph: its logits against the same prompt through extend (unpadded), the keys
@@ -189,7 +189,7 @@ def test_padded_prefill_step_matches_extend_and_stores_only_its_positions(tiny_m
     from tileinfer.graphs import PREFILL
     from tileinfer.runner.gpu import prefill_bucket
     model = tiny_model
-    cache = model.ensure_cache(1400)
+    cache = model.ensure_cache(2000)
     manager = cache.manager
     layers = (0, model.config.num_hidden_layers - 1)
     ids = random_prompt(n, seed=40 + n)

@@ -4,7 +4,7 @@
 the slot its sampled tokens arrive in; `collect(slot, n)` waits for them (`step` does both). A decode
 step (one new token per sequence, at most `max_num_seqs` of them) is padded to its batch bucket and
 replays that bucket's CUDA graph. A sampled step over one sequence's prompt of at most PREFILL_BUCKETS[-1]
-tokens is padded to its token bucket (prefill_bucket) and replays that bucket's prefill graph, captured on
+(896) tokens is padded to its token bucket (prefill_bucket) and replays that bucket's prefill graph, captured on
 its first use: launched one by one from Python its ~230 kernels (qwen3-0.6b) cost the host more than the GPU
 takes to run them, so a short prompt's first token waited for the host. Other steps with prompt chunks (several
 sequences, longer chunks) run eagerly. Eager or replayed, a padded step runs the same launches. `verify`
@@ -93,9 +93,12 @@ def attention_splits(row_tiles: int, kv_heads: int, max_tiles: int, per_sm: int,
     return max(1, min(MAX_SPLITS, max_tiles, want))
 
 
-# Token rows a one-sequence prompt step is padded to (prefill_bucket): steps of 64 from 64 tokens, so that a
-# prompt past 64 tokens computes at most 63 padding rows (under 1.5x its own at 128 and beyond).
-PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+# Token rows a one-sequence prompt step is padded to (prefill_bucket): steps of 64 from 64 tokens to 512, then of
+# 128 (the tensor-core GEMM's row tile) to 896, so that a prompt past 512 tokens runs its products on as many row
+# tiles as unpadded, and one past 64 computes at most 63 (127 past 512) padding rows. None reaches 1,024 rows,
+# where the products' plans change (kernels/routing.py tma_plan): qwen3-4b's 1,000-token prompt padded to 1,024
+# took 17.6 ms against 15.8 unpadded, while qwen3-0.6b's gained 7% and less beyond (docs/benchmarks.md).
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896)
 
 
 def prefill_bucket(tokens: int, max_tokens: int) -> int | None:
