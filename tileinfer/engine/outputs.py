@@ -48,7 +48,7 @@ class StreamOutput:
 @dataclass
 class EngineStats:
     steps: int = 0
-    graph_steps: int = 0
+    graph_steps: int = 0          # decode steps run as a CUDA graph's replay (one-prompt prefill graphs not counted)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     computed_tokens: int = 0      # prefill and decode tokens run through the model
