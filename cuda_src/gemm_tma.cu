@@ -546,18 +546,17 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
         pdl_start();                                                                                        \
         gemm_ws<EPI, BN, KS, MC>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});    \
     }
+// One width's five builds, NAME_e{EPI} for each epilogue.
+#define GEMM_EPILOGUES(NAME, BN, KS, MC, ATTR)                                                              \
+    GEMM_KERNEL(NAME##_e0, 0, BN, KS, MC, ATTR)                                                             \
+    GEMM_KERNEL(NAME##_e1, 1, BN, KS, MC, ATTR)                                                             \
+    GEMM_KERNEL(NAME##_e2, 2, BN, KS, MC, ATTR)                                                             \
+    GEMM_KERNEL(NAME##_e3, 3, BN, KS, MC, ATTR)                                                             \
+    GEMM_KERNEL(NAME##_e4, 4, BN, KS, MC, ATTR)
 // One kind's ten builds: the five epilogues at each width.
 #define GEMM_BUILDS(TAG, KS, MC, ATTR)                                                                      \
-    GEMM_KERNEL(gemm_tma##TAG##_e0, 0, 256, KS, MC, ATTR)                                                   \
-    GEMM_KERNEL(gemm_tma##TAG##_e1, 1, 256, KS, MC, ATTR)                                                   \
-    GEMM_KERNEL(gemm_tma##TAG##_e2, 2, 256, KS, MC, ATTR)                                                   \
-    GEMM_KERNEL(gemm_tma##TAG##_e3, 3, 256, KS, MC, ATTR)                                                   \
-    GEMM_KERNEL(gemm_tma##TAG##_e4, 4, 256, KS, MC, ATTR)                                                   \
-    GEMM_KERNEL(gemm_tma_n128##TAG##_e0, 0, 128, KS, MC, ATTR)                                              \
-    GEMM_KERNEL(gemm_tma_n128##TAG##_e1, 1, 128, KS, MC, ATTR)                                              \
-    GEMM_KERNEL(gemm_tma_n128##TAG##_e2, 2, 128, KS, MC, ATTR)                                              \
-    GEMM_KERNEL(gemm_tma_n128##TAG##_e3, 3, 128, KS, MC, ATTR)                                              \
-    GEMM_KERNEL(gemm_tma_n128##TAG##_e4, 4, 128, KS, MC, ATTR)
+    GEMM_EPILOGUES(gemm_tma##TAG, 256, KS, MC, ATTR)                                                        \
+    GEMM_EPILOGUES(gemm_tma_n128##TAG, 128, KS, MC, ATTR)
 // Cluster shapes, fixed at compile time (__cluster_dims__), so that the plain launch makes the clusters.
 #define NO_CLUSTER
 #define CLUSTER_2 __cluster_dims__(2, 1, 1)
@@ -592,23 +591,11 @@ GEMM_BUILDS(_mc, 1, true, CLUSTER_2)
 
 // The persistent kernel at the widths that fill rounds, gemm_tma_n96_e{EPI} and gemm_tma_n160_e{EPI}.
 #if IN_PART(5)
-GEMM_KERNEL(gemm_tma_n96_e0, 0, 96, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n96_e1, 1, 96, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n96_e2, 2, 96, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n96_e3, 3, 96, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n96_e4, 4, 96, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n160_e0, 0, 160, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n160_e1, 1, 160, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n160_e2, 2, 160, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n160_e3, 3, 160, 1, false, NO_CLUSTER)
-GEMM_KERNEL(gemm_tma_n160_e4, 4, 160, 1, false, NO_CLUSTER)
+GEMM_EPILOGUES(gemm_tma_n96, 96, 1, false, NO_CLUSTER)
+GEMM_EPILOGUES(gemm_tma_n160, 160, 1, false, NO_CLUSTER)
 #endif
 
 // Split K 2 ways on 96-wide tiles, gemm_tma_n96_s2_e{EPI} (routing.py TMA_ROUND_SPLITS).
 #if IN_PART(6)
-GEMM_KERNEL(gemm_tma_n96_s2_e0, 0, 96, 2, false, CLUSTER_2)
-GEMM_KERNEL(gemm_tma_n96_s2_e1, 1, 96, 2, false, CLUSTER_2)
-GEMM_KERNEL(gemm_tma_n96_s2_e2, 2, 96, 2, false, CLUSTER_2)
-GEMM_KERNEL(gemm_tma_n96_s2_e3, 3, 96, 2, false, CLUSTER_2)
-GEMM_KERNEL(gemm_tma_n96_s2_e4, 4, 96, 2, false, CLUSTER_2)
+GEMM_EPILOGUES(gemm_tma_n96_s2, 96, 2, false, CLUSTER_2)
 #endif
