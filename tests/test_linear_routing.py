@@ -143,8 +143,9 @@ def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares()
                                                                             {3: 117}, {}]))
 def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
     # Any product shape: the plan's kernels are gemm_tma.cu builds, a round width only for the persistent kernel
-    # (no split, tail or multicast) below TMA_TAIL_SPLIT_ROWS rows, a split only as a whole resident wave (but the
-    # prefill-sized residual products', which take as many waves as they need).
+    # (no split, tail or multicast) below TMA_TAIL_SPLIT_ROWS rows or for a prefill-sized residual product, a split
+    # only as a whole resident wave (but the prefill-sized residual products', which take as many waves as they
+    # need).
     N, K = 8 * n8 * (2 if epilogue == "silu_mul" else 1), 8 * k8
     plan = tma_plan(M, N, K, epilogue, 132, slots)
     builds = every_kernel_name()["gemm_tma.cu"]
@@ -153,7 +154,9 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
         assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
     if plan.width in TMA_ROUND_WIDTHS:
         assert plan.tail == 1 and not plan.multicast
-        assert (plan.split == 1 and M < TMA_TAIL_SPLIT_ROWS) or tma_split_built(plan.width, plan.split)
+        prefill_residual = epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS
+        assert (plan.split == 1 and (M < TMA_TAIL_SPLIT_ROWS or prefill_residual)) or tma_split_built(plan.width,
+                                                                                                      plan.split)
     tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width)
     assert tiles >= 1
     if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS):
@@ -170,9 +173,10 @@ def test_tma_round_widths_fill_the_rounds_of_batched_decode():
     assert tma_tiles(256, gate_up[0], True, 160) == 2 * 122
     assert tma_plan(256, *qkv, 132, H200_SLOTS) == TmaPlan(96, 1)
     assert tma_tiles(256, qkv[0], False, 96) == 2 * 64
-    # From TMA_TAIL_SPLIT_ROWS rows on only the widths every build kind has (the tail split, multicast).
+    # From TMA_TAIL_SPLIT_ROWS rows on only the widths every build kind has (the tail split, multicast), but for
+    # the residual products (tma_residual_plan, below).
     for M in (TMA_TAIL_SPLIT_ROWS, 2048, 4096):
-        for n, k, epilogue in (gate_up, qkv, (c.hidden_size, c.intermediate_size, "residual")):
+        for n, k, epilogue in (gate_up, qkv):
             assert tma_width(M, n, epilogue == "silu_mul") in TMA_WIDTHS
             assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).width in TMA_WIDTHS
     # A split launch without a width asks for one every build kind has.
@@ -188,16 +192,20 @@ def test_tma_round_widths_fill_the_rounds_of_batched_decode():
             tma_kernel_name(width, split, "bf16", multicast)
 
 
-def test_tma_plan_splits_prefill_residual_products_two_ways():
-    # From TMA_RESIDUAL_SPLIT_ROWS rows on, o_proj and down_proj split 2 ways over as many waves as it takes:
-    # qwen3-4b at 4,096 rows in wide tiles (640 blocks, 5 waves), at 1,024 rows in narrow ones (320 blocks,
-    # 3 waves, against 2 waves of wide tiles at 1.84 times a narrow k-step each).
+def test_tma_plan_splits_prefill_residual_products_two_ways_or_runs_them_160_wide():
+    # From TMA_RESIDUAL_SPLIT_ROWS rows on, o_proj and down_proj split 2 ways over as many waves as it takes
+    # (qwen3-8b at 4,096 rows in wide tiles: 1,024 blocks, 8 waves; qwen3-0.6b at 1,024 rows in narrow ones, 128
+    # blocks, one wave), unless the persistent kernel 160 wide costs less: qwen3-4b, whose N = 2,560 is 16 such
+    # tiles (at 1,024 rows one round of 128 tiles, against 3 waves of the narrow split's 320 blocks).
+    for model, plans in (("qwen3-4b", {1024: TmaPlan(160, 1), 2048: TmaPlan(160, 1), 4096: TmaPlan(160, 1)}),
+                         ("qwen3-8b", {1024: TmaPlan(256, 2), 2048: TmaPlan(256, 2), 4096: TmaPlan(256, 2)}),
+                         ("qwen3-0.6b", {1024: TmaPlan(128, 2), 2048: TmaPlan(256, 2), 4096: TmaPlan(256, 2)})):
+        c = preset(model)
+        for n, k in ((c.hidden_size, c.num_attention_heads * c.head_dim), (c.hidden_size, c.intermediate_size)):
+            for M, plan in plans.items():
+                assert tma_plan(M, n, k, "residual", 132, H200_SLOTS) == plan, (model, n, k, M)
     c = preset("qwen3-4b")
-    o = (c.hidden_size, c.num_attention_heads * c.head_dim)
-    down = (c.hidden_size, c.intermediate_size)
-    for n, k in (o, down):
-        assert tma_plan(4096, n, k, "residual", 132, H200_SLOTS) == TmaPlan(256, 2)
-        assert tma_plan(1024, n, k, "residual", 132, H200_SLOTS) == TmaPlan(128, 2)
+    for n, k in ((c.hidden_size, c.num_attention_heads * c.head_dim), (c.hidden_size, c.intermediate_size)):
         below = TMA_RESIDUAL_SPLIT_ROWS - 1  # the one-wave rule again
         plan = tma_plan(below, n, k, "residual", 132, H200_SLOTS)
         width, split = plan.width, plan.split

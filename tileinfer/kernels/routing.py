@@ -181,11 +181,15 @@ TMA_SPLIT_REDUCE = 2.0
 TMA_SPLIT_MARGIN = 0.9
 TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 # From this many rows on, a residual product (o_proj, down_proj: out += x W^T in float32) splits 2 ways however
-# many waves that takes (tma_plan). `scripts/bench_gemm_small.py --tma --m 1024,2048,4096` on the H200: such a
-# split beat the unsplit kernel at both widths for qwen3-0.6b, 4b and 8b at 1,024-4,096 rows (qwen3-4b's o_proj
-# / down_proj at 4,096 rows 165.8 / 343.0 us against 186.2 / 383.4 unsplit in narrow tiles; at 1,024 rows 49.6 /
-# 100.6 against 59.2 / 122.4 unsplit in wide ones), equal for qwen3-8b at 4,096, and lost only for qwen3-0.6b
-# at 2,048 rows (18.8 / 24.0 against 17.9 / 23.4). The products of the other epilogues lost split at every size.
+# many waves that takes, unless the persistent kernel at a round width is cheaper (tma_residual_plan).
+# `scripts/bench_gemm_small.py --tma --m 1024,2048,4096` on the H200: such a split beat the unsplit kernel at
+# 128 and 256 wide for qwen3-0.6b, 4b and 8b at 1,024-4,096 rows (qwen3-4b's o_proj / down_proj at 4,096 rows
+# 165.8 / 343.0 us against 186.2 / 383.4 unsplit in narrow tiles), equal for qwen3-8b at 4,096, and lost only for
+# qwen3-0.6b at 2,048 rows (18.8 / 24.0 against 17.9 / 23.4). The products of the other epilogues lost split at
+# every size. On an H100 the persistent kernel 160 wide beat the split for qwen3-4b, whose N = 2,560 is 16 such
+# tiles (o_proj / down_proj at 1,024 rows 36.7 / 81.7 us against 55.6 / 115.1 split, at 2,048 rows 83.1 / 163.8
+# against 101.4 / 225.0, at 4,096 158.7 / 356.2 against 175.5 / 353.2), and lost to it for qwen3-0.6b and 8b
+# (qwen3-8b's down_proj at 4,096 rows 788.2 against 699.4).
 TMA_RESIDUAL_SPLIT_ROWS = 1024
 # From this many rows on, the persistent kernel's last round, when it leaves SMs idle, may run as a separate split
 # launch (tma_tail_split): its tiles' K ranges shared by 2-4 blocks so that the idle SMs take part. On the H200
@@ -397,14 +401,14 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     once (tiles x KS <= slots[KS], the blocks of KS-clusters the GPU holds: cluster_slots) and it must
     beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the cost model does not hold past
     it: a split grid of several waves was slower than the persistent kernel. Except for the residual products
-    of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on): those always split 2 ways, at the width whose waves of
-    2-block clusters cost least (tma_residual_width). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
+    of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on): those split 2 ways over as many waves as it takes, or run on
+    the persistent kernel at a round width (tma_residual_plan). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
     its last round (tma_tail_split), and one of TMA_MULTICAST_ROWS rows on runs in 2-block clusters that share their
     W tiles (tma_multicast)."""
     silu = epilogue == "silu_mul"
     if (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS and slots.get(2)
             and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2):
-        return TmaPlan(tma_residual_width(M, N, slots[2]), 2)
+        return tma_residual_plan(M, N, K, sms, slots[2])
     width = tma_width(M, N, silu, sms)
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_FILL
     split = tma_cheapest_split(K, {w: tma_tiles(M, N, silu, w) for w in TMA_WIDTHS + tuple(TMA_ROUND_SPLITS)}, slots,
@@ -456,6 +460,25 @@ def tma_split_built(width: int, split: int) -> bool:
     """Whether gemm_tma.cu has a split build (`split` > 1) `width` wide: at TMA_WIDTHS every split, at a round
     width those of TMA_ROUND_SPLITS."""
     return width in TMA_WIDTHS or split in TMA_ROUND_SPLITS.get(width, ())
+
+
+def tma_residual_plan(M: int, N: int, K: int, sms: int, slots2: int) -> TmaPlan:
+    """A prefill-sized residual product's plan: split 2 ways at tma_residual_width, over as many waves of 2-block
+    clusters as that takes, unless the persistent kernel at the round width whose rounds cost least is cheaper:
+    the split must beat it by TMA_SPLIT_MARGIN, each in (waves or rounds) x (a block's k-steps) x (a k-step's
+    cost), fills and reductions left out. On an H100 the persistent kernel ran 160 wide at 0.46-0.50 us a unit
+    of that cost, the split 256 wide at 0.50-0.60. qwen3-4b's o_proj at 4,096 rows: 4 rounds of 512 tiles 160
+    wide, 4 x 64 x 1.25 = 320, against 5 waves of 640 blocks, 5 x 32 x 1.84 = 294 (> 0.9 x 320): 160 wide.
+    qwen3-8b's (N = 4,096, 26 tiles of 160 with a partial one): 7 x 64 x 1.25 = 560 against 8 x 32 x 1.84 = 471:
+    split."""
+    width = tma_residual_width(M, N, slots2)
+    ksteps = cdiv(K, TMA_BK)
+    split = cdiv(tma_tiles(M, N, False, width) * 2, slots2) * cdiv(ksteps, 2) * tma_kstep_cost(width)
+    rounds = {w: cdiv(tma_tiles(M, N, False, w), sms) * tma_kstep_cost(w) for w in TMA_ROUND_WIDTHS}
+    round_width = min(rounds, key=rounds.get)
+    if split < TMA_SPLIT_MARGIN * rounds[round_width] * ksteps:
+        return TmaPlan(width, 2)
+    return TmaPlan(round_width, 1)
 
 
 def tma_residual_width(M: int, N: int, slots2: int) -> int:
