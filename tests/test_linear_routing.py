@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.linear import forced_plan
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
-                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
+                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_ROUND_MAX_MACS,
+                                      TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
                                       TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
                                       norm_kernel_name, swap_config,
                                       tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split,
@@ -204,6 +205,12 @@ def test_tma_plan_splits_prefill_residual_products_two_ways_or_runs_them_160_wid
         for n, k in ((c.hidden_size, c.num_attention_heads * c.head_dim), (c.hidden_size, c.intermediate_size)):
             for M, plan in plans.items():
                 assert tma_plan(M, n, k, "residual", 132, H200_SLOTS) == plan, (model, n, k, M)
+    # Past TMA_RESIDUAL_ROUND_MAX_MACS multiply-adds a product splits whatever its rounds: qwen3-32b's down_proj
+    # (N = 5,120, 32 tiles of 160) runs 160 wide at 1,024 rows, split from 2,048.
+    c = preset("qwen3-32b")
+    assert c.hidden_size * c.intermediate_size * 1024 <= TMA_RESIDUAL_ROUND_MAX_MACS
+    assert tma_plan(1024, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(160, 1)
+    assert tma_plan(2048, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(256, 2)
     c = preset("qwen3-4b")
     for n, k in ((c.hidden_size, c.num_attention_heads * c.head_dim), (c.hidden_size, c.intermediate_size)):
         below = TMA_RESIDUAL_SPLIT_ROWS - 1  # the one-wave rule again

@@ -191,6 +191,11 @@ TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 # against 101.4 / 225.0, at 4,096 158.7 / 356.2 against 175.5 / 353.2), and lost to it for qwen3-0.6b and 8b
 # (qwen3-8b's down_proj at 4,096 rows 788.2 against 699.4).
 TMA_RESIDUAL_SPLIT_ROWS = 1024
+# Past this many multiply-adds (M x N x K) a prefill-sized residual product splits whatever its rounds: on the
+# H100, qwen3-32b's down_proj (N = 5,120 = 32 x 160, K = 25,600) took 388 us 160 wide against 433 split at 1,024
+# rows (0.98 x 2^37), but 909 against 840 at 2,048 and 1,920 against 1,768 at 4,096; Apertus-70B's o_proj at 4,096
+# rows (2^38) 1,033 against 973. The cost model does not see this (the long products' cost is not in their rounds).
+TMA_RESIDUAL_ROUND_MAX_MACS = 2 ** 37
 # From this many rows on, the persistent kernel's last round, when it leaves SMs idle, may run as a separate split
 # launch (tma_tail_split): its tiles' K ranges shared by 2-4 blocks so that the idle SMs take part. On the H200
 # qwen3-4b's gate/up at 4,096 rows took 630.3 us against 651.9 with its last round unsplit
@@ -470,8 +475,10 @@ def tma_residual_plan(M: int, N: int, K: int, sms: int, slots2: int) -> TmaPlan:
     of that cost, the split 256 wide at 0.50-0.60. qwen3-4b's o_proj at 4,096 rows: 4 rounds of 512 tiles 160
     wide, 4 x 64 x 1.25 = 320, against 5 waves of 640 blocks, 5 x 32 x 1.84 = 294 (> 0.9 x 320): 160 wide.
     qwen3-8b's (N = 4,096, 26 tiles of 160 with a partial one): 7 x 64 x 1.25 = 560 against 8 x 32 x 1.84 = 471:
-    split."""
+    split. A product of more than TMA_RESIDUAL_ROUND_MAX_MACS multiply-adds always splits."""
     width = tma_residual_width(M, N, slots2)
+    if M * N * K > TMA_RESIDUAL_ROUND_MAX_MACS:
+        return TmaPlan(width, 2)
     ksteps = cdiv(K, TMA_BK)
     split = cdiv(tma_tiles(M, N, False, width) * 2, slots2) * cdiv(ksteps, 2) * tma_kstep_cost(width)
     rounds = {w: cdiv(tma_tiles(M, N, False, w), sms) * tma_kstep_cost(w) for w in TMA_ROUND_WIDTHS}
