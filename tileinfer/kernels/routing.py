@@ -187,12 +187,12 @@ TMA_SPLIT_MIN_KSTEPS = 2  # k-steps each block of a split gets at least
 # 165.8 / 343.0 us against 186.2 / 383.4 unsplit in narrow tiles), equal for qwen3-8b at 4,096, and lost only for
 # qwen3-0.6b at 2,048 rows (18.8 / 24.0 against 17.9 / 23.4). The products of the other epilogues lost split at
 # every size. On an H100 the persistent kernel 160 wide beat the split for qwen3-4b, whose N = 2,560 is 16 such
-# tiles (o_proj / down_proj at 1,024 rows 36.7 / 81.7 us against 55.6 / 115.1 split, at 2,048 rows 83.1 / 163.8
-# against 101.4 / 225.0, at 4,096 158.7 / 356.2 against 175.5 / 353.2), and lost to it for qwen3-0.6b and 8b
-# (qwen3-8b's down_proj at 4,096 rows 788.2 against 699.4).
+# tiles (o_proj / down_proj at 1,024 rows 36.7 / 81.7 us against 56.0 / 114.6 split, at 2,048 rows 83.1 / 163.8
+# against 101.3 / 230.8, at 4,096 158.7 / 356.2 against 174.9 / 349.1), and lost to it for qwen3-0.6b and 8b
+# (qwen3-8b's down_proj at 4,096 rows 788.2 against 673.3).
 TMA_RESIDUAL_SPLIT_ROWS = 1024
 # Past this many multiply-adds (M x N x K) a prefill-sized residual product splits whatever its rounds: on the
-# H100, qwen3-32b's down_proj (N = 5,120 = 32 x 160, K = 25,600) took 388 us 160 wide against 433 split at 1,024
+# H100, qwen3-32b's down_proj (N = 5,120 = 32 x 160, K = 25,600) took 388 us 160 wide against 504 split at 1,024
 # rows (0.98 x 2^37), but 909 against 840 at 2,048 and 1,920 against 1,768 at 4,096; Apertus-70B's o_proj at 4,096
 # rows (2^38) 1,033 against 973. The cost model does not see this (the long products' cost is not in their rounds).
 TMA_RESIDUAL_ROUND_MAX_MACS = 2 ** 37
@@ -471,7 +471,7 @@ def tma_residual_plan(M: int, N: int, K: int, sms: int, slots2: int) -> TmaPlan:
     """A prefill-sized residual product's plan: split 2 ways at tma_residual_width, over as many waves of 2-block
     clusters as that takes, unless the persistent kernel at the round width whose rounds cost least is cheaper:
     the split must beat it by TMA_SPLIT_MARGIN, each in (waves or rounds) x (a block's k-steps) x (a k-step's
-    cost), fills and reductions left out. On an H100 the persistent kernel ran 160 wide at 0.46-0.50 us a unit
+    cost), fills and reductions left out. On an H100 the persistent kernel ran 160 wide at 0.43-0.50 us a unit
     of that cost, the split 256 wide at 0.50-0.60. qwen3-4b's o_proj at 4,096 rows: 4 rounds of 512 tiles 160
     wide, 4 x 64 x 1.25 = 320, against 5 waves of 640 blocks, 5 x 32 x 1.84 = 294 (> 0.9 x 320): 160 wide.
     qwen3-8b's (N = 4,096, 26 tiles of 160 with a partial one): 7 x 64 x 1.25 = 560 against 8 x 32 x 1.84 = 471:
