@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.linear import forced_plan
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
-                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_ROUND_MAX_MACS,
+                                      TMA_MULTICAST_ROWS, TMA_RESIDUAL_PLAN_ROWS, TMA_RESIDUAL_ROUND_MAX_MACS,
                                       TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
                                       TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
                                       norm_kernel_name, swap_config,
@@ -145,8 +145,8 @@ def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares()
 def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
     # Any product shape: the plan's kernels are gemm_tma.cu builds, a round width only for the persistent kernel
     # (no split, tail or multicast) below TMA_TAIL_SPLIT_ROWS rows or for a prefill-sized residual product, a split
-    # only as a whole resident wave (but the prefill-sized residual products', which take as many waves as they
-    # need).
+    # only as a whole resident wave (but the residual products' from TMA_RESIDUAL_PLAN_ROWS rows, which take as many
+    # waves as they need).
     N, K = 8 * n8 * (2 if epilogue == "silu_mul" else 1), 8 * k8
     plan = tma_plan(M, N, K, epilogue, 132, slots)
     builds = every_kernel_name()["gemm_tma.cu"]
@@ -155,12 +155,12 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
         assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
     if plan.width in TMA_ROUND_WIDTHS:
         assert plan.tail == 1 and not plan.multicast
-        prefill_residual = epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS
+        prefill_residual = epilogue == "residual" and M >= TMA_RESIDUAL_PLAN_ROWS
         assert (plan.split == 1 and (M < TMA_TAIL_SPLIT_ROWS or prefill_residual)) or tma_split_built(plan.width,
                                                                                                       plan.split)
     tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width)
     assert tiles >= 1
-    if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS):
+    if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_PLAN_ROWS):
         assert tiles * plan.split <= slots[plan.split]
 
 
@@ -217,6 +217,19 @@ def test_tma_plan_splits_prefill_residual_products_two_ways_or_runs_them_160_wid
         plan = tma_plan(below, n, k, "residual", 132, H200_SLOTS)
         width, split = plan.width, plan.split
         assert split == 1 or tma_tiles(below, n, False, width) * split <= H200_SLOTS[split]
+    # From TMA_RESIDUAL_PLAN_ROWS rows, where no one-wave split is cheaper in the cost model, the same plan instead of
+    # the persistent kernel at tma_width: qwen3-4b at 640 and 768 rows split 2 ways 256 wide (100 and 120 blocks,
+    # not 128 wide unsplit), at 896 rows 160 wide; qwen3-8b at 512 rows split; qwen3-0.6b keeps its one-wave
+    # split 96 wide at 640 rows; below TMA_RESIDUAL_PLAN_ROWS the general rule alone.
+    for M, plan in ((640, TmaPlan(256, 2)), (768, TmaPlan(256, 2)), (896, TmaPlan(160, 1))):
+        for n, k in ((c.hidden_size, c.num_attention_heads * c.head_dim), (c.hidden_size, c.intermediate_size)):
+            assert tma_plan(M, n, k, "residual", 132, H200_SLOTS) == plan, (M, n, k)
+    c8 = preset("qwen3-8b")
+    assert tma_plan(512, c8.hidden_size, c8.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(256, 2)
+    c06 = preset("qwen3-0.6b")
+    assert tma_plan(640, c06.hidden_size, c06.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
+    assert tma_plan(TMA_RESIDUAL_PLAN_ROWS - 1, c8.hidden_size, c8.intermediate_size, "residual", 132,
+                    H200_SLOTS).split == 1
     # Too few k-steps for two ranks of two each: no split.
     assert tma_plan(4096, 1024, 192, "residual", 132, H200_SLOTS).split == 1
 

@@ -196,6 +196,12 @@ TMA_RESIDUAL_SPLIT_ROWS = 1024
 # rows (0.98 x 2^37), but 909 against 840 at 2,048 and 1,920 against 1,768 at 4,096; Apertus-70B's o_proj at 4,096
 # rows (2^38) 1,033 against 973. The cost model does not see this (the long products' cost is not in their rounds).
 TMA_RESIDUAL_ROUND_MAX_MACS = 2 ** 37
+# From this many rows on, a residual product that no one-wave split takes (tma_plan) runs tma_residual_plan too,
+# instead of the persistent kernel at tma_width. On an H100 (`scripts/bench_gemm_small.py --tma --m
+# 384,512,640,768,896`) the persistent kernel 128 wide, which the cost model picked there, took qwen3-4b's o_proj /
+# down_proj at 640 rows 43.0 / 78.0 us against 29.7 / 59.5 split 2 ways 256 wide, qwen3-8b's at 512 rows 50.9 /
+# 102.3 against 33.4 / 79.2; where the cost model picked 160 or 96 wide, tma_residual_plan keeps it.
+TMA_RESIDUAL_PLAN_ROWS = 512
 # From this many rows on, the persistent kernel's last round, when it leaves SMs idle, may run as a separate split
 # launch (tma_tail_split): its tiles' K ranges shared by 2-4 blocks so that the idle SMs take part. On the H200
 # qwen3-4b's gate/up at 4,096 rows took 630.3 us against 651.9 with its last round unsplit
@@ -406,13 +412,14 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     once (tiles x KS <= slots[KS], the blocks of KS-clusters the GPU holds: cluster_slots) and it must
     beat the unsplit estimate by TMA_SPLIT_MARGIN. One wave, because the cost model does not hold past
     it: a split grid of several waves was slower than the persistent kernel. Except for the residual products
-    of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on): those split 2 ways over as many waves as it takes, or run on
-    the persistent kernel at a round width (tma_residual_plan). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
+    of prefill size (TMA_RESIDUAL_SPLIT_ROWS rows on, or TMA_RESIDUAL_PLAN_ROWS where no one-wave split is
+    cheaper): those split 2 ways over as many waves as it takes, or run on the persistent kernel at a round width
+    (tma_residual_plan). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
     its last round (tma_tail_split), and one of TMA_MULTICAST_ROWS rows on runs in 2-block clusters that share their
     W tiles (tma_multicast)."""
     silu = epilogue == "silu_mul"
-    if (epilogue == "residual" and M >= TMA_RESIDUAL_SPLIT_ROWS and slots.get(2)
-            and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2):
+    residual = epilogue == "residual" and slots.get(2) and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2
+    if residual and M >= TMA_RESIDUAL_SPLIT_ROWS:
         return tma_residual_plan(M, N, K, sms, slots[2])
     width = tma_width(M, N, silu, sms)
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_FILL
@@ -420,6 +427,8 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
                                TMA_SPLIT_MARGIN * unsplit)
     if split is not None:
         return TmaPlan(*split)
+    if residual and M >= TMA_RESIDUAL_PLAN_ROWS:
+        return tma_residual_plan(M, N, K, sms, slots[2])
     tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
     return TmaPlan(width, 1, tail, tma_multicast(M, sms, slots))
 
