@@ -14,10 +14,10 @@
 // BN = 256 (gemm_tma_e*: 4 stages of 48 KB) or 128 (gemm_tma_n128_e*: 6 stages of 32 KB), and for the persistent
 // kernel alone also 160 (gemm_tma_n160_e*: 5 stages of 36 KB) and 96 (gemm_tma_n96_e*: 6 stages of 28 KB), widths
 // whose tiles fill whole rounds of the SMs at batched-decode row counts (qwen3-4b at 256 rows: gate/up in 244 tiles
-// of 160, two rounds of 132, against 304 of 128 in three; QKV in 128 tiles of 96, one round, against 96 of 128).
-// The launcher (tileinfer/kernels/routing.py, tma_width) takes the width with the smallest (rounds of tiles per
-// block) x (tile cost): 128 where 256-wide tiles would leave many SMs idle in the last round (N = 2560 at 4,096
-// tokens).
+// of 160, two rounds of 132, against 304 of 128 in three; QKV in 128 tiles of 96, one round, against 96 of 128) and
+// for qwen3-4b's o_proj and down_proj at prefill sizes (N = 2,560: 16 tiles of 160). The launcher
+// (tileinfer/kernels/routing.py, tma_plan) takes the width with the smallest (rounds of tiles per block) x (tile
+// cost), and for the residual products of 512 rows on weighs a 2-way split against the round widths.
 //
 // Pipeline: per stage a "full" mbarrier (1 arrival: the producer's arrive.expect_tx of the stage's
 // bytes; the TMA unit completes the transaction) and an "empty" mbarrier (8 arrivals: lane 0 of

@@ -380,8 +380,8 @@ def tma_kstep_cost(width: int, split: bool = False) -> float:
 def tma_width(M: int, N: int, silu: bool, sms: int = H200_SMS, persistent: bool = True) -> int:
     """gemm_tma.cu's tile width: of TMA_WIDTHS (and for the persistent kernel alone, `persistent`, below
     TMA_TAIL_SPLIT_ROWS rows, TMA_ROUND_WIDTHS), the one with the fewest (rounds of tiles per SM) x (a tile's cost),
-    the first listed on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256; its o_proj and down_proj
-    (N = 2560: 320 wide tiles are 2.4 rounds on 132 SMs, 640 narrow ones 4.85) take 128. At 256 rows its gate/up
+    the first listed on a tie. At 4,096 tokens qwen3-4b's QKV and gate/up take 256 (its o_proj and down_proj
+    would take 128, but tma_plan gives those products of 512 rows on tma_residual_plan). At 256 rows its gate/up
     takes 160, its QKV 96 (TMA_ROUND_WIDTHS)."""
     widths = TMA_WIDTHS + (TMA_ROUND_WIDTHS if persistent and M < TMA_TAIL_SPLIT_ROWS else ())
     return min(widths, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
