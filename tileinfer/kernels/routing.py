@@ -200,7 +200,8 @@ TMA_RESIDUAL_ROUND_MAX_MACS = 2 ** 37
 # instead of the persistent kernel at tma_width. On an H100 (`scripts/bench_gemm_small.py --tma --m
 # 384,512,640,768,896`) the persistent kernel 128 wide, which the cost model picked there, took qwen3-4b's o_proj /
 # down_proj at 640 rows 43.0 / 78.0 us against 29.7 / 59.5 split 2 ways 256 wide, qwen3-8b's at 512 rows 50.9 /
-# 102.3 against 33.4 / 79.2; where the cost model picked 160 or 96 wide, tma_residual_plan keeps it.
+# 102.3 against 33.4 / 79.2; where the cost model picked 160 or 96 wide, tma_residual_plan picked the same width in
+# every product measured.
 TMA_RESIDUAL_PLAN_ROWS = 512
 # From this many rows on, the persistent kernel's last round, when it leaves SMs idle, may run as a separate split
 # launch (tma_tail_split): its tiles' K ranges shared by 2-4 blocks so that the idle SMs take part. On the H200
@@ -418,7 +419,7 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     its last round (tma_tail_split), and one of TMA_MULTICAST_ROWS rows on runs in 2-block clusters that share their
     W tiles (tma_multicast)."""
     silu = epilogue == "silu_mul"
-    residual = epilogue == "residual" and slots.get(2) and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2
+    residual = epilogue == "residual" and bool(slots.get(2)) and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2
     if residual and M >= TMA_RESIDUAL_SPLIT_ROWS:
         return tma_residual_plan(M, N, K, sms, slots[2])
     width = tma_width(M, N, silu, sms)

@@ -96,7 +96,7 @@ def attention_splits(row_tiles: int, kv_heads: int, max_tiles: int, per_sm: int,
 # Token rows a one-sequence prompt step is padded to (prefill_bucket): steps of 64 from 64 tokens to 512, then of
 # 128 (the tensor-core GEMM's row tile) to 896, so that a prompt past 512 tokens runs its products on as many row
 # tiles as unpadded, and one past 64 computes at most 63 (127 past 512) padding rows. Buckets of 128 on to 2,048
-# were measured and not kept (docs/benchmarks.md): qwen3-0.6b gained 7% at 1,000 tokens and 3-4% beyond, qwen3-4b
+# were measured and not kept (docs/benchmarks.md): qwen3-0.6b gained 7% at 1,000 tokens and 3-4% at 1,500, qwen3-4b
 # lost 1-2%, and 11% at 1,000 tokens padded to 1,024, where its o_proj and down_proj then split 2 ways (they run
 # 160 wide on both sides of 1,024 rows since: kernels/routing.py tma_residual_plan).
 PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896)
