@@ -562,7 +562,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #define CLUSTER_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_3 __cluster_dims__(3, 1, 1)
 #define CLUSTER_4 __cluster_dims__(4, 1, 1)
-// Compiled in seven parts (the last 5 kernels, the others 10 each), at once.
+// Compiled in seven parts of 10 kernels each, at once.
 #define KERNEL_PARTS 7
 
 // The persistent kernel, gemm_tma_e{EPI} and gemm_tma_n128_e{EPI}: grid min(tile1 - tile0, SMs).
@@ -595,7 +595,8 @@ GEMM_EPILOGUES(gemm_tma_n96, 96, 1, false, NO_CLUSTER)
 GEMM_EPILOGUES(gemm_tma_n160, 160, 1, false, NO_CLUSTER)
 #endif
 
-// Split K 2 ways on 96-wide tiles, gemm_tma_n96_s2_e{EPI} (routing.py TMA_ROUND_SPLITS).
+// Split K 2 and 4 ways on 96-wide tiles, gemm_tma_n96_s{KS}_e{EPI} (routing.py TMA_ROUND_SPLITS).
 #if IN_PART(6)
 GEMM_EPILOGUES(gemm_tma_n96_s2, 96, 2, false, CLUSTER_2)
+GEMM_EPILOGUES(gemm_tma_n96_s4, 96, 4, false, CLUSTER_4)
 #endif

@@ -10,7 +10,7 @@ residual, LM head f32) and every batch M: microseconds per call and GB/s of weig
 call, the bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
 GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
 rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8; --tma the TMA GEMM (gemm_tma.cu)
-past 64 rows at every tile width and split (width 160 unsplit only, 96 also split 2 ways; the persistent
+past 64 rows at every tile width and split (width 160 unsplit only, 96 also split 2 and 4 ways; the persistent
 kernel's "s1" without a split last round or multicast), marking the (width, split) tma_plan picks and, t2-t4,
 the split of the last round it adds, "mc" its multicast build (the default path's time includes both); a split
 whose clusters do not all fit at once runs in more than one wave.

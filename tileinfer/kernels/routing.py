@@ -154,11 +154,15 @@ TMA_ROUND_WIDTHS = (160, 96)
 # Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
 # tile for three quarters of the columns, so a little over 0.75).
 TMA_ROUND_COST = {160: 1.25, 96: 0.8}
-# The split builds at a round width (gemm_tma_n96_s2_e*): 2-block clusters on 96-wide tiles. qwen3-4b's o_proj and
-# down_proj at 129-256 rows (N = 2,560): 54 tiles, 108 blocks, against the 40 narrow tiles' 80 blocks of a 2-way
-# split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters). Alone on an H100
-# (`scripts/bench_gemm_small.py --tma`) o_proj / down_proj at 256 rows took 15.8 / 33.5 us against 19.5 / 40.2.
-TMA_ROUND_SPLITS = {96: (2,)}
+# The split builds at a round width (gemm_tma_n96_s{2,4}_e*): 2- and 4-block clusters on 96-wide tiles. qwen3-4b's
+# o_proj and down_proj at 129-256 rows (N = 2,560): 54 tiles, 108 blocks split 2 ways, against the 40 narrow tiles'
+# 80 blocks of a 2-way split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters);
+# alone on an H100 (`scripts/bench_gemm_small.py --tma`) o_proj / down_proj at 256 rows took 15.8 / 33.5 us against
+# 19.5 / 40.2. Up to 128 rows, 27 tiles split 4 ways (108 blocks): 12.2 / 23.5 us at 96 rows against 14.0 / 26.4
+# split 4 ways 128 wide; qwen3-0.6b's (N = 1,024, 11 tiles, 88 blocks at 129-256 rows) at 144 rows 7.9 / 9.4 us
+# against 8.5 split 2 ways 96 wide / 11.2 split 4 ways 128 wide. 160-wide splits and 3-way 96-wide ones were slower
+# or no faster in every such product measured (qwen3-0.6b, 4b and 8b at 96-256 rows).
+TMA_ROUND_SPLITS = {96: (2, 4)}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 # A 128 x 256 tile's time over two 128 x 128 tiles': in the persistent kernel an estimate, not fitted; in a split
 # launch fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384 rows;
