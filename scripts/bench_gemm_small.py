@@ -3,7 +3,7 @@
 the TMA GEMM past 64 rows), with the alternatives beside it.
 
     python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 5,16,32,64,128] [--swap] [--gemv]
-                                       [--tma]
+                                       [--tma] [--matrices o,down]
 
 For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul (Apertus: up xielu), down
 residual, LM head f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per
@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="also time the TMA GEMM at every tile width and split "
                     "where M > 64")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
+    ap.add_argument("--matrices", default=None, help="only these matrices (comma-separated of qkv, o, gate_up, up, "
+                    "down, lm_head)")
     ap.add_argument("--exact-x", action="store_true", help="x an array of exactly M rows (not a view of a larger "
                     "one): the TMA GEMM's map of x ends at row M")
     ap.add_argument("--hot", action="store_true", help="one copy of W, read from the L2 cache where it fits")
@@ -129,7 +131,8 @@ def main() -> None:
 
     dev = get_device()
     info = dev.info
-    print(f"# linear's default path on {info.name} ({info.num_sms} SMs, L2 {info.l2_bytes >> 20} MB), bf16 weights, "
+    print(f"# linear's default path on {info.name} ({info.num_sms} SMs, L2 {info.l2_bytes >> 20} MB; TMA GEMM blocks "
+          f"resident at once by split: {cluster_slots()}), bf16 weights, "
           f"float32 accumulation; GB/s = weight bytes / time; roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s; "
           f"{'one copy of W (hot in L2 where it fits)' if args.hot else 'W cycled through copies of 3x the L2'}")
     stream = Stream()
@@ -148,7 +151,7 @@ def main() -> None:
     print("|" + "---|" * (header.count("|") - 1))
     for model in args.models.split(","):
         for matrix, N, K, epilogue in model_matrices(model):
-            if args.no_lm_head and matrix == "lm_head":
+            if (args.no_lm_head and matrix == "lm_head") or (args.matrices and matrix not in args.matrices.split(",")):
                 continue
             case = Case(N, K, epilogue, max(ms), info.l2_bytes, rng, args.hot)
             calls = int(min(400, max(10, args.graph_bytes // case.w_bytes)))
