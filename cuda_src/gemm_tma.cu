@@ -62,9 +62,10 @@
 // Registers (ptxas, CUDA 13): 168 a thread at launch (384 threads, one block per SM), no spills; the
 // producer's code after setmaxnreg.dec uses < 24, the consumers' < 168 (232 available).
 //
-// Split K (gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*; KS = 2, 3, 4), for 65-256 rows (batched decode,
-// prefill chunks): there the tiles are too few for the SMs (qwen3-4b's QKV at M = 256: 96 tiles of
-// 128 x 128 for 132 SMs; its o_proj and down_proj 40), so KS blocks share one output tile's K range.
+// Split K (gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*; KS = 2, 3, 4; and 96 wide, gemm_tma_n96_s{KS}_e*, KS = 2, 4),
+// for 65-256 rows (batched decode, prefill chunks): there the tiles are too few for the SMs (qwen3-4b's QKV at
+// M = 256: 96 tiles of 128 x 128 for 132 SMs; its o_proj and down_proj 40), so KS blocks share one output tile's
+// K range.
 // Not persistent: grid = (tile1 - tile0) x KS, block b takes tile tile0 + b / KS (the grouped order above) and
 // is block rank = b % KS of a thread-block cluster of (KS, 1, 1) (__cluster_dims__: the plain launch makes it);
 // it runs the same producer / consumer pipeline over k-steps [ktiles rank / KS, ktiles (rank + 1) / KS)
