@@ -106,10 +106,10 @@ def prefill_bucket(tokens: int, max_tokens: int) -> int | None:
     """The token rows a sampled prompt step of one sequence with `tokens` new tokens is padded to and its prefill
     graph's bucket: the smallest of PREFILL_BUCKETS that holds them, or None (an eager step of its own size) past
     the largest bucket or past max_tokens (the runner's largest step)."""
-    for bucket in PREFILL_BUCKETS:
-        if bucket >= tokens:
-            return bucket if bucket <= max_tokens else None
-    return None
+    if tokens > PREFILL_BUCKETS[-1]:
+        return None
+    bucket = bucket_for(tokens, PREFILL_BUCKETS)
+    return bucket if bucket <= max_tokens else None
 
 
 def verify_kind(width: int, logits: str, drafted: int = 0) -> tuple:
