@@ -31,7 +31,7 @@ HALF_ROWS = 8
 # NVIDIA H100 (bench.py --no-single --batches 2,3,4,6,7) qwen3-0.6b (a group of 2) gained 5.3-5.8% there with the
 # BF16 cache and 0.4-2.3% with INT8; with a group of 4, whose fifth task waits for one warp's first, qwen3-4b gained
 # 0.4-0.8% with BF16 and -1.5% to +2.0% with INT8, and qwen3-8b lost 3.9% at 2 sequences, so those keep
-# FUSED_MIN_SEQS. At batch 1 below FUSED_MIN_SPLITS fusing lost 2.4% (qwen3-0.6b) and 1.2% (qwen3-4b) there.
+# FUSED_MIN_SEQS. At batch 1 below FUSED_MIN_SPLITS fusing lost 2.4% (qwen3-0.6b) and 1.2% (qwen3-4b) on that H100.
 FUSED_MIN_SPLITS = 16
 FUSED_MIN_SEQS = 8
 FUSED_MAX_SEQS = 64
