@@ -214,7 +214,9 @@ def test_verify_splits_stay_within_the_workspace_partials():
     (1, 64, 4, 1, 64, False),
     (1, 16, 8, 48, 1, True),      # qwen3-0.6b's group of 2
     (1, 16, 8, 1, 64, True),
-    (1, 16, 8, 8, 2, True),       # a group of 2 (its tasks one round of the block's warps): from 2 sequences on
+    (1, 16, 8, 8, 2, True),       # a group of 2 (its tasks one round of the block's warps): 2-256 sequences
+    (1, 16, 8, 1, 256, True),
+    (1, 16, 8, 1, 257, False),
     (1, 16, 8, 11, 1, False),     # but not at batch 1 below FUSED_MIN_SPLITS
     (1, 24, 8, 4, 7, True),       # a group of 3: the key head's is the fourth task
     (1, 32, 8, 16, 2, True),      # a group of 4 at 2 sequences: from FUSED_MIN_SPLITS splits
