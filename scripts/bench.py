@@ -309,6 +309,16 @@ def run_peer(peer: Path, name: str, context: int, new: int, timeout: int, batch:
     return json.loads(lines[-1])
 
 
+def engine_max_context(context: int, new: int, requested: int = 0) -> int:
+    """The engine's max_context for --batches: `requested`, or the run's own (a prompt of `context`, `new` tokens
+    and 64 to spare); SystemExit naming the least it may be when a run would not fit."""
+    need = context + new + 64
+    if requested and requested < need:
+        raise SystemExit(f"bench: --engine-max-context {requested} is less than the run needs ({need}: --context "
+                         f"+ --new + 64)")
+    return requested or need
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
@@ -333,6 +343,9 @@ def main() -> None:
     ap.add_argument("--shared-prefix", action="store_true", help="engine shared-prefix prefill, cache on and off")
     ap.add_argument("--kv", default="bf16", help="KV cache kinds for the batch-1 decode: bf16, int8 or both (bf16,int8)")
     ap.add_argument("--engine-kv", default="bf16", choices=("bf16", "int8"), help="KV cache of the engine's --batches runs")
+    ap.add_argument("--engine-max-context", type=int, default=0,
+                    help="max_context of the engine's --batches runs (default: the run's own, --context + --new + "
+                         "64); a server's is longer, which gives a small batch more key splits")
     args = ap.parse_args()
 
     dev = get_device()
@@ -361,7 +374,7 @@ def engine(args, name: str, path: Path) -> dict:
     out: dict = {}
     batches = [int(b) for b in args.batches.split(",") if b]
     if batches:
-        ctx = args.context + args.new + 64
+        ctx = engine_max_context(args.context, args.new, args.engine_max_context)
         kv = args.engine_kv
         with tileinfer.LLM(path, max_num_seqs=max(batches), max_context=ctx, progress=False,
                            kv_quantize="int8" if kv == "int8" else None) as llm:

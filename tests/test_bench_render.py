@@ -1,6 +1,9 @@
-"""scripts/bench.py's results table (the measuring needs a GPU; the table does not)."""
+"""scripts/bench.py's host-side parts: its results table and its engine's max_context (the measuring needs a GPU;
+these do not)."""
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench  # noqa: E402
@@ -28,3 +31,10 @@ def test_ablation_table_names_the_step_and_divides_by_launches():
     assert "| RMSNorm | 73 | 146.0 | 2.00 | 0.0 | - |" in text
     assert "| matrix products | 145 | 4000.0 | 27.59 | 3500.0 | 3760 |" in text
     assert bench.render_ablation("qwen3-8b", ab).startswith("qwen3-8b: decode step without sampling")
+
+
+def test_engine_max_context_is_the_runs_own_unless_given_and_refuses_one_too_short():
+    assert bench.engine_max_context(512, 128) == 704
+    assert bench.engine_max_context(512, 128, 40960) == 40960
+    with pytest.raises(SystemExit, match="less than the run needs \\(704"):
+        bench.engine_max_context(512, 128, 700)
