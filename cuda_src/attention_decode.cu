@@ -40,54 +40,64 @@ __device__ __forceinline__ int fused_task_head(const AttnArgs &a, const Block &w
     return task < w.G ? w.kv_head * w.G + task : a.num_heads + w.kv_head;
 }
 
-// The fused input's tasks from this warp's on, after the wait (the first prepared before it: hin, hwork): the
-// query heads into the Q tile (rows past the group zero), the key and value into the cache.
+// One fused input task's result, hin normed and rotated: a query head into the Q tile (row `task`), or the key
+// and value into the cache.
 template <bool Q8>
-__device__ __forceinline__ void fused_tasks(const AttnArgs &a, const FusedInput &fin, const Block &w, int n_tasks,
-                                            float f0, float f1, HeadInput &hin, bool hwork, bf16 *sQ) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int task = warp; task < n_tasks; task += 4) {
-        if (task != warp)
-            hwork = prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq, w.q0,
-                                 fused_task_head(a, w, task), a.num_heads, a.num_kv_heads, hin);
-        if (!hwork) continue;  // the key head of a padding token
-        finish_head(fin.qkv, w.q0, a.num_heads, a.num_kv_heads, fin.eps, hin);
-        if (hin.is_q) {  // row `task`: channels 2l, 2l+1 in chunk l / 4, 64+2l, 64+2l+1 in chunk 8 + l / 4
-            u32 lo, hi;
-            query_pairs(hin, f0, f1, lo, hi);
-            *reinterpret_cast<u32 *>(sQ + swz(task, lane >> 2) + 2 * (lane & 3)) = lo;
-            *reinterpret_cast<u32 *>(sQ + swz(task, 8 + (lane >> 2)) + 2 * (lane & 3)) = hi;
-        } else if constexpr (Q8) {
-            store_key_value_int8(hin, f0, f1, static_cast<signed char *>(fin.k_pool),
-                                 static_cast<signed char *>(fin.v_pool), fin.k_scale, fin.v_scale, a.num_heads,
-                                 a.num_kv_heads, a.page_size);
-        } else {
-            store_key_value(hin, static_cast<bf16 *>(fin.k_pool), static_cast<bf16 *>(fin.v_pool), a.num_heads,
-                            a.num_kv_heads, a.page_size);
-        }
+__device__ __forceinline__ void fused_result(const AttnArgs &a, const FusedInput &fin, int task, const HeadInput &hin,
+                                             uint2 v, float f0, float f1, bf16 *sQ) {
+    const int lane = threadIdx.x & 31;
+    if (hin.is_q) {  // row `task`: channels 2l, 2l+1 in chunk l / 4, 64+2l, 64+2l+1 in chunk 8 + l / 4
+        u32 lo, hi;
+        query_pairs(hin, f0, f1, lo, hi);
+        *reinterpret_cast<u32 *>(sQ + swz(task, lane >> 2) + 2 * (lane & 3)) = lo;
+        *reinterpret_cast<u32 *>(sQ + swz(task, 8 + (lane >> 2)) + 2 * (lane & 3)) = hi;
+    } else if constexpr (Q8) {
+        store_key_value_int8(hin, v, f0, f1, static_cast<signed char *>(fin.k_pool),
+                             static_cast<signed char *>(fin.v_pool), fin.k_scale, fin.v_scale, a.num_heads,
+                             a.num_kv_heads, a.page_size);
+    } else {
+        store_key_value(hin, v, static_cast<bf16 *>(fin.k_pool), static_cast<bf16 *>(fin.v_pool), a.num_heads,
+                        a.num_kv_heads, a.page_size);
     }
-    for (int idx = threadIdx.x; idx < (16 - w.G) * (HD / 8); idx += THREADS)  // rows past the group: zero
-        st16(sQ + swz(w.G + idx / (HD / 8), idx % (HD / 8)), vec16{});
-    __threadfence_block();  // the new key and value before this block's copy of their tile
-    __syncthreads();
 }
 
-// The _fused builds' Q tile, made here from fin.qkv, this warp's first head prepared before the wait (what no
-// kernel writes). Waits for the kernel before (pdl_start).
+// The most fused input tasks a warp takes: a group of up to 8 query heads and the key head over 4 warps.
+#define FUSED_TASKS 3
+
+// The _fused builds' Q tile, made from fin.qkv, and the new key and value: each warp's tasks warp, warp + 4 and
+// warp + 8, prepared before the wait for the kernel before (pdl_start; what no kernel writes), their heads
+// requested together after it. The query rows past the group are zeroed.
 template <bool Q8>
 __device__ __forceinline__ void fused_input(const AttnArgs &a, const FusedInput &fin, const Block &w, bf16 *sQ) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kt_new = (w.kv_len - 1) / KT;
     const int n_tasks = w.G + (kt_new >= w.kt_begin && kt_new < w.kt_end ? 1 : 0);
-    HeadInput hin;
-    bool hwork = false;
     float f0 = 1.f, f1 = 1.f;
     if (Q8 && fin.smooth) { f0 = fin.smooth[2 * lane]; f1 = fin.smooth[2 * lane + 1]; }
-    if (warp < n_tasks)
-        hwork = prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq, w.q0,
-                             fused_task_head(a, w, warp), a.num_heads, a.num_kv_heads, hin);
+    HeadInput hin[FUSED_TASKS];
+    bool hwork[FUSED_TASKS];
+#pragma unroll
+    for (int j = 0; j < FUSED_TASKS; ++j) {
+        const int task = warp + 4 * j;
+        hwork[j] = task < n_tasks && prepare_head(fin.positions, fin.slots, fin.q_norm_w, fin.k_norm_w, fin.inv_freq,
+                                                  w.q0, fused_task_head(a, w, task), a.num_heads, a.num_kv_heads,
+                                                  hin[j]);
+    }
     pdl_start();
-    fused_tasks<Q8>(a, fin, w, n_tasks, f0, f1, hin, hwork, sQ);
+    HeadWords x[FUSED_TASKS];
+#pragma unroll
+    for (int j = 0; j < FUSED_TASKS; ++j)
+        if (hwork[j]) x[j] = load_head(fin.qkv, w.q0, a.num_heads, a.num_kv_heads, hin[j]);
+#pragma unroll
+    for (int j = 0; j < FUSED_TASKS; ++j) {
+        if (!hwork[j]) continue;  // no task, or the key head of a padding token
+        norm_rotate(x[j], fin.eps, hin[j]);
+        fused_result<Q8>(a, fin, warp + 4 * j, hin[j], x[j].v, f0, f1, sQ);
+    }
+    for (int idx = threadIdx.x; idx < (16 - w.G) * (HD / 8); idx += THREADS)  // rows past the group: zero
+        st16(sQ + swz(w.G + idx / (HD / 8), idx % (HD / 8)), vec16{});
+    __threadfence_block();  // the new key and value before this block's copy of their tile
+    __syncthreads();
 }
 
 // Prologue: the old tiles (request_old_tiles), the wait, Q (the kernel before's output, or in the _fused builds

@@ -21,7 +21,7 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
                                    blockIdx.y * 4 + (threadIdx.x >> 5), num_heads, num_kv_heads, h);
     pdl_start();
     if (!work) return;
-    finish_head(qkv, t, num_heads, num_kv_heads, eps, h);
+    const HeadWords x = finish_head(qkv, t, num_heads, num_kv_heads, eps, h);
     if (h.is_q) {
         u32 lo, hi;
         query_pairs(h, 1.f, 1.f, lo, hi);
@@ -30,7 +30,7 @@ extern "C" __global__ void attn_input(const bf16 *__restrict__ qkv, const int *_
         reinterpret_cast<u32 *>(dst + HD / 2)[h.lane] = hi;
         return;
     }
-    store_key_value(h, k_pool, v_pool, num_heads, num_kv_heads, page_size);
+    store_key_value(h, x.v, k_pool, v_pool, num_heads, num_kv_heads, page_size);
 }
 
 // The same for an INT8 cache (tileinfer/kv/int8.py; attn_input.cuh store_key_value_int8). With key
@@ -52,7 +52,7 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
     const float f0 = smooth ? smooth[2 * h.lane] : 1.f, f1 = smooth ? smooth[2 * h.lane + 1] : 1.f;
     pdl_start();
     if (!work) return;
-    finish_head(qkv, t, num_heads, num_kv_heads, eps, h);
+    const HeadWords x = finish_head(qkv, t, num_heads, num_kv_heads, eps, h);
     if (h.is_q) {
         u32 lo, hi;
         query_pairs(h, f0, f1, lo, hi);
@@ -61,5 +61,5 @@ extern "C" __global__ void attn_input_int8(const bf16 *__restrict__ qkv, const i
         reinterpret_cast<u32 *>(dst + HD / 2)[h.lane] = hi;
         return;
     }
-    store_key_value_int8(h, f0, f1, k_pool, v_pool, k_scale, v_scale, num_heads, num_kv_heads, page_size);
+    store_key_value_int8(h, x.v, f0, f1, k_pool, v_pool, k_scale, v_scale, num_heads, num_kv_heads, page_size);
 }

@@ -45,19 +45,41 @@ __device__ __forceinline__ bool prepare_head(const int *__restrict__ positions, 
     return true;
 }
 
-// qkv's row of token t: the head loaded, normed and rotated (after the wait).
-__device__ __forceinline__ void finish_head(const bf16 *__restrict__ qkv, int t, int num_heads, int num_kv_heads,
-                                            float eps, HeadInput &h) {
+// The words of a head's row of qkv a lane holds: channels 2l, 2l+1 (lo) and 64+2l, 64+2l+1 (hi), and for a key
+// head its value head's channels 4l .. 4l+3 (v).
+struct HeadWords {
+    u32 lo, hi;
+    uint2 v;
+};
+
+// qkv's row of token t: the head's words (and a key head's value words), requested together (after the wait).
+__device__ __forceinline__ HeadWords load_head(const bf16 *__restrict__ qkv, int t, int num_heads, int num_kv_heads,
+                                               HeadInput &h) {
     const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
     h.src = qkv + (size_t)t * row_elems + (size_t)h.head * HD;
-    const u32 lo = reinterpret_cast<const u32 *>(h.src)[h.lane];            // channels 2l, 2l+1
-    const u32 hi = reinterpret_cast<const u32 *>(h.src + HD / 2)[h.lane];   // channels 64+2l, 64+2l+1
-    float x0 = bf16lo(lo), x1 = bf16hi(lo), y0 = bf16lo(hi), y1 = bf16hi(hi);
+    HeadWords x;
+    x.lo = reinterpret_cast<const u32 *>(h.src)[h.lane];
+    x.hi = reinterpret_cast<const u32 *>(h.src + HD / 2)[h.lane];
+    if (!h.is_q) x.v = reinterpret_cast<const uint2 *>(h.src + (size_t)num_kv_heads * HD)[h.lane];
+    return x;
+}
+
+// The head RMSNormed over its 128 channels and rotated: a0, a1 (channels 2l, 2l+1), b0, b1 (64+2l, 64+2l+1).
+__device__ __forceinline__ void norm_rotate(const HeadWords &x, float eps, HeadInput &h) {
+    float x0 = bf16lo(x.lo), x1 = bf16hi(x.lo), y0 = bf16lo(x.hi), y1 = bf16hi(x.hi);
     const float r = rsqrtf(warp_sum(x0 * x0 + x1 * x1 + y0 * y0 + y1 * y1) / HD + eps);
     x0 *= r * bf16lo(h.wlo); x1 *= r * bf16hi(h.wlo);
     y0 *= r * bf16lo(h.whi); y1 *= r * bf16hi(h.whi);
     h.a0 = x0 * h.c0 - y0 * h.s0; h.b0 = y0 * h.c0 + x0 * h.s0;
     h.a1 = x1 * h.c1 - y1 * h.s1; h.b1 = y1 * h.c1 + x1 * h.s1;
+}
+
+// load_head, then norm_rotate; returns the words (a key head's value words for its store).
+__device__ __forceinline__ HeadWords finish_head(const bf16 *__restrict__ qkv, int t, int num_heads,
+                                                 int num_kv_heads, float eps, HeadInput &h) {
+    const HeadWords x = load_head(qkv, t, num_heads, num_kv_heads, h);
+    norm_rotate(x, eps, h);
+    return x;
 }
 
 // A query head as bf16 (times the smoothing factors f0, f1 of channels 2l, 2l+1 and their partners; 1 for a
@@ -74,23 +96,20 @@ __device__ __forceinline__ size_t cache_vector(const HeadInput &h, int num_heads
 }
 
 // A key head (rotated) and its value head (copied unchanged) into a BF16 cache.
-__device__ __forceinline__ void store_key_value(const HeadInput &h, bf16 *__restrict__ k_pool,
+__device__ __forceinline__ void store_key_value(const HeadInput &h, uint2 v, bf16 *__restrict__ k_pool,
                                                 bf16 *__restrict__ v_pool, int num_heads, int num_kv_heads,
                                                 int page_size) {
     const int lane = h.lane;
     const size_t at = cache_vector(h, num_heads, num_kv_heads, page_size) * HD;
     reinterpret_cast<u32 *>(k_pool + at)[lane] = pack_bf16x2(h.a0, h.a1);
     reinterpret_cast<u32 *>(k_pool + at + HD / 2)[lane] = pack_bf16x2(h.b0, h.b1);
-    // The value head is copied unchanged: 256 bytes, 8 per lane.
-    const bf16 *vsrc = h.src + (size_t)num_kv_heads * HD;
-    reinterpret_cast<u32 *>(v_pool + at)[2 * lane] = reinterpret_cast<const u32 *>(vsrc)[2 * lane];
-    reinterpret_cast<u32 *>(v_pool + at)[2 * lane + 1] = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
+    reinterpret_cast<uint2 *>(v_pool + at)[lane] = v;  // the value head unchanged: 256 bytes, 8 a lane
 }
 
 // The same into an INT8 cache: each key and value vector as 128 int8 values plus one float32 scale,
 // symmetric, scale = max|x| / 127, q = round-half-even(x / scale). With key smoothing the key is stored as
 // k / c (f0, f1: c of channels 2l, 2l+1, the same on their rotary partners).
-__device__ __forceinline__ void store_key_value_int8(const HeadInput &h, float f0, float f1,
+__device__ __forceinline__ void store_key_value_int8(const HeadInput &h, uint2 v, float f0, float f1,
                                                      signed char *__restrict__ k_pool, signed char *__restrict__ v_pool,
                                                      float *__restrict__ k_scale, float *__restrict__ v_scale,
                                                      int num_heads, int num_kv_heads, int page_size) {
@@ -111,10 +130,7 @@ __device__ __forceinline__ void store_key_value_int8(const HeadInput &h, float f
     if (lane == 0) k_scale[vec] = ks;
 
     // The value head, unchanged but quantized: lane l owns channels 4l .. 4l+3.
-    const bf16 *vsrc = h.src + (size_t)num_kv_heads * HD;
-    const u32 v01 = reinterpret_cast<const u32 *>(vsrc)[2 * lane];
-    const u32 v23 = reinterpret_cast<const u32 *>(vsrc)[2 * lane + 1];
-    const float v0 = bf16lo(v01), v1 = bf16hi(v01), v2 = bf16lo(v23), v3 = bf16hi(v23);
+    const float v0 = bf16lo(v.x), v1 = bf16hi(v.x), v2 = bf16lo(v.y), v3 = bf16hi(v.y);
     const float vmax = warp_max(fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3))));
     const float vs = __fdiv_rn(vmax, 127.f);
     const float vd = vs > 0.f ? vs : 1.f;
