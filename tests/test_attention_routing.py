@@ -202,25 +202,26 @@ def test_verify_splits_stay_within_the_workspace_partials():
     (1, 32, 8, 16, 1, True),
     (1, 32, 8, 15, 1, False),     # below FUSED_MIN_SPLITS: attn_input launched
     (1, 32, 8, 11, 1, False),     # 512 positions
-    (1, 32, 8, 4, 7, False),      # below FUSED_MIN_SEQS too
-    (1, 32, 8, 4, 8, True),       # a batch: from FUSED_MIN_SEQS sequences on
-    (1, 32, 8, 1, 64, True),      # up to FUSED_MAX_SEQS
-    (1, 32, 8, 1, 65, False),
-    (1, 32, 8, 1, 256, False),
-    (1, 32, 8, 48, 256, True),    # a long cache fuses at any batch
+    (1, 32, 8, 4, 4, True),       # a group of 4 (qwen3-4b, 8b): from 4 sequences (FUSED_SEQS)
+    (1, 32, 8, 4, 3, False),
+    (1, 32, 8, 10, 2, False),     # ... not at 2 below FUSED_MIN_SPLITS
+    (1, 32, 8, 1, 256, True),     # up to 256
+    (1, 32, 8, 1, 257, False),
+    (1, 32, 8, 48, 512, True),    # a long cache fuses at any batch
     (2, 32, 8, 48, 1, False),     # two tokens a sequence: the queries of several positions
     (2, 32, 8, 1, 64, False),
     (1, 64, 4, 48, 1, False),     # a group of 16: the 16-row build, which has no fused input
     (1, 64, 4, 1, 64, False),
     (1, 16, 8, 48, 1, True),      # qwen3-0.6b's group of 2
-    (1, 16, 8, 1, 64, True),
-    (1, 16, 8, 8, 2, True),       # a group of 2 (its tasks one round of the block's warps): 2-256 sequences
+    (1, 16, 8, 8, 2, True),       # a group of 2: 2-256 sequences
     (1, 16, 8, 1, 256, True),
     (1, 16, 8, 1, 257, False),
     (1, 16, 8, 11, 1, False),     # but not at batch 1 below FUSED_MIN_SPLITS
-    (1, 24, 8, 4, 7, True),       # a group of 3: the key head's is the fourth task
-    (1, 32, 8, 16, 2, True),      # a group of 4 at 2 sequences: from FUSED_MIN_SPLITS splits
-    (1, 32, 8, 10, 2, False),     # ... and FUSED_MIN_SEQS sequences only
+    (1, 24, 8, 4, 2, True),       # a group of 3 too
+    (1, 64, 8, 4, 7, False),      # a group of 8 (qwen3-32b): 8-64 sequences
+    (1, 64, 8, 4, 8, True),
+    (1, 64, 8, 4, 64, True),
+    (1, 64, 8, 4, 65, False),
 ])
 def test_engine_fuses_the_attention_input_of_long_or_batched_decode_steps(max_q_len, H, KV, splits, seqs, want):
     got = routing.engine_fuses_input(max_q_len=max_q_len, num_heads=H, num_kv_heads=KV, num_splits=splits,

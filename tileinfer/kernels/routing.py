@@ -19,26 +19,22 @@ KEYS_MAX_ROWS = 64
 HALF_ROWS = 8
 # A decode step (one token a sequence) whose attention runs an _h8 build can skip attn_input: the attention kernel
 # norms and rotates its group's queries itself, and the block that holds the new position stores its key and
-# value (cuda_src/attention.cuh, "fused input"). The engine does so from FUSED_MIN_SPLITS key splits on (a long
-# cache): over a shorter cache the fused launch was slower than the attn_input and attention launches it replaces
-# at batch 1, where a few blocks carry the input's work on the step's critical path. A decode step of
-# FUSED_MIN_SEQS to FUSED_MAX_SEQS sequences fuses too: there every (sequence, KV head) block prepares its own
-# group's queries and its head's new key and value while its first tiles load, and attn_input's launch and wait
-# go. On the H200 (scripts/bench.py --batches 16,64,144,256, qwen3-0.6b and qwen3-4b) fusing gained 0.6-7% at
-# 16 and 64 sequences and lost 0.4-2.3% at 144 and 256 (with or without the persistent decode build beside it).
-# Where a block's fused tasks (the group's query heads, and in the block that holds the new position its key head)
-# take one round of its 4 warps, a group of at most FUSED_ONE_ROUND_GROUP, a step fuses at FUSED_ONE_ROUND_SEQS
-# sequences: on an NVIDIA H100 (bench.py --no-single, against fusing at 8-64 only) qwen3-0.6b (a group of 2) gained
-# 5.3-6.5% at 2-7 sequences with the BF16 cache and 0.4-2.3% with INT8, 0.5-1.3% at 80-128, 0.8-2.2% at 144-256, and
-# its offline run 2.4%; with a group of 4, whose fifth task waits for one warp's first, qwen3-4b gained 0.4-0.8% at
-# 2-7 sequences with BF16 (-1.5% to +2.0% with INT8) and lost 0.3-0.8% at 80-128, and qwen3-8b lost 3.9% at 2, so
-# those keep FUSED_MIN_SEQS to FUSED_MAX_SEQS. At batch 1 below FUSED_MIN_SPLITS fusing lost 2.4% (qwen3-0.6b) and
-# 1.2% (qwen3-4b) on that H100.
+# value (cuda_src/attention.cuh, "fused input"; each warp prepares its tasks before the wait for the QKV product
+# and requests their heads together after it). The engine fuses:
+# - from FUSED_MIN_SPLITS key splits on (a long cache). Over a shorter cache at batch 1 a few blocks carry the
+#   input's work on the step's critical path, and the fused launch was slower than attn_input (whose work hides in
+#   the QKV product's tail under programmatic dependent launch) then attention: -2.4% (qwen3-0.6b) and -1.2%
+#   (qwen3-4b) at 10 splits on an NVIDIA H100.
+# - at the batches of FUSED_SEQS, by the group: (largest group, fewest sequences, most sequences). There every
+#   (sequence, KV head) block prepares its group's queries and its head's new key and value while its first tiles
+#   load, and attn_input's launch and wait go. On an NVIDIA H100 (bench.py --no-single, against attn_input then
+#   attention) a group of 2 (qwen3-0.6b) gained 5.3-6.5% at 2-7 sequences, 0.5-2.2% at 80-256, its offline run
+#   2.4%. A group of 4 gained at 4 and 256 sequences (qwen3-4b 1.2% and 1.4%, qwen3-8b 0.9% and 0.4%; with the
+#   INT8 cache qwen3-4b -0.8% and +1.7%), but at 2 qwen3-8b lost 3.3%. Groups of 5-8 (their tasks three rounds of
+#   the four warps) keep the range measured on the H200 before a warp's tasks ran together, where fusing lost
+#   0.4-2.3% at 144 and 256 sequences.
 FUSED_MIN_SPLITS = 16
-FUSED_MIN_SEQS = 8
-FUSED_MAX_SEQS = 64
-FUSED_ONE_ROUND_GROUP = 3
-FUSED_ONE_ROUND_SEQS = (2, 256)  # the sequences a step of a one-round group fuses at (256: the most measured)
+FUSED_SEQS = ((3, 2, 256), (4, 4, 256), (HALF_ROWS, 8, 64))
 WG_MAX_POOL = 1 << 32  # attention_wg.cu's producer indexes a pool with 32-bit element offsets
 # Blocks an SM of the BF16 decode builds (100 KB of shared memory; the persistent one's 108 KB), decode_items_blocks.
 DECODE_ITEMS_BLOCKS = 2
@@ -65,10 +61,10 @@ def fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, decode_sha
 def engine_fuses_input(*, max_q_len: int, num_heads: int, num_kv_heads: int, num_splits: int, num_seqs: int = 1,
                        decode_shape: bool = True, rows_share_keys: bool = False) -> bool:
     """Whether the engine's forward pass fuses the input of an attention launch: where the shape allows it, from
-    FUSED_MIN_SPLITS splits on, or at FUSED_MIN_SEQS to FUSED_MAX_SEQS sequences (FUSED_ONE_ROUND_SEQS for a group
-    of at most FUSED_ONE_ROUND_GROUP); never where rows read each other's new keys (StepShape.rows_share_keys)."""
-    one_round = num_heads // num_kv_heads <= FUSED_ONE_ROUND_GROUP
-    lo, hi = FUSED_ONE_ROUND_SEQS if one_round else (FUSED_MIN_SEQS, FUSED_MAX_SEQS)
+    FUSED_MIN_SPLITS splits on, or at the batches FUSED_SEQS gives the group; never where rows read each other's
+    new keys (StepShape.rows_share_keys)."""
+    group = num_heads // num_kv_heads
+    lo, hi = next(((lo, hi) for most, lo, hi in FUSED_SEQS if group <= most), (1, 0))
     if rows_share_keys or (num_splits < FUSED_MIN_SPLITS and not lo <= num_seqs <= hi):
         return False
     return fuses_input(max_q_len=max_q_len, num_heads=num_heads, num_kv_heads=num_kv_heads, decode_shape=decode_shape)
