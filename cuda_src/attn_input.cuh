@@ -14,14 +14,13 @@
 // One warp's head `head` of token t. Lane l owns channels 2l, 2l+1 and their rotary partners 64+2l, 64+2l+1
 // (rotate-half pairing (i, i + 64): (x, y) -> (x cos - y sin, y cos + x sin)). prepare_head does everything
 // that reads only what no kernel writes (the step's positions and slots, the norm weights, the rotary
-// frequencies) before the kernel waits for the QKV product (pdl_start); finish_head then loads the head,
-// RMSNorms it over its 128 channels and rotates it: a0, a1 (channels 2l, 2l+1), b0, b1 (64+2l, 64+2l+1).
+// frequencies) before the kernel waits for the QKV product (pdl_start); after it load_head loads the head and
+// norm_rotate RMSNorms it over its 128 channels and rotates it: a0, a1 (channels 2l, 2l+1), b0, b1 (64+2l, 64+2l+1).
 struct HeadInput {
     int head, lane, slot;
     bool is_q;
     u32 wlo, whi;          // the norm weights of channels 2l, 2l+1 and 64+2l, 64+2l+1
     float s0, c0, s1, c1;  // sin and cos of the rotation of channel pairs 2l and 2l+1
-    const bf16 *src;
     float a0, a1, b0, b1;
 };
 
@@ -54,13 +53,13 @@ struct HeadWords {
 
 // qkv's row of token t: the head's words (and a key head's value words), requested together (after the wait).
 __device__ __forceinline__ HeadWords load_head(const bf16 *__restrict__ qkv, int t, int num_heads, int num_kv_heads,
-                                               HeadInput &h) {
+                                               const HeadInput &h) {
     const int row_elems = (num_heads + 2 * num_kv_heads) * HD;
-    h.src = qkv + (size_t)t * row_elems + (size_t)h.head * HD;
+    const bf16 *src = qkv + (size_t)t * row_elems + (size_t)h.head * HD;
     HeadWords x;
-    x.lo = reinterpret_cast<const u32 *>(h.src)[h.lane];
-    x.hi = reinterpret_cast<const u32 *>(h.src + HD / 2)[h.lane];
-    if (!h.is_q) x.v = reinterpret_cast<const uint2 *>(h.src + (size_t)num_kv_heads * HD)[h.lane];
+    x.lo = reinterpret_cast<const u32 *>(src)[h.lane];
+    x.hi = reinterpret_cast<const u32 *>(src + HD / 2)[h.lane];
+    if (!h.is_q) x.v = reinterpret_cast<const uint2 *>(src + (size_t)num_kv_heads * HD)[h.lane];
     return x;
 }
 
