@@ -262,24 +262,27 @@ template <> struct Wgmma<256> {
 // of the tile over the cluster's KS partial tiles, rank 0 first (the same order whichever block sums),
 // and stores it through the epilogue. Shares: column blocks u = rank, rank + KS, ... of the tile's 8-column
 // blocks (SILU_MUL: 8-output blocks, gate block u with its up block u + BN / 16), all rows.
-template <int EPI, int BN, int KS>
-__device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *__restrict__ out, u32 base, int M,
+template <int EPI, int BN, int KS, int MW>
+__device__ __forceinline__ void split_epilogue(const float (&d)[MW][BN / 2], void *__restrict__ out, u32 base, int M,
                                                int N, int mt, int nt, int c, int rank, const float *__restrict__ act,
                                                Capture cap) {
-    constexpr int PAIRS = BN / 4;                   // float2 pairs a thread: pair p = (d[2p], d[2p + 1])
+    constexpr int PAIRS = BN / 4;                   // float2 pairs a thread and wgmma: pair p = (d[mh][2p], d[mh][2p + 1])
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     constexpr int U = SILU ? BN / 16 : BN / 8;      // column blocks of the tile
     constexpr int PU = SILU ? 4 : 2;                // pairs per column block: (gate, up) x (row g, row g + 8)
     constexpr int ITEMS = (U + KS - 1) / KS;        // column blocks of one rank's share, at most
     const int tid = threadIdx.x & 127;
-    // Pair p of thread tid of consumer c at float2 (c * PAIRS + p) * 128 + tid from the ring's start: 64 KB
-    // (BN = 128) or 128 KB (BN = 256), conflict-free (a warp writes 256 contiguous bytes). The ring is idle
-    // once both consumer warpgroups have waited for their last wgmma (every stage the producer loaded has
-    // been consumed: one tile per block).
+    // Pair p of wgmma mh of thread tid of consumer c at float2 ((c * MW + mh) * PAIRS + p) * 128 + tid from the
+    // ring's start: 64 KB (a 128 x 128 tile) or 128 KB (128 x 256), conflict-free (a warp writes 256 contiguous
+    // bytes). The ring is idle once both consumer warpgroups have waited for their last wgmma (every stage the
+    // producer loaded has been consumed: one tile per block).
     consumers_sync();
-    const u32 mine = base + (u32)((c * PAIRS * 128 + tid) * 8);   // pair p at mine + 1024 p
 #pragma unroll
-    for (int p = 0; p < PAIRS; ++p) st_shared_f2(mine + p * 1024, d[2 * p], d[2 * p + 1]);
+    for (int mh = 0; mh < MW; ++mh) {
+        const u32 mine = base + (u32)(((c * MW + mh) * PAIRS * 128 + tid) * 8);   // pair p at mine + 1024 p
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) st_shared_f2(mine + p * 1024, d[mh][2 * p], d[mh][2 * p + 1]);
+    }
     cluster_sync();
 
     // Pair p = 2j + h holds columns 8j + 2t, + 1 of row g + 8h (d[4j + 2h + e], the accumulator layout).
@@ -288,55 +291,60 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
     // item past the share's end (u >= U) repeats the last column block's loads and is not stored.
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const int row_base = mt * BM + c * 64 + warp * 16 + g;
     constexpr int CH = 16 / PU < ITEMS ? 16 / PU : ITEMS;
 #pragma unroll
-    for (int i0 = 0; i0 < ITEMS; i0 += CH) {
-        float2 v[CH][PU];
+    for (int mh = 0; mh < MW; ++mh) {
+        // The 64 rows of wgmma mh: its pairs at `mine`, its rows from row_base.
+        const u32 mine = base + (u32)(((c * MW + mh) * PAIRS * 128 + tid) * 8);
+        const int row_base = mt * (MW * 128) + (c * MW + mh) * 64 + warp * 16 + g;
 #pragma unroll
-        for (int q = 0; q < KS; ++q) {
+        for (int i0 = 0; i0 < ITEMS; i0 += CH) {
+            float2 v[CH][PU];
 #pragma unroll
-            for (int i = 0; i < CH; ++i) {
-                const int u = min(rank + (i0 + i) * KS, U - 1);
+            for (int q = 0; q < KS; ++q) {
 #pragma unroll
-                for (int e = 0; e < PU; ++e) {
-                    const int p = 2 * u + (e & 1) + (e >> 1) * (BN / 8);   // e >> 1: the up half (SILU_MUL)
-                    const float2 x = ld_cluster_f2(mine + p * 1024, q);
-                    if (q == 0) {
-                        v[i][e] = x;
-                    } else {
-                        v[i][e].x += x.x;
-                        v[i][e].y += x.y;
+                for (int i = 0; i < CH; ++i) {
+                    const int u = min(rank + (i0 + i) * KS, U - 1);
+#pragma unroll
+                    for (int e = 0; e < PU; ++e) {
+                        const int p = 2 * u + (e & 1) + (e >> 1) * (BN / 8);   // e >> 1: the up half (SILU_MUL)
+                        const float2 x = ld_cluster_f2(mine + p * 1024, q);
+                        if (q == 0) {
+                            v[i][e] = x;
+                        } else {
+                            v[i][e].x += x.x;
+                            v[i][e].y += x.y;
+                        }
                     }
                 }
             }
-        }
-        if constexpr (EPI == EPI_RESIDUAL) {
-            // Pair p: item p / 2, row g + 8 (p % 2); an item past the share's end is not stored (col = N).
-            add_residual<2 * CH>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
-                const int i = p >> 1, h = p & 1, u = rank + (i0 + i) * KS;
-                row = row_base + 8 * h;
-                col = i0 + i < ITEMS && u < U ? nt * BN + 8 * u + 2 * t : N;
-                return v[i][h];
-            });
-        } else {
+            if constexpr (EPI == EPI_RESIDUAL) {
+                // Pair p: item p / 2, row g + 8 (p % 2); an item past the share's end is not stored (col = N).
+                add_residual<2 * CH>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
+                    const int i = p >> 1, h = p & 1, u = rank + (i0 + i) * KS;
+                    row = row_base + 8 * h;
+                    col = i0 + i < ITEMS && u < U ? nt * BN + 8 * u + 2 * t : N;
+                    return v[i][h];
+                });
+            } else {
 #pragma unroll
-            for (int i = 0; i < CH; ++i) {
-                const int u = rank + (i0 + i) * KS;
-                if (i0 + i >= ITEMS || u >= U) continue;
+                for (int i = 0; i < CH; ++i) {
+                    const int u = rank + (i0 + i) * KS;
+                    if (i0 + i >= ITEMS || u >= U) continue;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = row_base + 8 * h;
-                    if (row >= M) continue;
-                    if constexpr (SILU) {
-                        const int half = N / 2, col = nt * (BN / 2) + 8 * u + 2 * t;   // even; half is even
-                        if (col >= half) continue;
-                        const float2 gt = v[i][h], up = v[i][2 + h];
-                        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
-                                pack_bf16x2(silu_mul(gt.x, up.x), silu_mul(gt.y, up.y));
-                    } else {
-                        const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
-                        if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act);
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = row_base + 8 * h;
+                        if (row >= M) continue;
+                        if constexpr (SILU) {
+                            const int half = N / 2, col = nt * (BN / 2) + 8 * u + 2 * t;   // even; half is even
+                            if (col >= half) continue;
+                            const float2 gt = v[i][h], up = v[i][2 + h];
+                            *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) =
+                                    pack_bf16x2(silu_mul(gt.x, up.x), silu_mul(gt.y, up.y));
+                        } else {
+                            const int col = nt * BN + 8 * u + 2 * t;                       // even; N % 8 == 0
+                            if (col < N) store_pair<EPI>(out, N, row, col, v[i][h], act);
+                        }
                     }
                 }
             }
@@ -346,28 +354,31 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[BN / 2], void *_
 }
 
 // ----------------------------------------------------------------------------- the kernel body
-template <int EPI, int BN, int KS, bool MC>
+template <int EPI, int BN, int KS, bool MC, int TM>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, void *__restrict__ out,
                                         int M, int N, int K, int tile0, int tile1, const float *__restrict__ act,
                                         Capture cap) {
     constexpr int WBOX = BN / 2;                      // rows of one W box
+    constexpr int MW = TM / BM;                       // A boxes of 128 rows a tile; m64 wgmmas a consumer a k16
+    constexpr int TILE_AT = TM * BK * 2;              // bytes of one stage's A tile
     constexpr int TILE_B = BN * BK * 2;               // bytes of one stage's W tile
-    constexpr int STAGES = SMEM_TILES / (TILE_A + TILE_B);
-    constexpr int R = BN / 2;                         // accumulators a consumer thread
+    constexpr int STAGES = SMEM_TILES / (TILE_AT + TILE_B);
+    constexpr int R = BN / 2;                         // accumulators a consumer thread and wgmma
     constexpr bool SILU = EPI == EPI_SILU_MUL;
+    static_assert(TM == BM || TM == 2 * BM, "tiles of 128 or 256 rows");
     static_assert(2 * STAGES * 8 <= 256, "mbarriers exceed their space");
-    static_assert(KS == 1 || 2 * (R / 2) * 128 * 8 <= STAGES * (TILE_A + TILE_B), "the partial tile fits the ring");
-    static_assert(!MC || KS == 1, "the multicast build is the persistent kernel's");
+    static_assert(KS == 1 || 2 * MW * (R / 2) * 128 * 8 <= STAGES * (TILE_AT + TILE_B), "the partial tile fits the ring");
+    static_assert(!MC || (KS == 1 && TM == BM), "the multicast build is the persistent kernel's, 128 rows a tile");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 sA = base;                              // [STAGES][BM][BK], 128-byte swizzled
-    const u32 sB = sA + STAGES * TILE_A;              // [STAGES][BN][BK]
+    const u32 sB = sA + STAGES * TILE_AT;             // [STAGES][BN][BK]
     const u32 full = sB + STAGES * TILE_B;            // [STAGES] mbarriers
     const u32 empty = full + STAGES * 8;              // [STAGES] mbarriers
 
     const int half = N / 2;
-    const int tiles_m = ceil_div(M, BM);
+    const int tiles_m = ceil_div(M, TM);
     const int tiles_n = SILU ? ceil_div(half, WBOX) : ceil_div(N, BN);
     const int ktiles = ceil_div(K, BK);
     // Tiles [tile0, tile1) of the tile order. KS == 1: persistent, tiles tile0 + blockIdx.x, + gridDim.x, ...
@@ -402,16 +413,21 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
             for (int tile = FIRST_TILE; tile < tile1; tile += TILE_STRIDE) {
                 int mt, nt;
                 tile_coords(tile, tiles_m, tiles_n, mt, nt);
-                const int m0 = mt * BM;
+                const int m0 = mt * TM;
                 const int r0 = SILU ? nt * WBOX : nt * BN;             // first W box: gate rows, or the first half
                 const int r1 = SILU ? half + nt * WBOX : nt * BN + WBOX;  // second: up rows, or the second half
                 const bool second = r1 < N;                           // always with SILU (r0 < half)
-                const u32 bytes = TILE_A + (second ? 2 : 1) * WBOX * BK * 2;
+                // A's boxes from m0 on, but a 256-row tile's second one when it lies wholly past M: its rows'
+                // products (whatever that stage holds) are not stored, and a product row reads its own A row only.
+                const int aboxes = MW == 1 || m0 + BM < M ? MW : 1;
+                const u32 bytes = aboxes * TILE_A + (second ? 2 : 1) * WBOX * BK * 2;
                 for (int kt = kbeg; kt < kend; ++kt) {
                     mbar_wait(empty + 8 * s, phase ^ 1);              // the consumers are done with stage s
                     mbar_arrive_expect_tx(full + 8 * s, bytes);
                     const int k0 = kt * BK;
-                    tma_load_2d(sA + s * TILE_A, tmA, full + 8 * s, k0, m0);
+#pragma unroll
+                    for (int b = 0; b < MW; ++b)
+                        if (b < aboxes) tma_load_2d(sA + s * TILE_AT + b * TILE_A, tmA, full + 8 * s, k0, m0 + b * BM);
                     if constexpr (MC) {
                         // The pair's tiles share W's column tile: rank 0 loads its first box into both blocks,
                         // rank 1 the second.
@@ -433,12 +449,14 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 
     // ----------------------------------------------------------------------- consumers
     setmaxnreg_inc<CONSUMER_REGS>();
-    const int c = wg - 1;                             // rows 64 c .. 64 c + 63 of the block tile
+    const int c = wg - 1;                             // rows (TM / 2) c .. (TM / 2) (c + 1) - 1 of the block tile
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    float d[R];
+    float d[MW][R];                                   // d[mh]: rows (TM / 2) c + 64 mh .. + 63
 #pragma unroll
-    for (int i = 0; i < R; ++i) d[i] = 0.f;
+    for (int mh = 0; mh < MW; ++mh)
+#pragma unroll
+        for (int i = 0; i < R; ++i) d[mh][i] = 0.f;
 
     int s = 0;
     u32 phase = 0;
@@ -448,11 +466,14 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         int prev = 0;
         for (int kt = kbeg; kt < kend; ++kt) {
             mbar_wait(full + 8 * s, phase);                   // stage s has landed
-            const u32 a = sA + s * TILE_A + c * 64 * BK * 2, b = sB + s * TILE_B;
+            const u32 a = sA + s * TILE_AT + c * (TM / 2) * BK * 2, b = sB + s * TILE_B;
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks)
-                Wgmma<BN>::run(d, smem_desc(a + ks * 32), smem_desc(b + ks * 32), ((kt - kbeg) | ks) != 0);
+#pragma unroll
+                for (int mh = 0; mh < MW; ++mh)
+                    Wgmma<BN>::run(d[mh], smem_desc(a + mh * 64 * BK * 2 + ks * 32), smem_desc(b + ks * 32),
+                                   ((kt - kbeg) | ks) != 0);
             wgmma_commit();
             wgmma_wait<1>();                                  // k-step kt - 1's group has completed ...
             if (kt > kbeg && lane == 0) {                     // ... so its stage can be refilled
@@ -466,57 +487,61 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
             }
         }
         wgmma_wait<0>();
-        fence_regs(d);
+#pragma unroll
+        for (int mh = 0; mh < MW; ++mh) fence_regs(d[mh]);
         if (KS == 1 && lane == 0) {
             mbar_arrive(empty + 8 * prev);
             if constexpr (MC) mbar_arrive_peer(empty + 8 * prev);
         }
         if constexpr (KS > 1) {
-            split_epilogue<EPI, BN, KS>(d, out, base, M, N, mt, nt, c, rank, act, cap);
+            split_epilogue<EPI, BN, KS, MW>(d, out, base, M, N, mt, nt, c, rank, act, cap);
             return;  // the last (only) tile of this block: its accumulators are dead from here
         }
 
-        // Accumulators: warp w of the warpgroup holds rows 16 w + g and + 8; d[4j + e] is column
-        // 8j + 2t + (e & 1) of row g + 8 (e >> 1) (the mma.m16n8 fragment layout, BN / 8 blocks of 8 columns).
-        const int row_base = mt * BM + c * 64 + warp * 16 + g;
-        if constexpr (SILU) {
-            // Columns c < BN/2: gate of output j0 + c; BN/2 + c: up of the same output.
-            const int j0 = nt * WBOX;
 #pragma unroll
-            for (int j = 0; j < BN / 16; ++j) {
-                const int col = j0 + 8 * j + 2 * t;           // even; half is even, so col + 1 < half too
+        for (int mh = 0; mh < MW; ++mh) {
+            // Accumulators: warp w of the warpgroup holds rows 16 w + g and + 8; d[4j + e] is column
+            // 8j + 2t + (e & 1) of row g + 8 (e >> 1) (the mma.m16n8 fragment layout, BN / 8 blocks of 8 columns).
+            const int row_base = mt * TM + c * (TM / 2) + mh * 64 + warp * 16 + g;
+            if constexpr (SILU) {
+                // Columns c < BN/2: gate of output j0 + c; BN/2 + c: up of the same output.
+                const int j0 = nt * WBOX;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = row_base + 8 * h;
-                    const u32 v = pack_bf16x2(silu_mul(d[4 * j + 2 * h], d[4 * (j + BN / 16) + 2 * h]),
-                                              silu_mul(d[4 * j + 2 * h + 1], d[4 * (j + BN / 16) + 2 * h + 1]));
-                    if (row < M && col < half)
-                        *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) = v;
+                for (int j = 0; j < BN / 16; ++j) {
+                    const int col = j0 + 8 * j + 2 * t;           // even; half is even, so col + 1 < half too
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = row_base + 8 * h;
+                        const u32 v = pack_bf16x2(silu_mul(d[mh][4 * j + 2 * h], d[mh][4 * (j + BN / 16) + 2 * h]),
+                                                  silu_mul(d[mh][4 * j + 2 * h + 1], d[mh][4 * (j + BN / 16) + 2 * h + 1]));
+                        if (row < M && col < half)
+                            *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) = v;
+                    }
                 }
-            }
-        } else if constexpr (EPI == EPI_RESIDUAL) {
-            // In chunks of 8 column blocks (16 pairs, 16 loads in flight a thread): wide tiles hold 128
-            // accumulators a thread, and the chunk's old values must fit beside them. Widths of 96 and 160 (12
-            // and 20 column blocks) in chunks of 4.
-            constexpr int CJ = (BN / 8) % 8 == 0 ? 8 : 4;
+            } else if constexpr (EPI == EPI_RESIDUAL) {
+                // In chunks of 8 column blocks (16 pairs, 16 loads in flight a thread): wide tiles hold 128
+                // accumulators a thread, and the chunk's old values must fit beside them. Widths of 96 and 160 (12
+                // and 20 column blocks) in chunks of 4.
+                constexpr int CJ = (BN / 8) % 8 == 0 ? 8 : 4;
 #pragma unroll
-            for (int j0 = 0; j0 < BN / 8; j0 += CJ)
-                add_residual<2 * CJ>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
-                    const int j = j0 + (p >> 1), h = p & 1;
-                    row = row_base + 8 * h;
-                    col = nt * BN + 8 * j + 2 * t;
-                    return make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                });
-        } else {
-            const int n0 = nt * BN;
+                for (int j0 = 0; j0 < BN / 8; j0 += CJ)
+                    add_residual<2 * CJ>(reinterpret_cast<float *>(out), M, N, cap, [&](int p, int &row, int &col) {
+                        const int j = j0 + (p >> 1), h = p & 1;
+                        row = row_base + 8 * h;
+                        col = nt * BN + 8 * j + 2 * t;
+                        return make_float2(d[mh][4 * j + 2 * h], d[mh][4 * j + 2 * h + 1]);
+                    });
+            } else {
+                const int n0 = nt * BN;
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int col = n0 + 8 * j + 2 * t;           // even; N % 8 == 0, so col + 1 < N too
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = n0 + 8 * j + 2 * t;           // even; N % 8 == 0, so col + 1 < N too
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = row_base + 8 * h;
-                    if (row >= M || col >= N) continue;
-                    store_pair<EPI>(out, N, row, col, make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]), act);
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = row_base + 8 * h;
+                        if (row >= M || col >= N) continue;
+                        store_pair<EPI>(out, N, row, col, make_float2(d[mh][4 * j + 2 * h], d[mh][4 * j + 2 * h + 1]), act);
+                    }
                 }
             }
         }
@@ -527,7 +552,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #undef FIRST_TILE
 #undef TILE_STRIDE
 #else
-template <int EPI, int BN, int KS, bool MC>
+template <int EPI, int BN, int KS, bool MC, int TM>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, int, int,
                                         const float *, Capture) {
     __trap();
@@ -539,21 +564,22 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 // ATTR its cluster shape. Arguments (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act, cap, cap_stride), A and
 // W the matrices tmA and tmW describe; tiles numbered up to ceil(M / 128) * ceil(N / BN) (SILU_MUL:
 // ceil(N / 2 / (BN / 2))); block (384), dynamic shared memory SMEM_BYTES.
-#define GEMM_KERNEL(NAME, EPI, BN, KS, MC, ATTR)                                                            \
+#define GEMM_KERNEL(NAME, EPI, TM, BN, KS, MC, ATTR)                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTR NAME(                                     \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
         pdl_start();                                                                                        \
-        gemm_ws<EPI, BN, KS, MC>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});    \
+        gemm_ws<EPI, BN, KS, MC, TM>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});\
     }
 // One width's five builds, NAME_e{EPI} for each epilogue.
-#define GEMM_EPILOGUES(NAME, BN, KS, MC, ATTR)                                                              \
-    GEMM_KERNEL(NAME##_e0, 0, BN, KS, MC, ATTR)                                                             \
-    GEMM_KERNEL(NAME##_e1, 1, BN, KS, MC, ATTR)                                                             \
-    GEMM_KERNEL(NAME##_e2, 2, BN, KS, MC, ATTR)                                                             \
-    GEMM_KERNEL(NAME##_e3, 3, BN, KS, MC, ATTR)                                                             \
-    GEMM_KERNEL(NAME##_e4, 4, BN, KS, MC, ATTR)
+#define GEMM_EPILOGUES_TM(NAME, TM, BN, KS, MC, ATTR)                                                       \
+    GEMM_KERNEL(NAME##_e0, 0, TM, BN, KS, MC, ATTR)                                                         \
+    GEMM_KERNEL(NAME##_e1, 1, TM, BN, KS, MC, ATTR)                                                         \
+    GEMM_KERNEL(NAME##_e2, 2, TM, BN, KS, MC, ATTR)                                                         \
+    GEMM_KERNEL(NAME##_e3, 3, TM, BN, KS, MC, ATTR)                                                         \
+    GEMM_KERNEL(NAME##_e4, 4, TM, BN, KS, MC, ATTR)
+#define GEMM_EPILOGUES(NAME, BN, KS, MC, ATTR) GEMM_EPILOGUES_TM(NAME, BM, BN, KS, MC, ATTR)
 // One kind's ten builds: the five epilogues at each width.
 #define GEMM_BUILDS(TAG, KS, MC, ATTR)                                                                      \
     GEMM_EPILOGUES(gemm_tma##TAG, 256, KS, MC, ATTR)                                                        \
@@ -563,8 +589,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #define CLUSTER_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_3 __cluster_dims__(3, 1, 1)
 #define CLUSTER_4 __cluster_dims__(4, 1, 1)
-// Compiled in seven parts of 10 kernels each, at once.
-#define KERNEL_PARTS 7
+// Compiled in ten parts of 5-15 kernels each, at once.
+#define KERNEL_PARTS 10
 
 // The persistent kernel, gemm_tma_e{EPI} and gemm_tma_n128_e{EPI}: grid min(tile1 - tile0, SMs).
 #if IN_PART(0)
@@ -600,4 +626,20 @@ GEMM_EPILOGUES(gemm_tma_n160, 160, 1, false, NO_CLUSTER)
 #if IN_PART(6)
 GEMM_EPILOGUES(gemm_tma_n96_s2, 96, 2, false, CLUSTER_2)
 GEMM_EPILOGUES(gemm_tma_n96_s4, 96, 4, false, CLUSTER_4)
+#endif
+
+// Tiles of 256 rows (two A boxes a stage, each consumer 128 rows in two m64 wgmmas a k16):
+// gemm_tma_m256_n{BN}[_s{KS}]_e{EPI}.
+#if IN_PART(7)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n96, 256, 96, 1, false, NO_CLUSTER)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n96_s2, 256, 96, 2, false, CLUSTER_2)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n96_s4, 256, 96, 4, false, CLUSTER_4)
+#endif
+#if IN_PART(8)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n128, 256, 128, 1, false, NO_CLUSTER)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n128_s2, 256, 128, 2, false, CLUSTER_2)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n128_s4, 256, 128, 4, false, CLUSTER_4)
+#endif
+#if IN_PART(9)
+GEMM_EPILOGUES_TM(gemm_tma_m256_n160, 256, 160, 1, false, NO_CLUSTER)
 #endif

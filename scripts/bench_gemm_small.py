@@ -40,8 +40,9 @@ from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
 from tileinfer.kernels.linear import cluster_slots, gemm
-from tileinfer.kernels.routing import (GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, TMA_ROUND_SPLITS, TMA_ROUND_WIDTHS,
-                                       TMA_SPLITS, TMA_WIDTHS, default_path, swap_config, tma_plan)
+from tileinfer.kernels.routing import (GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, TMA_BM, TMA_ROUND_SPLITS,
+                                       TMA_ROUND_WIDTHS, TMA_SPLITS, TMA_TALL, TMA_TALL_SPLITS, TMA_WIDTHS,
+                                       default_path, swap_config, tma_plan)
 from tileinfer.model.config import preset
 
 ROOFLINE_BYTES_PER_S = 4.3e12  # the H200's measured read bandwidth (docs/benchmarks.md, Rooflines)
@@ -143,10 +144,13 @@ def main() -> None:
         header += " swap split | " + " | ".join(f"swap ks{k} us" for k in SWAP_SPLITS) + " |"
     if args.gemv:
         header += " gemv us |"
-    tma_options = [(w, ks) for w in TMA_WIDTHS for ks in (1,) + TMA_SPLITS] + [(w, 1) for w in TMA_ROUND_WIDTHS]
-    tma_options += [(w, ks) for w, splits in TMA_ROUND_SPLITS.items() for ks in splits]
+    tma_options = [(TMA_BM, w, ks) for w in TMA_WIDTHS for ks in (1,) + TMA_SPLITS]
+    tma_options += [(TMA_BM, w, 1) for w in TMA_ROUND_WIDTHS]
+    tma_options += [(TMA_BM, w, ks) for w, splits in TMA_ROUND_SPLITS.items() for ks in splits]
+    tma_options += [(TMA_TALL, w, ks) for w, splits in TMA_TALL_SPLITS.items() for ks in splits]
+    label = lambda r, w, ks: f"{'m256 ' if r == TMA_TALL else ''}{w} s{ks}"  # noqa: E731
     if args.tma:
-        header += " tma pick | " + " | ".join(f"tma {w} s{ks} us" for w, ks in tma_options) + " |"
+        header += " tma pick | " + " | ".join(f"tma {label(*o)} us" for o in tma_options) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for model in args.models.split(","):
@@ -184,12 +188,14 @@ def main() -> None:
                     if args.tma:
                         if M > SWAP_BATCHES[-1]:
                             pick = tma_plan(M, N, K, epilogue, info.num_sms, cluster_slots())
-                            tma = {(w, ks): time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x,
-                                                       fn=gemm, width=w, split=ks) for w, ks in tma_options}
-                            row.update(tma_pick=[pick.width, pick.split, pick.tail, pick.multicast],
-                                       tma_us={f"{w}s{ks}": v for (w, ks), v in tma.items()})
+                            tma = {(r, w, ks): time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x,
+                                                          fn=gemm, width=w, split=ks, rows=r)
+                                   for r, w, ks in tma_options}
+                            row.update(tma_pick=[pick.width, pick.split, pick.tail, pick.multicast, pick.rows],
+                                       tma_us={(f"m{r}n" if r == TMA_TALL else "") + f"{w}s{ks}": v
+                                               for (r, w, ks), v in tma.items()})
                             tail = (f" t{pick.tail}" if pick.tail > 1 else "") + (" mc" if pick.multicast else "")
-                            line += (f" {pick.width} s{pick.split}{tail} | "
+                            line += (f" {label(pick.rows, pick.width, pick.split)}{tail} | "
                                      + " | ".join(f"{tma[o]:.1f}" for o in tma_options) + " |")
                         else:
                             line += " - |" + " - |" * len(tma_options)

@@ -16,7 +16,7 @@ import pytest
 import test_kernels
 from tileinfer.cuda import get_device
 from tileinfer.kernels.linear import cluster_slots, gemm, tile_rows
-from tileinfer.kernels.routing import TMA_ROUND_SPLITS, TMA_SPLITS, tma_plan
+from tileinfer.kernels.routing import TMA_ROUND_SPLITS, TMA_SPLITS, TMA_TALL, TMA_TALL_SPLITS, tma_plan
 
 from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
 from test_kernels import BF16, EPILOGUES, F32, check_linear  # noqa: E402
@@ -153,6 +153,26 @@ def test_gemm_tma_split_is_deterministic(epilogue, split, buf, stream):
     assert outs[0].tobytes() == outs[1].tobytes(), f"gemm_tma {epilogue} split={split}: two launches differ"
 
 
+# The 256-row tiles (each consumer warpgroup two m64 wgmmas a k16): every build at every epilogue, on a tile whose
+# second A box lies partly past M (200 rows) and wholly past it (100: not loaded), two row tiles with a partial
+# second (300), qwen3-4b's o_proj at 256 rows, and the persistent builds with 3 blocks walking many tiles.
+TALL_BUILDS = [(w, ks) for w, splits in TMA_TALL_SPLITS.items() for ks in splits]
+TALL_SHAPES = [(200, 264, 456), (100, 520, 1000), (300, 1032, 2056), (256, 2560, 4096)]
+
+
+@pytest.mark.parametrize("width, split", TALL_BUILDS)
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("M, N, K", TALL_SHAPES)
+def test_gemm_tma_tall_tiles(M, N, K, epilogue, width, split, buf, stream):
+    check_linear(buf, stream, M, N, K, epilogue, "gemm",
+                 launch=run(epilogue, stream, rows=TMA_TALL, width=width, split=split),
+                 label=f"gemm_tma {epilogue} M={M} N={N} K={K} rows={TMA_TALL} width={width} split={split}")
+    if split == 1 and M == 300:
+        check_linear(buf, stream, 1000, N, K, epilogue, "gemm",
+                     launch=run(epilogue, stream, rows=TMA_TALL, width=width, blocks=3),
+                     label=f"gemm_tma {epilogue} M=1000 N={N} K={K} rows={TMA_TALL} width={width} blocks=3")
+
+
 def test_gemm_tma_variants_agree_up_to_summation_order(buf, stream):
     rng = np.random.default_rng(7)
     M, N, K = 256, 2048, 2560
@@ -185,7 +205,7 @@ def test_gemm_tma_reads_whole_tiles_of_a_larger_buffer(M, epilogue, buf, stream)
     shape = (rows, N // 2) if epilogue == "silu_mul" else (rows, N)
     dtype = BF16 if epilogue in ("bf16", "silu_mul") else F32
     old = rng.standard_normal(shape, dtype=np.float32)
-    for kw in (dict(), dict(split=2, width=128)):
+    for kw in (dict(), dict(split=2, width=128), dict(rows=TMA_TALL, width=96, split=2)):
         exact = buf.upload(old[:M]) if epilogue == "residual" else buf.poisoned((M,) + shape[1:], dtype)
         gemm(buf.upload(x), w, exact, epilogue, stream, **kw)
         whole = buf.upload(old) if epilogue == "residual" else buf.poisoned(shape, dtype)

@@ -152,14 +152,14 @@ def _tma_plan(M: int, N: int, K: int, epilogue: str, sms: int) -> TmaPlan:
 
 def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream, *, width: int | None = None,
          split: int | None = None, tail: int | None = None, blocks: int | None = None,
-         multicast: bool | None = None, act: DeviceArray | None = None,
+         multicast: bool | None = None, rows: int | None = None, act: DeviceArray | None = None,
          capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
     of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256; 96 or 160 for the
     persistent kernel without a tail or multicast; 96 for a 2- or 4-way split) forces its tile width, `blocks` caps its
     grid (tests: many tiles a block), `tail` (2-4) runs its last, partial round as a split launch of that many
     blocks a tile, `multicast` runs it in 2-block clusters that share their W tiles (an even number of row tiles
-    and of blocks).
+    and of blocks). `rows` (128 or 256) forces the tile's rows.
     `split` (2-4 blocks per tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one;
     by default tma_plan decides. `act`: the parameters of the "xielu" epilogue; `capture`: as linear's."""
     M, K = x.shape
@@ -169,16 +169,16 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
         return
     silu = epilogue == "silu_mul"
     sms = get_device().info.num_sms
-    if split is None and width is None and blocks is None and tail is None and multicast is None:
+    if split is None and width is None and blocks is None and tail is None and multicast is None and rows is None:
         plan = _tma_plan(M, N, K, epilogue, sms)
     else:
-        plan = forced_plan(M, N, silu, sms, width, split, tail, multicast, blocks)
-    width, split, tail, multicast = plan.width, plan.split, plan.tail, plan.multicast
-    tiles = tma_tiles(M, N, silu, width)
-    maps = [bf16_tensor_map(x.ptr, tile_rows(x, TMA_BM), K, TMA_BM), bf16_tensor_map(w.ptr, N, K, width // 2)]
+        plan = forced_plan(M, N, silu, sms, width, split, tail, multicast, blocks, rows)
+    width, split, tail, multicast, rows = plan.width, plan.split, plan.tail, plan.multicast, plan.rows
+    tiles = tma_tiles(M, N, silu, width, rows)
+    maps = [bf16_tensor_map(x.ptr, tile_rows(x, rows), K, TMA_BM), bf16_tensor_map(w.ptr, N, K, width // 2)]
 
     def launch(ks: int, first: int, last: int, grid: int) -> None:
-        kernel("gemm_tma.cu", tma_kernel_name(width, ks, epilogue, multicast and ks == 1)).launch(
+        kernel("gemm_tma.cu", tma_kernel_name(width, ks, epilogue, multicast and ks == 1, rows)).launch(
             (grid,), (TMA_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(first), I32(last), *maps, act, *cap],
             stream, smem=TMA_SMEM)
 
@@ -195,9 +195,14 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
 
 
 def forced_plan(M: int, N: int, silu: bool, sms: int, width: int | None, split: int | None, tail: int | None,
-                multicast: bool | None, blocks: int | None) -> TmaPlan:
+                multicast: bool | None, blocks: int | None, rows: int | None = None) -> TmaPlan:
     """gemm's plan when a caller forces any of its options (each checked); the others as the persistent
-    kernel's defaults (no split, tail or multicast; tma_width's width)."""
+    kernel's defaults (no split, tail or multicast; tma_width's width; 128-row tiles)."""
+    if rows is not None and rows != TMA_BM:
+        if width is None or tail not in (None, 1) or multicast:
+            raise ValueError(f"gemm: rows={rows} needs a width, and takes no tail or multicast")
+        tma_kernel_name(width, split or 1, "bf16", rows=rows)   # raises where no such build exists
+        return TmaPlan(width, split or 1, rows=rows)
     for name, value in (("split", split), ("tail", tail)):
         if value not in (None, 1) + TMA_SPLITS:
             raise ValueError(f"gemm: {name} must be 1 or one of {TMA_SPLITS}, got {value}")

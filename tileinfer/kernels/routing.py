@@ -172,6 +172,10 @@ TMA_ROUND_COST = {160: 1.25, 96: 0.8}
 # or no faster in every such product measured (qwen3-0.6b, 4b and 8b at 96-256 rows).
 TMA_ROUND_SPLITS = {96: (2, 4)}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
+# Tiles of 256 rows (gemm_tma_m256_n{width}[_s{KS}]_e*): each consumer warpgroup 128 rows in two m64 wgmmas a k16,
+# so that a block reads a W tile once for 256 rows of A. Their widths, and the splits each width is built with.
+TMA_TALL = 256
+TMA_TALL_SPLITS = {96: (1, 2, 4), 128: (1, 2, 4), 160: (1,)}
 # A 128 x 256 tile's time over two 128 x 128 tiles': in the persistent kernel an estimate, not fitted; in a split
 # launch fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384 rows;
 # qwen3-4b's down_proj at 256 rows took 44.6 us split 4 ways in wide tiles, 42.5 split 2 ways in narrow ones,
@@ -377,9 +381,9 @@ def swap_config(M: int, N: int, K: int, epilogue: str, *, ksplit: int | None = N
     return SwapConfig(B, ksplit, (ksplit, tiles), swap_smem(B, deep), deep)
 
 
-def tma_tiles(M: int, N: int, silu: bool, width: int) -> int:
-    """gemm_tma.cu's output tiles: 128 rows x `width` columns of W (width / 2 outputs for SiLU)."""
-    return cdiv(M, TMA_BM) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
+def tma_tiles(M: int, N: int, silu: bool, width: int, rows: int = TMA_BM) -> int:
+    """gemm_tma.cu's output tiles: `rows` (128 or 256) rows x `width` columns of W (width / 2 outputs for SiLU)."""
+    return cdiv(M, rows) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
 
 
 def tma_kstep_cost(width: int, split: bool = False) -> float:
@@ -417,6 +421,7 @@ class TmaPlan:
     split: int
     tail: int = 1
     multicast: bool = False
+    rows: int = TMA_BM
 
 
 def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, int]) -> TmaPlan:
@@ -518,9 +523,17 @@ def tma_residual_width(M: int, N: int, slots2: int) -> int:
     return min(TMA_WIDTHS, key=lambda w: cdiv(tma_tiles(M, N, False, w) * 2, slots2) * tma_kstep_cost(w))
 
 
-def tma_kernel_name(width: int, split: int, epilogue: str, multicast: bool = False) -> str:
+def tma_kernel_name(width: int, split: int, epilogue: str, multicast: bool = False, rows: int = TMA_BM) -> str:
     """gemm_tma.cu's build: gemm_tma[_n{width}][_s{split} | _mc]_e{epilogue} (no _n for 256; TMA_ROUND_WIDTHS:
-    the persistent kernel, and the splits of TMA_ROUND_SPLITS)."""
+    the persistent kernel, and the splits of TMA_ROUND_SPLITS); tiles of TMA_TALL rows
+    gemm_tma_m256_n{width}[_s{split}]_e{epilogue} (TMA_TALL_SPLITS)."""
+    if rows == TMA_TALL:
+        if multicast or split not in TMA_TALL_SPLITS.get(width, ()):
+            raise ValueError(f"gemm_tma.cu has no {rows}-row build {width} wide "
+                             f"{'multicast' if multicast else f'split {split} ways'} (those built: {TMA_TALL_SPLITS})")
+        return f"gemm_tma_m{rows}_n{width}{f'_s{split}' if split > 1 else ''}_e{EPILOGUES[epilogue]}"
+    if rows != TMA_BM:
+        raise ValueError(f"gemm_tma.cu's tiles are {TMA_BM} or {TMA_TALL} rows, got {rows}")
     if width in TMA_ROUND_WIDTHS and (multicast or (split > 1 and not tma_split_built(width, split))):
         raise ValueError(f"gemm_tma.cu has no {'multicast' if multicast else f'{split}-way split'} build {width} "
                          f"wide (multicast: {TMA_WIDTHS}; splits: {TMA_WIDTHS} and {TMA_ROUND_SPLITS})")
