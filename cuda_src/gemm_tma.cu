@@ -115,6 +115,8 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, E
 #define TILE_A (BM * BK * 2)                   // bytes of one stage's A tile
 #define SMEM_TILES (192 * 1024)                // the stage ring: 4 stages at BN = 256, 5 at 160, 6 at 128 and 96
 #define SMEM_BYTES (SMEM_TILES + 256 + 1024)   // + mbarriers + alignment slack
+#define SMEM_TILES_TALL (224 * 1024)           // 256-row tiles: 5 stages at BN = 96, 4 at 160
+#define SMEM_BYTES_TALL (SMEM_TILES_TALL + 256 + 1024)
 #define GROUP_M 16                             // row tiles per group of the tile order
 #define PRODUCER_REGS 40
 #define CONSUMER_REGS 232                      // 128 x 40 + 256 x 232 <= 65536
@@ -362,7 +364,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     constexpr int MW = TM / BM;                       // A boxes of 128 rows a tile; m64 wgmmas a consumer a k16
     constexpr int TILE_AT = TM * BK * 2;              // bytes of one stage's A tile
     constexpr int TILE_B = BN * BK * 2;               // bytes of one stage's W tile
-    constexpr int STAGES = SMEM_TILES / (TILE_AT + TILE_B);
+    constexpr int STAGES = (TM == BM ? SMEM_TILES : SMEM_TILES_TALL) / (TILE_AT + TILE_B);
     constexpr int R = BN / 2;                         // accumulators a consumer thread and wgmma
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     static_assert(TM == BM || TM == 2 * BM, "tiles of 128 or 256 rows");
@@ -589,8 +591,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #define CLUSTER_2 __cluster_dims__(2, 1, 1)
 #define CLUSTER_3 __cluster_dims__(3, 1, 1)
 #define CLUSTER_4 __cluster_dims__(4, 1, 1)
-// Compiled in ten parts of 5-15 kernels each, at once.
-#define KERNEL_PARTS 10
+// Compiled in nine parts of 5-10 kernels each, at once.
+#define KERNEL_PARTS 9
 
 // The persistent kernel, gemm_tma_e{EPI} and gemm_tma_n128_e{EPI}: grid min(tile1 - tile0, SMs).
 #if IN_PART(0)
@@ -628,18 +630,13 @@ GEMM_EPILOGUES(gemm_tma_n96_s2, 96, 2, false, CLUSTER_2)
 GEMM_EPILOGUES(gemm_tma_n96_s4, 96, 4, false, CLUSTER_4)
 #endif
 
-// Tiles of 256 rows (two A boxes a stage, each consumer 128 rows in two m64 wgmmas a k16):
-// gemm_tma_m256_n{BN}[_s{KS}]_e{EPI}.
+// Tiles of 256 rows (two A boxes a stage, each consumer 128 rows in two m64 wgmmas a k16), dynamic shared memory
+// SMEM_BYTES_TALL: gemm_tma_m256_n96_e{EPI}, gemm_tma_m256_n96_s4_e{EPI}, gemm_tma_m256_n160_e{EPI}
+// (routing.py TMA_TALL_SPLITS).
 #if IN_PART(7)
 GEMM_EPILOGUES_TM(gemm_tma_m256_n96, 256, 96, 1, false, NO_CLUSTER)
-GEMM_EPILOGUES_TM(gemm_tma_m256_n96_s2, 256, 96, 2, false, CLUSTER_2)
 GEMM_EPILOGUES_TM(gemm_tma_m256_n96_s4, 256, 96, 4, false, CLUSTER_4)
 #endif
 #if IN_PART(8)
-GEMM_EPILOGUES_TM(gemm_tma_m256_n128, 256, 128, 1, false, NO_CLUSTER)
-GEMM_EPILOGUES_TM(gemm_tma_m256_n128_s2, 256, 128, 2, false, CLUSTER_2)
-GEMM_EPILOGUES_TM(gemm_tma_m256_n128_s4, 256, 128, 4, false, CLUSTER_4)
-#endif
-#if IN_PART(9)
 GEMM_EPILOGUES_TM(gemm_tma_m256_n160, 256, 160, 1, false, NO_CLUSTER)
 #endif

@@ -92,18 +92,18 @@ H200_SLOTS = {2: 132, 3: 117, 4: 120}  # cluster_slots() on the H200
 
 
 def test_tma_plan_splits_only_within_one_wave():
-    # qwen3-4b at 256 rows: down_proj (40 narrow tiles of 152 k-steps) and o_proj on 2 blocks a tile (80
-    # blocks; down_proj's 20 wide tiles on 4 a tile were slower); at 512 rows down_proj's 80 narrow tiles would
+    # qwen3-4b at 256 rows: down_proj (152 k-steps) and o_proj on 4 blocks a 256-row tile 96 wide (108 blocks;
+    # down_proj's 20 wide tiles on 4 a tile were slower); at 512 rows down_proj's 80 narrow tiles would
     # need 3 waves of 4-block clusters (measured slower) and stay unsplit (in 108 tiles 96 wide: one round still).
     # At 96 rows its gate/up takes one round of wide tiles (two of narrow ones were faster alone, slower in the
     # engine), now 160 wide (122 tiles, one round, each 1.25 narrow k-steps against 1.84). Prefill-sized products
     # split only when they are residual ones (below).
     c = preset("qwen3-4b")
-    # o_proj and down_proj: 54 tiles 96 wide, 2 ways (108 blocks), not 40 narrow ones (80 blocks)
-    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
+    # o_proj and down_proj: 27 tiles of 256 x 96, 4 ways (108 blocks), not 40 narrow ones of 128 rows (80 blocks)
+    assert tma_plan(256, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 4, rows=256)
     assert tma_plan(96, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == TmaPlan(160, 1)
     o_k = c.num_attention_heads * c.head_dim
-    assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
+    assert tma_plan(256, c.hidden_size, o_k, "residual", 132, H200_SLOTS) == TmaPlan(96, 4, rows=256)
     assert tma_plan(512, c.hidden_size, c.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 1)
     assert tma_plan(4096, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(256, 1, 1, True)
     assert tma_plan(4096, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS) == \
@@ -113,10 +113,10 @@ def test_tma_plan_splits_only_within_one_wave():
                                (c.hidden_size, c.intermediate_size, "residual"), (1024, 8, "bf16")):
             silu = epilogue == "silu_mul"
             plan = tma_plan(M, n, k, epilogue, 132, H200_SLOTS)
-            width, split = plan.width, plan.split
+            width, split, rows = plan.width, plan.split, plan.rows
             assert width in TMA_WIDTHS + TMA_ROUND_WIDTHS and plan.tail == 1  # no split last round below
-            assert split == 1 or tma_split_built(width, split)                # TMA_TAIL_SPLIT_ROWS
-            assert split == 1 or tma_tiles(M, n, silu, width) * split <= H200_SLOTS[split]
+            assert split == 1 or tma_split_built(width, split, rows)          # TMA_TAIL_SPLIT_ROWS
+            assert split == 1 or tma_tiles(M, n, silu, width, rows) * split <= H200_SLOTS[split]
             assert split == 1 or -(-k // 64) >= 2 * split
 
 
@@ -127,7 +127,7 @@ def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares()
     # H100, 7.9 / 9.4 us against 8.5 split 2 ways 96 wide / 11.2 split 4 ways 128 wide); qwen3-4b's products of
     # 40-152 k-steps split as before, its o_proj and down_proj up to 128 rows 4 ways 96 wide (108 blocks: at 96
     # rows 12.2 / 23.5 us against 14.0 / 26.4 128 wide), from 129 rows 2 ways (the 4-way split's 216 blocks would
-    # not fit at once).
+    # not fit at once; from 129 rows the 256-row tiles split 4 ways, test_tall_tiles_at_129_to_256_rows).
     c = preset("qwen3-0.6b")
     o_k = c.num_attention_heads * c.head_dim
     for M in (65, 96, 128, 144, 256):
@@ -141,7 +141,8 @@ def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares()
     for M in (65, 96, 128):
         assert tma_plan(M, big.hidden_size, big.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 4)
         assert tma_plan(M, big.hidden_size, big_o_k, "residual", 132, H200_SLOTS) == TmaPlan(96, 4)
-    assert tma_plan(129, big.hidden_size, big.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(96, 2)
+    assert tma_plan(129, big.hidden_size, big.intermediate_size, "residual", 132, H200_SLOTS) == \
+        TmaPlan(96, 4, rows=256)
     assert tma_plan(96, big.qkv_size, big.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(96, 2)
     eight = preset("qwen3-8b")  # N = 4,096: 43 tiles 96 wide, 172 blocks split 4 ways, more than fit at once
     assert tma_plan(96, eight.hidden_size, eight.intermediate_size, "residual", 132, H200_SLOTS) == TmaPlan(128, 3)
@@ -159,7 +160,8 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
     N, K = 8 * n8 * (2 if epilogue == "silu_mul" else 1), 8 * k8
     plan = tma_plan(M, N, K, epilogue, 132, slots)
     builds = every_kernel_name()["gemm_tma.cu"]
-    assert tma_kernel_name(plan.width, plan.split, epilogue, plan.multicast) in builds
+    assert tma_kernel_name(plan.width, plan.split, epilogue, plan.multicast, plan.rows) in builds
+    assert plan.rows == 128 or (128 < M <= 256 and plan.tail == 1 and not plan.multicast)
     if plan.tail > 1:
         assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
     if plan.width in TMA_ROUND_WIDTHS:
@@ -167,10 +169,40 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
         prefill_residual = epilogue == "residual" and M >= TMA_RESIDUAL_PLAN_ROWS
         assert (plan.split == 1 and (M < TMA_TAIL_SPLIT_ROWS or prefill_residual)) or tma_split_built(plan.width,
                                                                                                       plan.split)
-    tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width)
+    tiles = tma_tiles(M, N, epilogue == "silu_mul", plan.width, plan.rows)
     assert tiles >= 1
     if plan.split > 1 and not (epilogue == "residual" and M >= TMA_RESIDUAL_PLAN_ROWS):
         assert tiles * plan.split <= slots[plan.split]
+
+
+def test_tall_tiles_at_129_to_256_rows():
+    # One row tile of 256 where the cost model finds it cheaper (TMA_TALL_COST, fitted on an H100): qwen3-4b's
+    # gate/up in 122 tiles 160 wide (one round, against the 128-row tiles' two), its o_proj and down_proj split
+    # 4 ways 96 wide; qwen3-8b's gate/up in 256 tiles 96 wide (two rounds, against three of 128-row tiles 128
+    # wide). qwen3-0.6b's products (16-48 k-steps) and the QKV products keep their 128-row tiles, as does every
+    # product below 129 rows and past 256.
+    four, eight, small = preset("qwen3-4b"), preset("qwen3-8b"), preset("qwen3-0.6b")
+    for M in (129, 144, 200, 256):
+        assert tma_plan(M, 2 * four.intermediate_size, four.hidden_size, "silu_mul", 132, H200_SLOTS) == \
+            TmaPlan(160, 1, rows=256)
+        assert tma_plan(M, four.hidden_size, four.intermediate_size, "residual", 132, H200_SLOTS) == \
+            TmaPlan(96, 4, rows=256)
+        assert tma_plan(M, 2 * eight.intermediate_size, eight.hidden_size, "silu_mul", 132, H200_SLOTS) == \
+            TmaPlan(96, 1, rows=256)
+        for c in (four, eight, small):
+            assert tma_plan(M, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS).rows == 128
+        for n, k, epilogue in ((small.qkv_size, small.hidden_size, "bf16"),
+                               (2 * small.intermediate_size, small.hidden_size, "silu_mul"),
+                               (small.hidden_size, small.intermediate_size, "residual")):
+            assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).rows == 128
+    for M in (65, 128, 257, 512):
+        for c in (four, eight):
+            assert tma_plan(M, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS).rows == 128
+    assert tma_kernel_name(96, 4, "residual", rows=256) == "gemm_tma_m256_n96_s4_e1"
+    assert tma_kernel_name(160, 1, "silu_mul", rows=256) == "gemm_tma_m256_n160_e2"
+    for width, split in ((96, 2), (128, 1), (160, 2)):
+        with pytest.raises(ValueError, match="256-row build"):
+            tma_kernel_name(width, split, "bf16", rows=256)
 
 
 def test_tma_round_widths_fill_the_rounds_of_batched_decode():
@@ -179,7 +211,7 @@ def test_tma_round_widths_fill_the_rounds_of_batched_decode():
     c = preset("qwen3-4b")
     gate_up = (2 * c.intermediate_size, c.hidden_size, "silu_mul")
     qkv = (c.qkv_size, c.hidden_size, "bf16")
-    assert tma_plan(256, *gate_up, 132, H200_SLOTS) == TmaPlan(160, 1)
+    assert tma_plan(257, *gate_up, 132, H200_SLOTS) == TmaPlan(256, 1)   # 129-256 rows: test_tall_tiles_...
     assert tma_tiles(256, gate_up[0], True, 160) == 2 * 122
     assert tma_plan(256, *qkv, 132, H200_SLOTS) == TmaPlan(96, 1)
     assert tma_tiles(256, qkv[0], False, 96) == 2 * 64
@@ -356,6 +388,8 @@ def every_kernel_name() -> dict[str, set[str]]:
     tma |= {L.tma_kernel_name(w, 1, e) for w in L.TMA_ROUND_WIDTHS for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, s, e) for w, splits in L.TMA_ROUND_SPLITS.items() for s in splits for e in L.EPILOGUES}
     tma |= {L.tma_kernel_name(w, 1, e, multicast=True) for w in L.TMA_WIDTHS for e in L.EPILOGUES}
+    tma |= {L.tma_kernel_name(w, s, e, rows=L.TMA_TALL) for w, splits in L.TMA_TALL_SPLITS.items() for s in splits
+            for e in L.EPILOGUES}
     return {"gemv.cu": gemv, "gemm_swap.cu": swap, "gemm_tma.cu": tma}
 
 
@@ -367,7 +401,8 @@ def launch_constants() -> dict[str, list[str]]:
             f"Cfg<16, 1, true>::STAGES == {SWAP_DEEP_STAGES} && Cfg<16, 1, true>::SMEM == {L.swap_smem(16, True)}"]
     swap += [f"Cfg<{B}, 1>::STAGES == {SWAP_STAGES[B]} && Cfg<{B}, 1>::SMEM == {L.swap_smem(B, False)}"
              for B in SWAP_BATCHES]
-    tma = [f"BM == {L.TMA_BM} && BK == {L.TMA_BK} && THREADS == {L.TMA_THREADS} && SMEM_BYTES == {L.TMA_SMEM}"]
+    tma = [f"BM == {L.TMA_BM} && BK == {L.TMA_BK} && THREADS == {L.TMA_THREADS} && SMEM_BYTES == {L.TMA_SMEM}"
+           f" && SMEM_BYTES_TALL == {L.TMA_TALL_SMEM}"]
     return {"gemv.cu": [f"WARPS == {L.GEMV_WARPS}", epilogues], "gemm_swap.cu": swap + [epilogues],
             "gemm_tma.cu": tma + [epilogues]}
 

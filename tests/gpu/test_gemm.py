@@ -205,7 +205,7 @@ def test_gemm_tma_reads_whole_tiles_of_a_larger_buffer(M, epilogue, buf, stream)
     shape = (rows, N // 2) if epilogue == "silu_mul" else (rows, N)
     dtype = BF16 if epilogue in ("bf16", "silu_mul") else F32
     old = rng.standard_normal(shape, dtype=np.float32)
-    for kw in (dict(), dict(split=2, width=128), dict(rows=TMA_TALL, width=96, split=2)):
+    for kw in (dict(), dict(split=2, width=128), dict(rows=TMA_TALL, width=96, split=4)):
         exact = buf.upload(old[:M]) if epilogue == "residual" else buf.poisoned((M,) + shape[1:], dtype)
         gemm(buf.upload(x), w, exact, epilogue, stream, **kw)
         whole = buf.upload(old) if epilogue == "residual" else buf.poisoned(shape, dtype)

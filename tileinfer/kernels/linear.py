@@ -31,7 +31,7 @@ from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE
                       NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_ROUND_SPLITS,
                       TMA_SPLITS, tma_split_built,
                       default_path, fuses_norm, gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
-                      norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
+                      norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name, tma_smem,
                       TmaPlan, SWAP_BATCHES, SWAP_BK, FLOW_EPILOGUES, FLOW_ROWS, flow_tiles_per_chunk)
 
 # ============================================================================= validation
@@ -180,7 +180,7 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
     def launch(ks: int, first: int, last: int, grid: int) -> None:
         kernel("gemm_tma.cu", tma_kernel_name(width, ks, epilogue, multicast and ks == 1, rows)).launch(
             (grid,), (TMA_THREADS,), [x, w, out, I32(M), I32(N), I32(K), I32(first), I32(last), *maps, act, *cap],
-            stream, smem=TMA_SMEM)
+            stream, smem=tma_smem(rows))
 
     if split > 1:
         launch(split, 0, tiles, tiles * split)

@@ -172,10 +172,18 @@ TMA_ROUND_COST = {160: 1.25, 96: 0.8}
 # or no faster in every such product measured (qwen3-0.6b, 4b and 8b at 96-256 rows).
 TMA_ROUND_SPLITS = {96: (2, 4)}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
-# Tiles of 256 rows (gemm_tma_m256_n{width}[_s{KS}]_e*): each consumer warpgroup 128 rows in two m64 wgmmas a k16,
-# so that a block reads a W tile once for 256 rows of A. Their widths, and the splits each width is built with.
+# Tiles of 256 rows (gemm_tma_m256_n{width}[_s{KS}]_e*, a 224 KB stage ring: TMA_TALL_SMEM): each consumer
+# warpgroup 128 rows in two m64 wgmmas a k16, so that a block reads a W tile once for 256 rows of A. tma_plan weighs
+# them at 129-256 rows (one such row tile), a k-step costing TMA_TALL_COST k-steps of a 128 x 128 tile (fitted to
+# `scripts/bench_gemm_small.py --tma` on an H100, qwen3-0.6b, 4b and 8b at 144 and 256 rows: 1.29-1.43 at 96 wide,
+# 2.24 at 160). Measured each alone at 144 / 256 rows: qwen3-4b's gate/up 42.9 / 45.9 us 160 wide against 46.8 /
+# 48.5 in the 128-row tiles' two rounds, its down_proj 29.7 / 32.3 split 4 ways 96 wide against 34.0 / 33.9
+# split 2 ways; qwen3-8b's gate/up 82.2 / 84.3 in two rounds 96 wide against 93.6 / 92.5 in three rounds 128 wide.
+# 128-wide 256-row builds and 96-wide 2-way splits were slower than the plan's in every product swept.
 TMA_TALL = 256
-TMA_TALL_SPLITS = {96: (1, 2, 4), 128: (1, 2, 4), 160: (1,)}
+TMA_TALL_SPLITS = {96: (1, 4), 160: (1,)}
+TMA_TALL_COST = {96: 1.4, 160: 2.24}
+TMA_TALL_SMEM = 224 * 1024 + 256 + 1024  # SMEM_BYTES_TALL
 # A 128 x 256 tile's time over two 128 x 128 tiles': in the persistent kernel an estimate, not fitted; in a split
 # launch fitted to `scripts/bench_gemm_small.py --tma` on the H200 (qwen3-0.6b, 4b and 8b at 96-384 rows;
 # qwen3-4b's down_proj at 256 rows took 44.6 us split 4 ways in wide tiles, 42.5 split 2 ways in narrow ones,
@@ -386,9 +394,16 @@ def tma_tiles(M: int, N: int, silu: bool, width: int, rows: int = TMA_BM) -> int
     return cdiv(M, rows) * (cdiv(N // 2, width // 2) if silu else cdiv(N, width))
 
 
-def tma_kstep_cost(width: int, split: bool = False) -> float:
-    """One k-step (64 deep) of a 128 x `width` tile (in a split launch: `split`), in k-steps of a 128 x 128
+def tma_smem(rows: int) -> int:
+    """Dynamic shared memory of gemm_tma.cu's builds of `rows`-row tiles."""
+    return TMA_TALL_SMEM if rows == TMA_TALL else TMA_SMEM
+
+
+def tma_kstep_cost(width: int, split: bool = False, rows: int = TMA_BM) -> float:
+    """One k-step (64 deep) of a `rows` x `width` tile (in a split launch: `split`), in k-steps of a 128 x 128
     tile."""
+    if rows == TMA_TALL:
+        return TMA_TALL_COST[width]
     if width in TMA_ROUND_COST:
         return TMA_ROUND_COST[width]
     return 1.0 if width == 128 else 2 * (TMA_WIDE_SPLIT_COST if split else TMA_WIDE_COST)
@@ -404,10 +419,10 @@ def tma_width(M: int, N: int, silu: bool, sms: int = H200_SMS, persistent: bool 
     return min(widths, key=lambda width: cdiv(tma_tiles(M, N, silu, width), sms) * tma_kstep_cost(width))
 
 
-def tma_split_cost(K: int, width: int, split: int) -> float:
+def tma_split_cost(K: int, width: int, split: int, rows: int = TMA_BM) -> float:
     """Estimated time of one split launch that fits in one wave: a block's share of the k-steps, its
     fill and its share of the reduction."""
-    return (cdiv(cdiv(K, TMA_BK), split) * tma_kstep_cost(width, split=True) + TMA_SPLIT_FILL
+    return (cdiv(cdiv(K, TMA_BK), split) * tma_kstep_cost(width, split=True, rows=rows) + TMA_SPLIT_FILL
             + TMA_SPLIT_REDUCE * split * width / 128)
 
 
@@ -434,17 +449,29 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     cheaper): those split 2 ways over as many waves as it takes, or run on the persistent kernel at a round width
     (tma_residual_plan). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
     its last round (tma_tail_split), and one of TMA_MULTICAST_ROWS rows on runs in 2-block clusters that share their
-    W tiles (tma_multicast)."""
+    W tiles (tma_multicast). At 129-256 rows the persistent kernel and the splits on 256-row tiles are weighed too
+    (TMA_TALL_COST)."""
     silu = epilogue == "silu_mul"
     residual = epilogue == "residual" and bool(slots.get(2)) and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2
     if residual and M >= TMA_RESIDUAL_SPLIT_ROWS:
         return tma_residual_plan(M, N, K, sms, slots[2])
     width = tma_width(M, N, silu, sms)
-    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * cdiv(K, TMA_BK) * tma_kstep_cost(width) + TMA_FILL
-    split = tma_cheapest_split(K, {w: tma_tiles(M, N, silu, w) for w in TMA_WIDTHS + tuple(TMA_ROUND_SPLITS)}, slots,
-                               TMA_SPLIT_MARGIN * unsplit)
+    ksteps = cdiv(K, TMA_BK)
+    unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * ksteps * tma_kstep_cost(width) + TMA_FILL
+    tall = None   # the persistent kernel on 256-row tiles, where it is estimated cheaper
+    tiles = {(TMA_BM, w): tma_tiles(M, N, silu, w) for w in TMA_WIDTHS + tuple(TMA_ROUND_SPLITS)}
+    if TMA_BM < M <= TMA_TALL:
+        for w, splits in TMA_TALL_SPLITS.items():
+            tiles[TMA_TALL, w] = tma_tiles(M, N, silu, w, TMA_TALL)
+            cost = cdiv(tiles[TMA_TALL, w], sms) * ksteps * TMA_TALL_COST[w] + TMA_FILL
+            if 1 in splits and cost < unsplit:
+                unsplit, tall = cost, TmaPlan(w, 1, rows=TMA_TALL)
+    split = tma_cheapest_split(K, tiles, slots, TMA_SPLIT_MARGIN * unsplit)
     if split is not None:
-        return TmaPlan(*split)
+        rows, width, ks = split
+        return TmaPlan(width, ks, rows=rows)
+    if tall is not None:
+        return tall
     if residual and M >= TMA_RESIDUAL_PLAN_ROWS:
         return tma_residual_plan(M, N, K, sms, slots[2])
     tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
@@ -467,30 +494,34 @@ def tma_tail_split(tiles: int, K: int, width: int, sms: int, slots: dict[int, in
     rem = tiles % sms
     if tiles < sms or rem == 0:
         return 1
-    split = tma_cheapest_split(K, {width: rem}, slots, TMA_SPLIT_MARGIN * cdiv(K, TMA_BK) * tma_kstep_cost(width))
-    return 1 if split is None else split[1]
+    split = tma_cheapest_split(K, {(TMA_BM, width): rem}, slots,
+                               TMA_SPLIT_MARGIN * cdiv(K, TMA_BK) * tma_kstep_cost(width))
+    return 1 if split is None else split[2]
 
 
-def tma_cheapest_split(K: int, tiles: dict[int, int], slots: dict[int, int], bound: float) -> tuple[int, int] | None:
-    """(width, split) of the split launch that costs least (tma_split_cost) and less than `bound`, over the widths
-    of `tiles` (width -> the launch's tiles at that width), among those whose grid fits at once (tiles x split <=
-    slots[split]) and gives each block TMA_SPLIT_MIN_KSTEPS k-steps at least; None when none does. Ties go to the
-    smaller split, then to the width first in `tiles`."""
+def tma_cheapest_split(K: int, tiles: dict[tuple[int, int], int], slots: dict[int, int],
+                       bound: float) -> tuple[int, int, int] | None:
+    """(rows, width, split) of the split launch that costs least (tma_split_cost) and less than `bound`, over the
+    tile shapes of `tiles` ((rows, width) -> the launch's tiles of that shape), among those whose grid fits at once
+    (tiles x split <= slots[split]) and gives each block TMA_SPLIT_MIN_KSTEPS k-steps at least; None when none does.
+    Ties go to the smaller split, then to the shape first in `tiles`."""
     best = None
     for split in TMA_SPLITS:
         if cdiv(K, TMA_BK) < TMA_SPLIT_MIN_KSTEPS * split:
             continue
-        for width, n in tiles.items():
-            if not tma_split_built(width, split):
+        for (rows, width), n in tiles.items():
+            if not tma_split_built(width, split, rows):
                 continue
-            if n * split <= slots.get(split, 0) and (c := tma_split_cost(K, width, split)) < bound:
-                best, bound = (width, split), c
+            if n * split <= slots.get(split, 0) and (c := tma_split_cost(K, width, split, rows)) < bound:
+                best, bound = (rows, width, split), c
     return best
 
 
-def tma_split_built(width: int, split: int) -> bool:
-    """Whether gemm_tma.cu has a split build (`split` > 1) `width` wide: at TMA_WIDTHS every split, at a round
-    width those of TMA_ROUND_SPLITS."""
+def tma_split_built(width: int, split: int, rows: int = TMA_BM) -> bool:
+    """Whether gemm_tma.cu has a split build (`split` > 1) `width` wide of `rows`-row tiles: at TMA_WIDTHS every
+    split, at a round width those of TMA_ROUND_SPLITS, 256 rows those of TMA_TALL_SPLITS."""
+    if rows == TMA_TALL:
+        return split in TMA_TALL_SPLITS.get(width, ())
     return width in TMA_WIDTHS or split in TMA_ROUND_SPLITS.get(width, ())
 
 
