@@ -88,6 +88,14 @@
 // kernel itself). The launcher (tileinfer/kernels/linear.py, tma_plan) picks KS and the width from (M, N, K)
 // and the number of clusters that fit at once (cuOccupancyMaxActiveClusters). Registers: 168, no spills.
 //
+// Tiles of 256 rows (gemm_tma_m256_n96_e*, gemm_tma_m256_n96_s4_e*, gemm_tma_m256_n160_e*), for 129-256 rows where
+// tma_plan's cost model finds them cheaper (qwen3-4b's gate/up, o_proj and down_proj, qwen3-8b's gate/up): a stage
+// holds two A boxes (rows m0 and m0 + 128; the second is not loaded where it lies wholly past M), and each consumer
+// warpgroup computes 128 rows, two m64 wgmmas a k16 sharing the W tile's descriptor, with BN accumulators a thread
+// (d[2][BN / 2]). Each W tile is then read once for all of a batch's rows, where two 128-row tiles read it once
+// each. Their ring is SMEM_TILES_TALL (5 stages at 96 wide, 4 at 160; dynamic shared memory SMEM_BYTES_TALL).
+// The split epilogue stores and sums each wgmma's 64 rows in turn.
+//
 // Multicast (gemm_tma_mc_e*, gemm_tma_n128_mc_e*), the persistent kernel from TMA_MULTICAST_ROWS rows on
 // (routing.py, tma_multicast): clusters of (2, 1, 1) blocks whose tiles are always a pair of row tiles under one
 // column tile of W. With an even number of row tiles the tile order's tiles 2q and 2q + 1 are such a pair, so a
