@@ -177,8 +177,9 @@ TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (
 # them at 129-256 rows (one such row tile), a k-step costing TMA_TALL_COST k-steps of a 128 x 128 tile (fitted to
 # `scripts/bench_gemm_small.py --tma` on an H100, qwen3-0.6b, 4b and 8b at 144 and 256 rows: 1.29-1.43 at 96 wide,
 # 2.24 at 160). Measured each alone at 144 / 256 rows: qwen3-4b's gate/up 42.9 / 45.9 us 160 wide against 46.8 /
-# 48.5 in the 128-row tiles' two rounds, its down_proj 29.7 / 32.3 split 4 ways 96 wide against 34.0 / 33.9
-# split 2 ways; qwen3-8b's gate/up 82.2 / 84.3 in two rounds 96 wide against 93.6 / 92.5 in three rounds 128 wide.
+# 48.3 in the 128-row tiles' two rounds, its down_proj 29.7 / 32.3 split 4 ways 96 wide against 34.2 / 33.9
+# split 2 ways; qwen3-8b's gate/up 82.2 / 84.3 in two rounds 96 wide against 93.3 / 92.7 in three rounds 128 wide.
+# In the engine (bench.py --no-single) qwen3-4b gained 2.8% at 144 sequences and 0.2% at 256 (docs/benchmarks.md).
 # 128-wide 256-row builds and 96-wide 2-way splits were slower than the plan's in every product swept.
 TMA_TALL = 256
 TMA_TALL_SPLITS = {96: (1, 4), 160: (1,)}
