@@ -16,7 +16,7 @@ from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLI
                                       TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
                                       TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
                                       norm_kernel_name, swap_config,
-                                      tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split,
+                                      tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split, tma_tall_rows,
                                       tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
@@ -161,7 +161,7 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
     plan = tma_plan(M, N, K, epilogue, 132, slots)
     builds = every_kernel_name()["gemm_tma.cu"]
     assert tma_kernel_name(plan.width, plan.split, epilogue, plan.multicast, plan.rows) in builds
-    assert plan.rows == 128 or (128 < M <= 256 and plan.tail == 1 and not plan.multicast)
+    assert plan.rows == 128 or (tma_tall_rows(M) and plan.tail == 1 and not plan.multicast)
     if plan.tail > 1:
         assert tma_kernel_name(plan.width, plan.tail, epilogue) in builds
     if plan.width in TMA_ROUND_WIDTHS:
@@ -176,7 +176,7 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
 
 
 def test_tall_tiles_at_129_to_256_rows():
-    # One row tile of 256 where the cost model finds it cheaper (TMA_TALL_COST, fitted on an H100): qwen3-4b's
+    # 129-256 rows: one row tile of 256 where the cost model finds it cheaper (TMA_TALL_COST, fitted on an H100): qwen3-4b's
     # gate/up in 122 tiles 160 wide (one round, against the 128-row tiles' two), its o_proj and down_proj split
     # 4 ways 96 wide; qwen3-8b's gate/up in 256 tiles 96 wide (two rounds, against three of 128-row tiles 128
     # wide). qwen3-0.6b's products (16-48 k-steps) and the QKV products keep their 128-row tiles, as does every
@@ -195,9 +195,19 @@ def test_tall_tiles_at_129_to_256_rows():
                                (2 * small.intermediate_size, small.hidden_size, "silu_mul"),
                                (small.hidden_size, small.intermediate_size, "residual")):
             assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).rows == 128
-    for M in (65, 128, 257, 512):
+    # 385-512 rows (two 256-row tiles, the last more than half full): qwen3-4b's and qwen3-8b's QKV in 128 tiles 96
+    # wide (one round, against two of 128-row tiles), qwen3-4b's gate/up in 244 tiles 160 wide.
+    for M in (385, 448, 512):
+        assert tma_plan(M, 2 * four.intermediate_size, four.hidden_size, "silu_mul", 132, H200_SLOTS) == \
+            TmaPlan(160, 1, rows=256)
         for c in (four, eight):
-            assert tma_plan(M, 2 * c.intermediate_size, c.hidden_size, "silu_mul", 132, H200_SLOTS).rows == 128
+            assert tma_plan(M, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(96, 1, rows=256)
+    assert [M for M in range(1, 4096) if tma_tall_rows(M)] == list(range(129, 257)) + list(range(385, 513))
+    for M in (65, 128, 257, 320, 384, 513, 1024):
+        for c in (four, eight):
+            for n, k, epilogue in ((2 * c.intermediate_size, c.hidden_size, "silu_mul"),
+                                   (c.qkv_size, c.hidden_size, "bf16")):
+                assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).rows == 128
     assert tma_kernel_name(96, 4, "residual", rows=256) == "gemm_tma_m256_n96_s4_e1"
     assert tma_kernel_name(160, 1, "silu_mul", rows=256) == "gemm_tma_m256_n160_e2"
     for width, split in ((96, 2), (128, 1), (160, 2)):

@@ -174,12 +174,14 @@ TMA_ROUND_SPLITS = {96: (2, 4)}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 # Tiles of 256 rows (gemm_tma_m256_n{width}[_s{KS}]_e*, a 224 KB stage ring: TMA_TALL_SMEM): each consumer
 # warpgroup 128 rows in two m64 wgmmas a k16, so that a block reads a W tile once for 256 rows of A. tma_plan weighs
-# them at 129-256 rows (one such row tile), a k-step costing TMA_TALL_COST k-steps of a 128 x 128 tile (fitted to
+# them at 129-256 and 385-512 rows (tma_tall_rows), a k-step costing TMA_TALL_COST k-steps of a 128 x 128 tile (fitted to
 # `scripts/bench_gemm_small.py --tma` on an H100, qwen3-0.6b, 4b and 8b at 144 and 256 rows: 1.29-1.43 at 96 wide,
 # 2.24 at 160). Measured each alone at 144 / 256 rows: qwen3-4b's gate/up 42.9 / 45.9 us 160 wide against 46.8 /
 # 48.3 in the 128-row tiles' two rounds, its down_proj 29.7 / 32.3 split 4 ways 96 wide against 34.2 / 33.9
 # split 2 ways; qwen3-8b's gate/up 82.2 / 84.3 in two rounds 96 wide against 93.3 / 92.7 in three rounds 128 wide.
 # In the engine (bench.py --no-single) qwen3-4b gained 2.8% at 144 sequences and 0.2% at 256 (docs/benchmarks.md).
+# At 512 rows: qwen3-4b's QKV 28.1 us 96 wide against 32.3 in 128-row tiles, its gate/up 77.6 160 wide against
+# 92.9 (128 wide), qwen3-8b's QKV 40.7 against 47.9.
 # 128-wide 256-row builds and 96-wide 2-way splits were slower than the plan's in every product swept.
 TMA_TALL = 256
 TMA_TALL_SPLITS = {96: (1, 4), 160: (1,)}
@@ -450,8 +452,8 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     cheaper): those split 2 ways over as many waves as it takes, or run on the persistent kernel at a round width
     (tma_residual_plan). An unsplit plan of TMA_TAIL_SPLIT_ROWS rows on may split
     its last round (tma_tail_split), and one of TMA_MULTICAST_ROWS rows on runs in 2-block clusters that share their
-    W tiles (tma_multicast). At 129-256 rows the persistent kernel and the splits on 256-row tiles are weighed too
-    (TMA_TALL_COST)."""
+    W tiles (tma_multicast). Where tma_tall_rows says, the persistent kernel and the splits on 256-row tiles are
+    weighed too (TMA_TALL_COST)."""
     silu = epilogue == "silu_mul"
     residual = epilogue == "residual" and bool(slots.get(2)) and cdiv(K, TMA_BK) >= TMA_SPLIT_MIN_KSTEPS * 2
     if residual and M >= TMA_RESIDUAL_SPLIT_ROWS:
@@ -461,7 +463,7 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     unsplit = cdiv(tma_tiles(M, N, silu, width), sms) * ksteps * tma_kstep_cost(width) + TMA_FILL
     tall = None   # the persistent kernel on 256-row tiles, where it is estimated cheaper
     tiles = {(TMA_BM, w): tma_tiles(M, N, silu, w) for w in TMA_WIDTHS + tuple(TMA_ROUND_SPLITS)}
-    if TMA_BM < M <= TMA_TALL:
+    if tma_tall_rows(M):
         for w, splits in TMA_TALL_SPLITS.items():
             tiles[TMA_TALL, w] = tma_tiles(M, N, silu, w, TMA_TALL)
             cost = cdiv(tiles[TMA_TALL, w], sms) * ksteps * TMA_TALL_COST[w] + TMA_FILL
@@ -477,6 +479,13 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
         return tma_residual_plan(M, N, K, sms, slots[2])
     tail = tma_tail_split(tma_tiles(M, N, silu, width), K, width, sms, slots) if M >= TMA_TAIL_SPLIT_ROWS else 1
     return TmaPlan(width, 1, tail, tma_multicast(M, sms, slots))
+
+
+def tma_tall_rows(M: int) -> bool:
+    """Whether tma_plan weighs 256-row tiles for M rows: 129-256 and 385-512, where the last 256-row tile is more
+    than half full. At 320 and 384 rows (a last tile a quarter or half full) they were slower than the 128-row
+    tiles in every product swept; past TMA_RESIDUAL_PLAN_ROWS the plans were not swept with them."""
+    return M <= TMA_RESIDUAL_PLAN_ROWS and -M % TMA_TALL < TMA_BM
 
 
 def tma_multicast(M: int, sms: int, slots: dict[int, int]) -> bool:
