@@ -277,16 +277,16 @@ template <int EPI, int BN, int KS, int MW>
 __device__ __forceinline__ void split_epilogue(const float (&d)[MW][BN / 2], void *__restrict__ out, u32 base, int M,
                                                int N, int mt, int nt, int c, int rank, const float *__restrict__ act,
                                                Capture cap) {
-    constexpr int PAIRS = BN / 4;                   // float2 pairs a thread and wgmma: pair p = (d[mh][2p], d[mh][2p + 1])
+    constexpr int PAIRS = BN / 4;                   // float2 pairs a thread a wgmma: (d[mh][2p], d[mh][2p + 1])
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     constexpr int U = SILU ? BN / 16 : BN / 8;      // column blocks of the tile
     constexpr int PU = SILU ? 4 : 2;                // pairs per column block: (gate, up) x (row g, row g + 8)
     constexpr int ITEMS = (U + KS - 1) / KS;        // column blocks of one rank's share, at most
     const int tid = threadIdx.x & 127;
     // Pair p of wgmma mh of thread tid of consumer c at float2 ((c * MW + mh) * PAIRS + p) * 128 + tid from the
-    // ring's start: 64 KB (a 128 x 128 tile) or 128 KB (128 x 256), conflict-free (a warp writes 256 contiguous
-    // bytes). The ring is idle once both consumer warpgroups have waited for their last wgmma (every stage the
-    // producer loaded has been consumed: one tile per block).
+    // ring's start: 64 KB (a 128 x 128 tile), 96 KB (256 x 96) or 128 KB (128 x 256), conflict-free (a warp writes
+    // 256 contiguous bytes). The ring is idle once both consumer warpgroups have waited for their last wgmma
+    // (every stage the producer loaded has been consumed: one tile per block).
     consumers_sync();
 #pragma unroll
     for (int mh = 0; mh < MW; ++mh) {
@@ -378,7 +378,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
     constexpr bool SILU = EPI == EPI_SILU_MUL;
     static_assert(TM == BM || TM == 2 * BM, "tiles of 128 or 256 rows");
     static_assert(2 * STAGES * 8 <= 256, "mbarriers exceed their space");
-    static_assert(KS == 1 || 2 * MW * (R / 2) * 128 * 8 <= STAGES * (TILE_AT + TILE_B), "the partial tile fits the ring");
+    static_assert(KS == 1 || 2 * MW * (R / 2) * 128 * 8 <= STAGES * (TILE_AT + TILE_B),
+                  "the partial tile fits the ring");
     static_assert(!MC || (KS == 1 && TM == BM), "the multicast build is the persistent kernel's, 128 rows a tile");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -523,8 +524,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int row = row_base + 8 * h;
-                        const u32 v = pack_bf16x2(silu_mul(d[mh][4 * j + 2 * h], d[mh][4 * (j + BN / 16) + 2 * h]),
-                                                  silu_mul(d[mh][4 * j + 2 * h + 1], d[mh][4 * (j + BN / 16) + 2 * h + 1]));
+                        const float *gt = d[mh] + 4 * j + 2 * h, *up = d[mh] + 4 * (j + BN / 16) + 2 * h;
+                        const u32 v = pack_bf16x2(silu_mul(gt[0], up[0]), silu_mul(gt[1], up[1]));
                         if (row < M && col < half)
                             *reinterpret_cast<u32 *>(reinterpret_cast<bf16 *>(out) + (size_t)row * half + col) = v;
                     }
@@ -551,7 +552,8 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
                     for (int h = 0; h < 2; ++h) {
                         const int row = row_base + 8 * h;
                         if (row >= M || col >= N) continue;
-                        store_pair<EPI>(out, N, row, col, make_float2(d[mh][4 * j + 2 * h], d[mh][4 * j + 2 * h + 1]), act);
+                        const float *v = d[mh] + 4 * j + 2 * h;
+                        store_pair<EPI>(out, N, row, col, make_float2(v[0], v[1]), act);
                     }
                 }
             }

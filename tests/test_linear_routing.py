@@ -16,7 +16,8 @@ from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLI
                                       TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
                                       TMA_TAIL_SPLIT_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
                                       norm_kernel_name, swap_config,
-                                      tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split, tma_tall_rows,
+                                      tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split,
+                                      tma_tall_rows,
                                       tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
@@ -127,7 +128,7 @@ def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares()
     # H100, 7.9 / 9.4 us against 8.5 split 2 ways 96 wide / 11.2 split 4 ways 128 wide); qwen3-4b's products of
     # 40-152 k-steps split as before, its o_proj and down_proj up to 128 rows 4 ways 96 wide (108 blocks: at 96
     # rows 12.2 / 23.5 us against 14.0 / 26.4 128 wide), from 129 rows 2 ways (the 4-way split's 216 blocks would
-    # not fit at once; from 129 rows the 256-row tiles split 4 ways, test_tall_tiles_at_129_to_256_rows).
+    # not fit at once; from 129 rows the 256-row tiles split 4 ways: test_tall_tiles_where_the_cost_model_...).
     c = preset("qwen3-0.6b")
     o_k = c.num_attention_heads * c.head_dim
     for M in (65, 96, 128, 144, 256):
@@ -175,12 +176,11 @@ def test_tma_plan_asks_only_for_builds_that_exist(M, n8, k8, epilogue, slots):
         assert tiles * plan.split <= slots[plan.split]
 
 
-def test_tall_tiles_at_129_to_256_rows():
-    # 129-256 rows: one row tile of 256 where the cost model finds it cheaper (TMA_TALL_COST, fitted on an H100): qwen3-4b's
-    # gate/up in 122 tiles 160 wide (one round, against the 128-row tiles' two), its o_proj and down_proj split
-    # 4 ways 96 wide; qwen3-8b's gate/up in 256 tiles 96 wide (two rounds, against three of 128-row tiles 128
-    # wide). qwen3-0.6b's products (16-48 k-steps) and the QKV products keep their 128-row tiles, as does every
-    # product below 129 rows and past 256.
+def test_tall_tiles_where_the_cost_model_finds_them_cheaper():
+    # 129-256 rows: one row tile of 256 where the cost model finds it cheaper (TMA_TALL_COST, fitted on an H100):
+    # qwen3-4b's gate/up in 122 tiles 160 wide (one round, against the 128-row tiles' two), its o_proj and down_proj
+    # split 4 ways 96 wide; qwen3-8b's gate/up in 256 tiles 96 wide (two rounds, against three of 128-row tiles 128
+    # wide). qwen3-0.6b's products (16-48 k-steps) and the QKV products keep their 128-row tiles there.
     four, eight, small = preset("qwen3-4b"), preset("qwen3-8b"), preset("qwen3-0.6b")
     for M in (129, 144, 200, 256):
         assert tma_plan(M, 2 * four.intermediate_size, four.hidden_size, "silu_mul", 132, H200_SLOTS) == \

@@ -31,7 +31,8 @@ from .routing import (EPILOGUES, PATHS, GEMV_WARPS, GEMV_ROWS, GEMV_SPLITS, PIPE
                       NORM_MAX_TILES, TMA_BM, TMA_THREADS, TMA_SMEM, TMA_WIDTHS, TMA_ROUND_WIDTHS, TMA_ROUND_SPLITS,
                       TMA_SPLITS, tma_split_built,
                       default_path, fuses_norm, gemv_pairs, gemv_ksplit, gemv_grid, gemv_pipe, gemv_kernel_name,
-                      norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name, tma_smem,
+                      norm_kernel_name, norm_tiles, swap_config, tma_tiles, tma_width, tma_plan, tma_kernel_name,
+                      tma_smem,
                       TmaPlan, SWAP_BATCHES, SWAP_BK, FLOW_EPILOGUES, FLOW_ROWS, flow_tiles_per_chunk)
 
 # ============================================================================= validation
