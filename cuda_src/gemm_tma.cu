@@ -90,11 +90,11 @@
 //
 // Tiles of 256 rows (gemm_tma_m256_n96_e*, gemm_tma_m256_n96_s4_e*, gemm_tma_m256_n160_e*), at 129-256 and 385-512
 // rows where tma_plan's cost model finds them cheaper (at 256 rows qwen3-4b's gate/up, o_proj and down_proj and
-// qwen3-8b's gate/up; at 512 also the QKV products): a stage
-// holds two A boxes (rows m0 and m0 + 128; the second is not loaded where it lies wholly past M), and each consumer
-// warpgroup computes 128 rows, two m64 wgmmas a k16 sharing the W tile's descriptor, with BN accumulators a thread
-// (d[2][BN / 2]). Each W tile is then read once for all of a batch's rows, where two 128-row tiles read it once
-// each. Their ring is SMEM_TILES_TALL (5 stages at 96 wide, 4 at 160; dynamic shared memory SMEM_BYTES_TALL).
+// qwen3-8b's gate/up; at 512 also the QKV products): a stage holds two A boxes (rows m0 and m0 + 128; the second
+// is not loaded where it lies wholly past M), and each consumer warpgroup computes 128 rows, two m64 wgmmas a k16
+// sharing the W tile's descriptor, with BN accumulators a thread (d[2][BN / 2]). Each W tile is then read once for
+// all of a batch's rows, where two 128-row tiles read it once each. Their ring is SMEM_TILES_TALL (5 stages at 96
+// wide, 4 at 160; dynamic shared memory SMEM_BYTES_TALL).
 // The split epilogue stores and sums each wgmma's 64 rows in turn.
 //
 // Multicast (gemm_tma_mc_e*, gemm_tma_n128_mc_e*), the persistent kernel from TMA_MULTICAST_ROWS rows on
@@ -287,13 +287,13 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[MW][BN / 2], voi
     // ring's start: 64 KB (a 128 x 128 tile), 96 KB (256 x 96) or 128 KB (128 x 256), conflict-free (a warp writes
     // 256 contiguous bytes). The ring is idle once both consumer warpgroups have waited for their last wgmma
     // (every stage the producer loaded has been consumed: one tile per block).
+    // Wgmma mh's pair p at pairs_at(mh) + 1024 p.
+    auto pairs_at = [&](int mh) { return base + (u32)(((c * MW + mh) * PAIRS * 128 + tid) * 8); };
     consumers_sync();
 #pragma unroll
-    for (int mh = 0; mh < MW; ++mh) {
-        const u32 mine = base + (u32)(((c * MW + mh) * PAIRS * 128 + tid) * 8);   // pair p at mine + 1024 p
+    for (int mh = 0; mh < MW; ++mh)
 #pragma unroll
-        for (int p = 0; p < PAIRS; ++p) st_shared_f2(mine + p * 1024, d[mh][2 * p], d[mh][2 * p + 1]);
-    }
+        for (int p = 0; p < PAIRS; ++p) st_shared_f2(pairs_at(mh) + p * 1024, d[mh][2 * p], d[mh][2 * p + 1]);
     cluster_sync();
 
     // Pair p = 2j + h holds columns 8j + 2t, + 1 of row g + 8h (d[4j + 2h + e], the accumulator layout).
@@ -305,9 +305,9 @@ __device__ __forceinline__ void split_epilogue(const float (&d)[MW][BN / 2], voi
     constexpr int CH = 16 / PU < ITEMS ? 16 / PU : ITEMS;
 #pragma unroll
     for (int mh = 0; mh < MW; ++mh) {
-        // The 64 rows of wgmma mh: its pairs at `mine`, its rows from row_base.
-        const u32 mine = base + (u32)(((c * MW + mh) * PAIRS * 128 + tid) * 8);
-        const int row_base = mt * (MW * 128) + (c * MW + mh) * 64 + warp * 16 + g;
+        // The 64 rows of wgmma mh: its pairs at `mine`, its rows from row_base (as the persistent epilogue's).
+        const u32 mine = pairs_at(mh);
+        const int row_base = mt * (MW * BM) + (c * MW + mh) * 64 + warp * 16 + g;
 #pragma unroll
         for (int i0 = 0; i0 < ITEMS; i0 += CH) {
             float2 v[CH][PU];
@@ -384,7 +384,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const u32 sA = base;                              // [STAGES][BM][BK], 128-byte swizzled
+    const u32 sA = base;                              // [STAGES][TM][BK], 128-byte swizzled
     const u32 sB = sA + STAGES * TILE_AT;             // [STAGES][BN][BK]
     const u32 full = sB + STAGES * TILE_B;            // [STAGES] mbarriers
     const u32 empty = full + STAGES * 8;              // [STAGES] mbarriers
@@ -573,10 +573,11 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
 #endif
 
 // ============================================================================= kernels
-// Every build is gemm_ws<EPI, BN, KS, MC> as an entry point named gemm_tma[_n{BN}]{TAG}_e{EPI} (no _n for BN = 256),
-// ATTR its cluster shape. Arguments (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act, cap, cap_stride), A and
-// W the matrices tmA and tmW describe; tiles numbered up to ceil(M / 128) * ceil(N / BN) (SILU_MUL:
-// ceil(N / 2 / (BN / 2))); block (384), dynamic shared memory SMEM_BYTES.
+// Every build is gemm_ws<EPI, BN, KS, MC, TM> as an entry point named gemm_tma[_m256][_n{BN}]{TAG}_e{EPI} (no _n for
+// BN = 256 with 128-row tiles), ATTR its cluster shape. Arguments (A, W, out, M, N, K, tile0, tile1, tmA, tmW, act,
+// cap, cap_stride), A and W the matrices tmA and tmW describe; tiles numbered up to ceil(M / TM) * ceil(N / BN)
+// (SILU_MUL: ceil(N / 2 / (BN / 2))); block (384), dynamic shared memory SMEM_BYTES (256-row tiles:
+// SMEM_BYTES_TALL).
 #define GEMM_KERNEL(NAME, EPI, TM, BN, KS, MC, ATTR)                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) ATTR NAME(                                     \
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
