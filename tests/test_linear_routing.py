@@ -202,8 +202,9 @@ def test_tall_tiles_where_the_cost_model_finds_them_cheaper():
             TmaPlan(160, 1, rows=256)
         for c in (four, eight):
             assert tma_plan(M, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(96, 1, rows=256)
-    assert [M for M in range(1, 4096) if tma_tall_rows(M)] == list(range(129, 257)) + list(range(385, 513))
-    for M in (65, 128, 257, 320, 384, 513, 1024):
+    assert [M for M in range(1, 4096) if tma_tall_rows(M)] == [*range(129, 257), *range(385, 513), *range(641, 769),
+                                                                *range(897, 1025)]
+    for M in (65, 128, 257, 320, 384, 513, 640, 896, 1025, 2048):
         for c in (four, eight):
             for n, k, epilogue in ((2 * c.intermediate_size, c.hidden_size, "silu_mul"),
                                    (c.qkv_size, c.hidden_size, "bf16")):
@@ -225,9 +226,9 @@ def test_tma_round_widths_fill_the_rounds_of_batched_decode():
     assert tma_tiles(256, gate_up[0], True, 160) == 2 * 122
     assert tma_plan(256, *qkv, 132, H200_SLOTS) == TmaPlan(96, 1)
     assert tma_tiles(256, qkv[0], False, 96) == 2 * 64
-    # From TMA_TAIL_SPLIT_ROWS rows on only the widths every build kind has (the tail split, multicast), but for
-    # the residual products (tma_residual_plan, below).
-    for M in (TMA_TAIL_SPLIT_ROWS, 2048, 4096):
+    # Past TMA_TAIL_SPLIT_ROWS rows only the widths every build kind has (the tail split, multicast), but for
+    # the residual products (tma_residual_plan, below); at TMA_TAIL_SPLIT_ROWS itself the 256-row tiles may run.
+    for M in (TMA_TAIL_SPLIT_ROWS + 1, 2048, 4096):
         for n, k, epilogue in (gate_up, qkv):
             assert tma_width(M, n, epilogue == "silu_mul") in TMA_WIDTHS
             assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).width in TMA_WIDTHS
