@@ -174,14 +174,16 @@ TMA_ROUND_SPLITS = {96: (2, 4)}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 # Tiles of 256 rows (gemm_tma_m256_n{width}[_s{KS}]_e*, a 224 KB stage ring: TMA_TALL_SMEM): each consumer
 # warpgroup 128 rows in two m64 wgmmas a k16, so that a block reads a W tile once for 256 rows of A. tma_plan weighs
-# them up to 1,024 rows where the last 256-row tile is more than half full (tma_tall_rows), a k-step costing TMA_TALL_COST k-steps of a 128 x 128 tile
-# (fitted to `scripts/bench_gemm_small.py --tma` on an H100, qwen3-0.6b, 4b and 8b at 144 and 256 rows: 1.29-1.43 at 96 wide,
-# 2.24 at 160). Measured each alone at 144 / 256 rows: qwen3-4b's gate/up 42.9 / 45.9 us 160 wide against 46.8 /
-# 48.3 in the 128-row tiles' two rounds, its down_proj 29.7 / 32.3 split 4 ways 96 wide against 34.2 / 33.9
-# split 2 ways; qwen3-8b's gate/up 82.2 / 84.3 in two rounds 96 wide against 93.3 / 92.7 in three rounds 128 wide.
+# them up to 1,024 rows where the last 256-row tile is more than half full (tma_tall_rows), a k-step costing
+# TMA_TALL_COST k-steps of a 128 x 128 tile (fitted to `scripts/bench_gemm_small.py --tma` on an H100, qwen3-0.6b,
+# 4b and 8b at 144 and 256 rows: 1.29-1.43 at 96 wide, 2.24 at 160). Measured each alone at 144 / 256 rows:
+# qwen3-4b's gate/up 42.9 / 45.9 us 160 wide against 46.8 / 48.3 in the 128-row tiles' two rounds, its down_proj
+# 29.7 / 32.3 split 4 ways 96 wide against 34.2 / 33.9 split 2 ways; qwen3-8b's gate/up 82.2 / 84.3 in two rounds
+# 96 wide against 93.3 / 92.7 in three rounds 128 wide.
 # In the engine (bench.py --no-single) qwen3-4b gained 2.8% at 144 sequences and 0.2% at 256 (docs/benchmarks.md).
 # At 512 rows: qwen3-4b's QKV 28.1 us 96 wide against 32.3 in 128-row tiles, its gate/up 77.6 160 wide against
-# 92.9 (128 wide), qwen3-8b's QKV 40.7 against 47.9.
+# 92.9 (128 wide), qwen3-8b's QKV 40.7 against 47.9. At 641-768 and 897-1,024 rows they took the 768- and
+# 1,024-token prefill of qwen3-4b +11.7% and +4.3%, of qwen3-8b +17.9% and +2.7% (bench.py --prefill 768,1024).
 # 128-wide 256-row builds and 96-wide 2-way splits were slower than the plan's in every product swept.
 TMA_TALL = 256
 TMA_TALL_SPLITS = {96: (1, 4), 160: (1,)}
