@@ -468,7 +468,7 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
     if tma_tall_rows(M):
         for w, splits in TMA_TALL_SPLITS.items():
             tiles[TMA_TALL, w] = tma_tiles(M, N, silu, w, TMA_TALL)
-            cost = cdiv(tiles[TMA_TALL, w], sms) * ksteps * TMA_TALL_COST[w] + TMA_FILL
+            cost = cdiv(tiles[TMA_TALL, w], sms) * ksteps * tma_kstep_cost(w, rows=TMA_TALL) + TMA_FILL
             if 1 in splits and cost < unsplit:
                 unsplit, tall = cost, TmaPlan(w, 1, rows=TMA_TALL)
     split = tma_cheapest_split(K, tiles, slots, TMA_SPLIT_MARGIN * unsplit)
