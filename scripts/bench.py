@@ -319,7 +319,8 @@ def engine_max_context(context: int, new: int, requested: int = 0) -> int:
     return requested or need
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command's options; scripts/bench_goals.py takes its defaults from here too."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
     ap.add_argument("--context", type=int, default=512, help="prompt positions before the timed decode")
@@ -346,7 +347,11 @@ def main() -> None:
     ap.add_argument("--engine-max-context", type=int, default=0,
                     help="max_context of the engine's --batches runs (default: the run's own, --context + --new + "
                          "64); a server's is longer, which gives a small batch more key splits")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     dev = get_device()
     print(f"GPU: {dev.info.name}, {dev.info.num_sms} SMs; tileinfer {tileinfer.__version__}", flush=True)

@@ -271,9 +271,10 @@ def measure(args) -> dict:
     from tileinfer.model.synthetic import cached_checkpoint
 
     def ns(**kw):
-        base = dict(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
-                    profile=args.profile, ablate=args.profile, batches="", peer_batches=None, offline=False,
-                    shared_prefix=False, engine_kv="bf16", prefill_pause=0.0)
+        """bench.py's options: its own defaults (so a new option reaches every case), then this run's."""
+        base = vars(bench.parser().parse_args([]))
+        base.update(context=512, new=128, repeats=3, prefill="", peer=args.peer, peer_timeout=args.peer_timeout,
+                    profile=args.profile, ablate=args.profile)
         return argparse.Namespace(**{**base, **kw})
 
     def peer_per_seq(row):

@@ -91,7 +91,8 @@ def test_measure_wires_every_case_from_the_bench_functions(monkeypatch):
     spec.loader.exec_module(real)  # its table renderer needs no GPU
     fake = types.SimpleNamespace(single=single, engine=engine, ROOFLINE_BYTES_PER_S=4.3e12,
                                  weight_bytes=lambda cfg: 1.2e9, kv_bytes=lambda cfg, n, kv="bf16": n * 114688,
-                                 render_profile=real.render_profile, render_ablation=real.render_ablation,
+                                 parser=real.parser, render_profile=real.render_profile,
+                                 render_ablation=real.render_ablation,
                                  prefill_runs=real.prefill_runs)
     monkeypatch.setitem(sys.modules, "bench", fake)
     monkeypatch.setattr(synthetic, "cached_checkpoint", lambda name: f"/ckpt/{name}")
@@ -268,3 +269,14 @@ def test_merge_writes_one_table_from_runs_of_different_cases(tmp_path, monkeypat
     with pytest.raises(SystemExit) as refused:  # argparse's error (status 2): --merge measures nothing
         g.main()
     assert refused.value.code == 2
+
+
+def test_bench_options_cover_every_attribute_bench_reads(monkeypatch):
+    # bench_goals runs bench.py's functions over bench.parser()'s defaults; an option read but not defined there
+    # would fail only on a GPU, case by case.
+    import re
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import bench
+    defined = set(vars(bench.parser().parse_args([])))
+    read = set(re.findall(r"\bargs\.([a-z_]+)", (SCRIPT.parent / "bench.py").read_text()))
+    assert read and read <= defined, sorted(read - defined)
