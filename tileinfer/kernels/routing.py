@@ -484,10 +484,10 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
 
 
 def tma_tall_rows(M: int) -> bool:
-    """Whether tma_plan weighs 256-row tiles for M rows: up to TMA_TAIL_SPLIT_ROWS, where the last 256-row tile is
-    more than half full (129-256, 385-512, 641-768, 897-1,024). At 320 and 384 rows (a last tile a quarter or half
-    full) they were slower than the 128-row tiles in every product swept."""
-    return M <= TMA_TAIL_SPLIT_ROWS and -M % TMA_TALL < TMA_BM
+    """Whether tma_plan weighs 256-row tiles for M rows: up to TMA_MULTICAST_ROWS, where the last 256-row tile is
+    more than half full (129-256, 385-512, 641-768, 897-1,024, ..., 1,921-2,048). At 320 and 384 rows (a last tile
+    a quarter or half full) they were slower than the 128-row tiles in every product swept."""
+    return M <= TMA_MULTICAST_ROWS and -M % TMA_TALL < TMA_BM
 
 
 def tma_multicast(M: int, sms: int, slots: dict[int, int]) -> bool:
