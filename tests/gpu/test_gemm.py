@@ -117,7 +117,7 @@ def test_gemm_tma_every_split(M, N, K, epilogue, split, width, buf, stream):
                  label=f"gemm_tma {epilogue} M={M} N={N} K={K} split={split} width={width}")
 
 
-@pytest.mark.parametrize("M", [65, 128, 144, 256, 300, 512, 768, 1000, 1100, 2100])
+@pytest.mark.parametrize("M", [65, 128, 144, 256, 300, 512, 768, 1000, 1100, 1500, 2000, 2100])
 @pytest.mark.parametrize("matrix", list(MODEL))
 def test_gemm_tma_model_shapes_as_planned(matrix, M, buf, stream):
     # The launcher's own choice (what the engine runs), at the model's epilogue.
