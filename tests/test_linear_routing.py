@@ -14,8 +14,8 @@ from tileinfer.kernels.linear import forced_plan
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
                                       TMA_MULTICAST_ROWS, TMA_RESIDUAL_PLAN_ROWS, TMA_RESIDUAL_ROUND_MAX_MACS,
                                       TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
-                                      TMA_TAIL_SPLIT_ROWS, TMA_TALL, TMA_WIDTHS, TmaPlan, default_path, fuses_norm,
-                                      gemv_ksplit,
+                                      TMA_TAIL_SPLIT_ROWS, TMA_TALL, TMA_TALL_MAX_ROWS, TMA_WIDTHS, TmaPlan, default_path,
+                                      fuses_norm, gemv_ksplit,
                                       norm_kernel_name, swap_config,
                                       tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split,
                                       tma_tall_rows,
@@ -203,8 +203,9 @@ def test_tall_tiles_where_the_cost_model_finds_them_cheaper():
             TmaPlan(160, 1, rows=256)
         for c in (four, eight):
             assert tma_plan(M, c.qkv_size, c.hidden_size, "bf16", 132, H200_SLOTS) == TmaPlan(96, 1, rows=256)
-    assert [M for M in range(1, 4096) if tma_tall_rows(M)] == [M for M in range(129, 2049) if -M % 256 < 128]
-    for M in (65, 128, 257, 320, 384, 513, 640, 896, 1025, 2049, 4096):
+    assert [M for M in range(1, 4096) if tma_tall_rows(M)] == [M for M in range(129, TMA_TALL_MAX_ROWS + 1)
+                                                                if -M % 256 < 128]
+    for M in (65, 128, 257, 320, 384, 513, 640, 896, 1025, 1537, 1792, 2048, 4096):
         for c in (four, eight):
             for n, k, epilogue in ((2 * c.intermediate_size, c.hidden_size, "silu_mul"),
                                    (c.qkv_size, c.hidden_size, "bf16")):
@@ -228,7 +229,7 @@ def test_tma_round_widths_fill_the_rounds_of_batched_decode():
     assert tma_tiles(256, qkv[0], False, 96) == 2 * 64
     # Past TMA_TAIL_SPLIT_ROWS rows only the widths every build kind has (the tail split, multicast), but for
     # the residual products (tma_residual_plan, below) and the 256-row tiles (tma_tall_rows).
-    for M in (TMA_TAIL_SPLIT_ROWS + 1, 2049, 4096):
+    for M in (TMA_TAIL_SPLIT_ROWS + 1, TMA_TALL_MAX_ROWS + 1, 2048, 4096):
         for n, k, epilogue in (gate_up, qkv):
             assert tma_width(M, n, epilogue == "silu_mul") in TMA_WIDTHS
             assert tma_plan(M, n, k, epilogue, 132, H200_SLOTS).width in TMA_WIDTHS

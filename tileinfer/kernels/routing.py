@@ -185,7 +185,11 @@ TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (
 # 92.9 (128 wide), qwen3-8b's QKV 40.7 against 47.9. At 641-768 and 897-1,024 rows they took the 768- and
 # 1,024-token prefill of qwen3-4b +11.7% and +4.3%, of qwen3-8b +17.9% and +2.7% (bench.py --prefill 768,1024).
 # 128-wide 256-row builds and 96-wide 2-way splits were slower than the plan's in every product swept.
+# Up to TMA_TALL_MAX_ROWS: at 1,409-1,536 rows they took the 1,536-token prefill of qwen3-0.6b, 4b and 8b +3.4%,
+# +1.9% and +3.8% (at 1,280 tokens -0.5% to +2.2%); at 1,792 and 2,048 rows they replaced gate/up plans whose last
+# round splits 4 ways (with multicast at 2,048) and the prefill lost up to 8.5% (bench.py --prefill, A/B on an H100).
 TMA_TALL = 256
+TMA_TALL_MAX_ROWS = 1536
 TMA_TALL_SPLITS = {96: (1, 4), 160: (1,)}
 TMA_TALL_COST = {96: 1.4, 160: 2.24}
 TMA_TALL_SMEM = 224 * 1024 + 256 + 1024  # SMEM_BYTES_TALL
@@ -484,10 +488,10 @@ def tma_plan(M: int, N: int, K: int, epilogue: str, sms: int, slots: dict[int, i
 
 
 def tma_tall_rows(M: int) -> bool:
-    """Whether tma_plan weighs 256-row tiles for M rows: up to TMA_MULTICAST_ROWS, where the last 256-row tile is
-    more than half full (129-256, 385-512, 641-768, 897-1,024, ..., 1,921-2,048). At 320 and 384 rows (a last tile
-    a quarter or half full) they were slower than the 128-row tiles in every product swept."""
-    return M <= TMA_MULTICAST_ROWS and -M % TMA_TALL < TMA_BM
+    """Whether tma_plan weighs 256-row tiles for M rows: up to TMA_TALL_MAX_ROWS, where the last 256-row tile is
+    more than half full (129-256, 385-512, 641-768, 897-1,024, 1,153-1,280, 1,409-1,536). At 320 and 384 rows (a
+    last tile a quarter or half full) they were slower than the 128-row tiles in every product swept."""
+    return M <= TMA_TALL_MAX_ROWS and -M % TMA_TALL < TMA_BM
 
 
 def tma_multicast(M: int, sms: int, slots: dict[int, int]) -> bool:
