@@ -13,13 +13,10 @@ from tileinfer.cuda.compiler import compile_source, cuda_src_dir
 from tileinfer.kernels.linear import forced_plan
 from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_DEEP_STAGES, SWAP_SPLITS, SWAP_STAGES, SWAP_TILE,
                                       TMA_MULTICAST_ROWS, TMA_RESIDUAL_PLAN_ROWS, TMA_RESIDUAL_ROUND_MAX_MACS,
-                                      TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS,
-                                      TMA_TAIL_SPLIT_ROWS, TMA_TALL, TMA_TALL_MAX_ROWS, TMA_WIDTHS, TmaPlan, default_path,
-                                      fuses_norm, gemv_ksplit,
-                                      norm_kernel_name, swap_config,
-                                      tma_kernel_name, tma_multicast, tma_plan, tma_split_built, tma_tail_split,
-                                      tma_tall_rows,
-                                      tma_tiles, tma_width)
+                                      TMA_RESIDUAL_SPLIT_ROWS, TMA_ROUND_WIDTHS, TMA_TAIL_SPLIT_ROWS, TMA_TALL,
+                                      TMA_TALL_MAX_ROWS, TMA_WIDTHS, TmaPlan, default_path, fuses_norm, gemv_ksplit,
+                                      norm_kernel_name, swap_config, tma_kernel_name, tma_multicast, tma_plan,
+                                      tma_split_built, tma_tail_split, tma_tall_rows, tma_tiles, tma_width)
 from tileinfer.model.config import preset
 
 # The routing module, its sizes and kernel names.
