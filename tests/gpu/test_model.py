@@ -146,6 +146,29 @@ def test_qwen3_06b_logits_match_reference():
         compare_prompts(model.logits, reference.forward, "qwen3-0.6b", reference)
 
 
+def test_qwen3_06b_long_prompt_step_matches_reference():
+    # One prompt step of 1,000 and of 1,500 tokens (eager: past the prefill graphs' buckets), whose matrix products
+    # run the TMA GEMM's prefill plans, 256-row tiles among them (kernels/routing.py, tma_tall_rows); its last
+    # position's logits against the float32 reference.
+    path = cached_checkpoint("qwen3-0.6b")
+    reference = ReferenceModel.from_checkpoint(Checkpoint.open(path))
+    with tileinfer.load_model(path, progress=False) as model:
+        cache = model.ensure_cache(1600)
+        for n in (1000, 1500):
+            ids = random_prompt(n, seed=50 + n)
+            seq = Sequence()
+            try:
+                cache.manager.reserve(seq, n)
+                token = model.step([(seq, ids)], [SamplingRow()])[0]
+                got = model.logits_rows(1)
+            finally:
+                cache.manager.release(seq)
+            want = reference.forward(ids)[-1:]
+            assert token == got[0].argmax()
+            agree, gaps = compare_logits(got, want, f"qwen3-0.6b, one step of {n} tokens")
+            assert agree == 1 or all(g < 0.05 for g in gaps), f"{n} tokens: a top-1 miss that is not a near tie {gaps}"
+
+
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])
 def test_logits_match_transformers(preset, tiny_checkpoint):
     torch = pytest.importorskip("torch")
