@@ -165,8 +165,8 @@ def test_qwen3_06b_long_prompt_step_matches_reference():
                 cache.manager.release(seq)
             want = reference.forward(ids)[-1:]
             assert token == got[0].argmax()
-            agree, gaps = compare_logits(got, want, f"qwen3-0.6b, one step of {n} tokens")
-            assert agree == 1 or all(g < 0.05 for g in gaps), f"{n} tokens: a top-1 miss that is not a near tie {gaps}"
+            _, gaps = compare_logits(got, want, f"qwen3-0.6b, one step of {n} tokens")
+            assert all(g < 0.05 for g in gaps), f"{n} tokens: a top-1 miss that is not a near tie: gaps {gaps}"
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b"])

@@ -174,7 +174,7 @@ TMA_ROUND_SPLITS = {96: (2, 4)}
 TMA_SPLITS = (2, 3, 4)  # gemm_tma_s{KS}_e*, gemm_tma_n128_s{KS}_e*: KS blocks (a cluster) per output tile
 # Tiles of 256 rows (gemm_tma_m256_n{width}[_s{KS}]_e*, a 224 KB stage ring: TMA_TALL_SMEM): each consumer
 # warpgroup 128 rows in two m64 wgmmas a k16, so that a block reads a W tile once for 256 rows of A. tma_plan weighs
-# them up to 1,024 rows where the last 256-row tile is more than half full (tma_tall_rows), a k-step costing
+# them up to TMA_TALL_MAX_ROWS where the last 256-row tile is more than half full (tma_tall_rows), a k-step costing
 # TMA_TALL_COST k-steps of a 128 x 128 tile (fitted to `scripts/bench_gemm_small.py --tma` on an H100, qwen3-0.6b,
 # 4b and 8b at 144 and 256 rows: 1.29-1.43 at 96 wide, 2.24 at 160). Measured each alone at 144 / 256 rows:
 # qwen3-4b's gate/up 42.9 / 45.9 us 160 wide against 46.8 / 48.3 in the 128-row tiles' two rounds, its down_proj
