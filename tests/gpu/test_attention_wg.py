@@ -158,6 +158,16 @@ def test_attention_wg_rising_scores(spec, buf, stream):
     check_batch(batch, buf, stream, seed_of("wg-rising-ref", spec))
 
 
+@pytest.mark.parametrize("jump", [4.0, 40.0])
+def test_attention_wg_jumping_scores(jump, buf, stream):
+    # Keys 4 or 40 times larger from the middle of the sequence on: there a query's scores leap past the reference
+    # max by far more than 2^8 (at 40x, 2^(score - old max) would overflow float32), so O and l are rescaled at
+    # that key tile by factors that underflow to 0 at 40x, and the rows' outputs come from the late keys.
+    batch = PagedBatch(np.random.default_rng(seed_of("wg-jump", jump)), [(1000, 1000), (300, 2300)], 32, 8, 64,
+                       k_jump=jump)
+    check_batch(batch, buf, stream, seed_of("wg-jump-ref", jump))
+
+
 def test_attention_wg_repeatable(buf, stream):
     # The same launch twice gives the same bits (no race between the producer and the consumers).
     batch = PagedBatch(np.random.default_rng(seed_of("wg-repeat")), [(1000, 1000), (300, 2300)], 32, 8, 64)

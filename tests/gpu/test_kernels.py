@@ -462,11 +462,12 @@ class PagedBatch:
     pages), their queries, cu_q / kv_lens / block tables, and the numpy reference."""
 
     def __init__(self, rng: np.random.Generator, spec: list[tuple[int, int]], H: int, KV: int, page_size: int,
-                 int8: bool = False, v_scale: float | str = 1.0, k_growth: float = 0.0):
+                 int8: bool = False, v_scale: float | str = 1.0, k_growth: float = 0.0, k_jump: float = 1.0):
         """int8: an INT8 cache (codes + float32 scales, quantized as tileinfer/kv/int8.py does; the
         scales of unowned slots are NaN, so reading one shows). v_scale: the values' magnitude, or
         "rising": position p of kv_len scaled by 10^(-3 + 5 p / kv_len) (1e-3 to 1e2 along the sequence).
-        k_growth: key p scaled by 1 + k_growth p / kv_len (each query's largest score climbs along the sequence)."""
+        k_growth: key p scaled by 1 + k_growth p / kv_len (each query's largest score climbs along the sequence).
+        k_jump: the keys from position kv_len // 2 on scaled by k_jump (a query's scores jump there)."""
         self.spec, self.H, self.KV, self.page_size, self.int8 = spec, H, KV, page_size, int8
         num_pages = sum(cdiv(kv_len, page_size) for _, kv_len in spec) + 3 + 2  # + dummy's 3 + 2 spare
         bm = shuffled_manager(num_pages, page_size, rng)
@@ -493,6 +494,10 @@ class PagedBatch:
             if k_growth:
                 k = (to_f32(k) * (1 + k_growth * np.arange(kv_len) / max(kv_len, 1))[:, None, None]
                      .astype(np.float32)).astype(BF16)
+            if k_jump != 1.0:
+                k = to_f32(k)
+                k[kv_len // 2:] *= np.float32(k_jump)
+                k = k.astype(BF16)
             if v_scale == "rising":
                 v = (to_f32(v) * (10.0 ** (-3 + 5 * np.arange(kv_len) / max(kv_len, 1)))[:, None, None]
                      .astype(np.float32)).astype(BF16)
