@@ -114,6 +114,16 @@ def time_prefill(pools: Pools, H: int, n: int, stream: Stream, calls: int, repla
             a.free()
 
 
+def figure_line(row: dict) -> str:
+    """A row as one line that scripts/ab.py reads as a figure (its markdown rows carry no units): the label, then
+    TFLOP/s (prefill) or GB/s (decode) first, then the time."""
+    if "tflop_s" in row:
+        return f"prefill attention, {row['model']}, {row['prompt']}-token prompt: {row['tflop_s']:.0f} TFLOP/s " \
+               f"({row['us']:.1f} us a launch)"
+    return (f"decode attention, {row['model']} {row['dtype']}, batch {row['batch']}, {row['context']} positions, "
+            f"{row['splits']} splits: {row['gb_s']:.0f} GB/s ({row['us']:.1f} us a launch)")
+
+
 def table_head(title: str, columns: list[str]) -> None:
     print(f"# {title}")
     print("| " + " | ".join(columns) + " |")
@@ -121,6 +131,7 @@ def table_head(title: str, columns: list[str]) -> None:
 
 
 def write_rows(out: Path, gpu: str, rows: list[dict]) -> None:
+    print("\n".join(figure_line(row) for row in rows))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(gpu=gpu, rows=rows), indent=1))
     print(f"wrote {out}")

@@ -37,6 +37,26 @@ def test_figures_from_benchmark_lines():
     assert ab.figures("prefill 557.3 TFLOP/s", ("TFLOP/s",)) == [("prefill", 557.3)]
 
 
+def test_attention_bench_rows_are_figures():
+    # scripts/bench_attention.py's rows, as the lines it prints after its tables, are figures ab.py compares, under a
+    # label that does not change from run to run (the time comes after the figure).
+    ab = load_ab()
+    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "scripts" / "bench_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))  # its neighbour graph_timing
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    prefill = dict(model="qwen3-4b", prompt=4096, us=277.1, flops=1.0, tflop_s=496.2, peak_fraction=0.628)
+    decode = dict(model="qwen3-4b", dtype="bf16", batch=1, context=32768, splits=32, us=35.6, bytes=1, gb_s=3765.4,
+                  roofline_fraction=0.876)
+    text = "\n".join([bench.figure_line(prefill), bench.figure_line(decode)])
+    assert ab.figures(text, ab.UNITS) == [("prefill attention, qwen3-4b, 4096-token prompt:", 496.0),
+                                          ("decode attention, qwen3-4b bf16, batch 1, 32768 positions, 32 splits:",
+                                           3765.0)]
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
 def test_prepare_writes_a_revision_without_the_demo_weights(tmp_path, monkeypatch):
     ab = load_ab()
