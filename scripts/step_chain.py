@@ -82,13 +82,12 @@ def by_name(steps: list[list[Kernel]]) -> list[tuple[str, float, float]]:
 
 def by_layer_position(steps: list[list[Kernel]], layer_kernels: int) -> list[tuple[str, float]]:
     """(name, median microseconds) at each of a layer's positions, over the steps' middle layers: the layers
-    are the step's kernels after its first kernel of the first position's name, `layer_kernels` at a time;
-    the first and last layers (next to the embedding and the LM head) are left out."""
+    are the step's kernels after its first (the step's start), `layer_kernels` at a time; the first and last
+    layers (next to the step's start and the LM head) are left out."""
     per_pos: list[list[float]] = [[] for _ in range(layer_kernels)]
     names: list[str] = [""] * layer_kernels
     for step in steps:
         c = charges(step)
-        # The step's repeating part: from the second kernel (after the step's first, fetch_step) on.
         layers = (len(step) - 1) // layer_kernels
         for layer in range(1, layers - 1):
             for p in range(layer_kernels):
