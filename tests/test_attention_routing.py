@@ -159,6 +159,44 @@ def test_decode_splits_fill_one_wave_of_the_kernels_blocks(int8, heads, kv_heads
     assert GPURunner._splits_for(model, batch, 5) == min(want, 5)  # at most one split a key tile
 
 
+def _layer_weights(hidden: int, heads: int, kv_heads: int, intermediate: int, head_dim: int = 128):
+    """A layer's matrices as GPURunner.decode_splits reads them: their bytes (bf16)."""
+    def w(rows, cols):
+        return SimpleNamespace(nbytes=2 * rows * cols)
+    return SimpleNamespace(w_qkv=w((heads + 2 * kv_heads) * head_dim, hidden), w_o=w(hidden, heads * head_dim),
+                           w_up=w(2 * intermediate, hidden), w_down=w(hidden, intermediate))
+
+
+class _FakeDecoder(_FakeModel):
+    """What GPURunner.decode_splits reads beyond _splits_for's: the mode, the longest context, a layer's weights."""
+
+    def __init__(self, int8: bool, max_context: int, *, hidden: int, heads: int, kv_heads: int, intermediate: int):
+        super().__init__(int8, heads, kv_heads)
+        self.local_config.head_dim = 128
+        self.batch_invariant, self.max_context = False, max_context
+        self.weights = SimpleNamespace(layers=[_layer_weights(hidden, heads, kv_heads, intermediate)])
+
+    def _splits_for(self, *args):
+        return GPURunner._splits_for(self, *args)
+
+
+QWEN3_4B = dict(hidden=2560, heads=32, kv_heads=8, intermediate=9728)
+QWEN3_06B = dict(hidden=1024, heads=16, kv_heads=8, intermediate=3072)
+
+
+@pytest.mark.parametrize("model, int8, batch, context, want", [
+    (QWEN3_4B, False, 1, 2176, 16),    # a layer's cache (36 MB) under its weights (202 MB): one block an SM
+    (QWEN3_4B, False, 1, 32896, 16),   # 135 MB of cache, still under
+    (QWEN3_4B, False, 1, 640, 10),     # one split a key tile
+    (QWEN3_4B, False, 2, 2176, 16),    # batch 2: two blocks an SM
+    (QWEN3_4B, True, 1, 32896, 48),    # the INT8 cache: its kernel's blocks an SM
+    (QWEN3_06B, False, 1, 2176, 16),   # 9 MB of cache under 31 MB of weights
+    (QWEN3_06B, False, 1, 8320, 33),   # 34 MB of cache over 31 MB: two blocks an SM
+])
+def test_decode_splits_take_one_bf16_block_an_sm_at_batch_1_over_a_short_cache(model, int8, batch, context, want):
+    assert GPURunner.decode_splits(_FakeDecoder(int8, context, **model), batch) == want
+
+
 class _FakeVerifier(_FakeModel):
     """What GPURunner.verify_splits reads beyond _splits_for's: the mode, the longest context, the partials."""
 

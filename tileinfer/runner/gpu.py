@@ -317,12 +317,20 @@ class GPURunner(CheckpointRunner):
         return max(decode, per_sm * self.device.info.num_sms * ROW_TILE // c.num_attention_heads)
 
     def decode_splits(self, batch: int) -> int:
-        """Key-range splits per sequence for decode attention: as many as one wave of two blocks an SM
-        holds (the BF16 decode kernel fits two; INT8: three or four), at least one key tile per
-        split (always 1 when batch-invariant): a split of one tile already hides its combine."""
+        """Key-range splits per sequence for decode attention: as many as one wave of the kernel's blocks an SM
+        holds (INT8: three or four; BF16: two, or one at batch 1 over a short cache: K.bf16_decode_blocks), at
+        least one key tile per split (always 1 when batch-invariant): a split of one tile already hides its
+        combine."""
         if self.batch_invariant:
             return 1
-        return self._splits_for(batch, -(-self.max_context // KEY_TILE))
+        per_sm = None  # the cache's kernel's (_splits_for)
+        if not self.cache.int8:
+            c = self.local_config
+            layer = self.weights.layers[0]
+            per_sm = K.bf16_decode_blocks(
+                batch=batch, layer_cache_bytes=2 * self.max_context * c.num_key_value_heads * c.head_dim * 2,
+                layer_weight_bytes=sum(w.nbytes for w in (layer.w_qkv, layer.w_o, layer.w_up, layer.w_down)))
+        return self._splits_for(batch, -(-self.max_context // KEY_TILE), per_sm)
 
     def verify_splits(self, shape: StepShape) -> int:
         """Key-range splits per sequence for a verify step: as a decode step's, each sequence counting a
