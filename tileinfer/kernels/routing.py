@@ -90,12 +90,12 @@ def int8_decode_blocks(rows: int) -> int:
 
 def bf16_decode_blocks(*, batch: int, layer_cache_bytes: int, layer_weight_bytes: int) -> int:
     """Blocks an SM that a decode step's key splits over a BF16 cache are sized for (attention_splits' per_sm): the
-    two the _h8 build fits (100 KB of shared memory each), or one at batch 1 where a layer's cache at max_context
-    (`layer_cache_bytes`) is smaller than its matrices' weights (`layer_weight_bytes`). One block an SM there halves
-    the splits of a long context (a grid of about half the SMs' slots, half the partials for attention_combine); it
-    was the faster where the step is mostly weights (qwen3-4b: 2,048 to 32,768 positions) and the slower where it is
-    mostly cache (qwen3-0.6b at 8,192 positions): docs/benchmarks.md, Batch-1 decode."""
-    return 1 if batch == 1 and layer_cache_bytes < layer_weight_bytes else 2
+    DECODE_ITEMS_BLOCKS the builds fit (100 KB of shared memory each), or one at batch 1 where a layer's cache at
+    max_context (`layer_cache_bytes`) is smaller than its matrices' weights (`layer_weight_bytes`). One block an SM
+    there halves the splits of a long context (a grid of about half the SMs' slots, half the partials for
+    attention_combine); it was the faster where the step is mostly weights (qwen3-4b: 2,048 to 32,768 positions) and
+    the slower where it is mostly cache (qwen3-0.6b at 8,192 positions): docs/benchmarks.md, Batch-1 decode."""
+    return 1 if batch == 1 and layer_cache_bytes < layer_weight_bytes else DECODE_ITEMS_BLOCKS
 
 
 def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str,
