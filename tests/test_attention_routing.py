@@ -185,13 +185,15 @@ QWEN3_06B = dict(hidden=1024, heads=16, kv_heads=8, intermediate=3072)
 
 
 @pytest.mark.parametrize("model, int8, batch, context, want", [
-    (QWEN3_4B, False, 1, 2176, 16),    # a layer's cache (36 MB) under its weights (202 MB): one block an SM
-    (QWEN3_4B, False, 1, 32896, 16),   # 135 MB of cache, still under
+    (QWEN3_4B, False, 1, 2176, 16),    # a layer's cache (9 MB) under a quarter of its weights (202 MB): one block an SM
+    (QWEN3_4B, False, 1, 8320, 16),    # 34 MB, still under 50 MB
+    (QWEN3_4B, False, 1, 16512, 33),   # 68 MB, over: two blocks an SM
+    (QWEN3_4B, False, 1, 32896, 33),   # 135 MB
     (QWEN3_4B, False, 1, 640, 10),     # one split a key tile
     (QWEN3_4B, False, 2, 2176, 16),    # batch 2: two blocks an SM
-    (QWEN3_4B, True, 1, 32896, 48),    # the INT8 cache: its kernel's blocks an SM
-    (QWEN3_06B, False, 1, 2176, 16),   # 9 MB of cache under 31 MB of weights
-    (QWEN3_06B, False, 1, 8320, 33),   # 34 MB of cache over 31 MB: two blocks an SM
+    (QWEN3_4B, True, 1, 8320, 48),     # the INT8 cache: its kernel's blocks an SM
+    (QWEN3_06B, False, 1, 1152, 16),   # 4.7 MB of cache under a quarter of 31 MB of weights
+    (QWEN3_06B, False, 1, 2176, 33),   # 8.9 MB, over 7.9 MB: two blocks an SM
 ])
 def test_decode_splits_take_one_bf16_block_an_sm_at_batch_1_over_a_short_cache(model, int8, batch, context, want):
     assert GPURunner.decode_splits(_FakeDecoder(int8, context, **model), batch) == want

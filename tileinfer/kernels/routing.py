@@ -88,14 +88,21 @@ def int8_decode_blocks(rows: int) -> int:
     return 4 if half_build(True, rows) else 3
 
 
+# Batch-1 decode over a BF16 cache sizes its key splits for one block an SM where a layer's cache at max_context is
+# under this share of the layer's matrices' weights (bf16_decode_blocks).
+ONE_BLOCK_CACHE_SHARE = 4
+
+
 def bf16_decode_blocks(*, batch: int, layer_cache_bytes: int, layer_weight_bytes: int) -> int:
     """Blocks an SM that a decode step's key splits over a BF16 cache are sized for (attention_splits' per_sm): the
     DECODE_ITEMS_BLOCKS the builds fit (100 KB of shared memory each), or one at batch 1 where a layer's cache at
-    max_context (`layer_cache_bytes`) is smaller than its matrices' weights (`layer_weight_bytes`). One block an SM
-    there halves the splits of a long context (a grid of about half the SMs' slots, half the partials for
-    attention_combine); it was the faster where the step is mostly weights (qwen3-4b: 2,048 to 32,768 positions) and
-    the slower where it is mostly cache (qwen3-0.6b at 8,192 positions): docs/benchmarks.md, Batch-1 decode."""
-    return 1 if batch == 1 and layer_cache_bytes < layer_weight_bytes else DECODE_ITEMS_BLOCKS
+    max_context (`layer_cache_bytes`) is under 1 / ONE_BLOCK_CACHE_SHARE of its matrices' weights
+    (`layer_weight_bytes`): qwen3-4b below 12,320 positions, qwen3-0.6b below 1,920. One block an SM there halves
+    the splits (a grid of about half the SMs' slots, half the partials for attention_combine). On the H200 it was
+    the faster for qwen3-4b at 2,048 and 8,192 positions and the slower at 16,384 and 32,768, where a split of one
+    block an SM streams too few key tiles at once for the H200's bandwidth: docs/benchmarks.md, Batch-1 decode."""
+    one = batch == 1 and ONE_BLOCK_CACHE_SHARE * layer_cache_bytes < layer_weight_bytes
+    return 1 if one else DECODE_ITEMS_BLOCKS
 
 
 def kernel_name(*, int8: bool, keys_mode: bool, num_splits: int, pool_elements: int, arch: str,
