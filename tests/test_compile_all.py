@@ -114,3 +114,34 @@ def test_part_defines_read_the_file(tmp_path, monkeypatch):
 def test_entry_points_refuses_what_is_not_a_cubin():
     with pytest.raises(ValueError, match="not a 64-bit little-endian ELF image"):
         entry_points(b"// PTX, not a cubin\n")
+
+
+def test_the_table_of_compile_times_names_every_unit():
+    """compile_seconds.py (scripts/compile_seconds.py writes it) names each unit of cuda_src/ and nothing else:
+    a file that gains or loses parts needs the table written again."""
+    units = {name if d is None else f"{name}:{d['KERNEL_PART']}" for name in compiler.kernel_files()
+             for d in part_defines(name)}
+    assert set(compiler.UNIT_SECONDS) == units, (
+        f"run python3 scripts/compile_seconds.py: units without a time {sorted(units - set(compiler.UNIT_SECONDS))}, "
+        f"times of no unit {sorted(set(compiler.UNIT_SECONDS) - units)}")
+    assert all(s > 0 for s in compiler.UNIT_SECONDS.values())
+
+
+def test_the_longest_units_start_first(tmp_path, monkeypatch):
+    """On one core the children run in compile_all's order: the table's longest first, a unit it does not name
+    (new.cu) before them all."""
+    use_cache(monkeypatch, tmp_path / "cache")
+    monkeypatch.setenv("TILEINFER_CUDA_SRC", str(tmp_path))
+    for name in ("new.cu", "short.cu", "long.cu"):
+        (tmp_path / name).write_text("#define KERNEL_PARTS 2\n" if name == "long.cu" else "// one unit\n")
+    monkeypatch.setattr(compiler, "UNIT_SECONDS", {"short.cu": 0.5, "long.cu:0": 2.0, "long.cu:1": 3.0})
+    monkeypatch.setattr(compiler.os, "sched_getaffinity", lambda pid: {0})
+    started = []
+
+    def child(unit):
+        started.append(compiler.unit_key(unit))
+        return b"\x7fELF", 0.0
+    monkeypatch.setattr(compiler, "_compile_in_child", child)
+    units = [("short.cu", None), ("long.cu", {"KERNEL_PART": 0}), ("new.cu", None), ("long.cu", {"KERNEL_PART": 1})]
+    compile_all(units, "sm_90")
+    assert started == ["new.cu", "long.cu:1", "long.cu:0", "short.cu"], started

@@ -6,9 +6,10 @@ the NVRTC version. Files are written atomically (temp file + rename), so concurr
 processes never read half a cubin. Within a process each key is compiled at most once.
 
 `compile_all` compiles what the caches lack, every unit in a child process of its own (nvrtc_child.py),
-as many at once as there are cores; with everything cached it starts none. A unit is a file, or one
-part of a file that says `#define KERNEL_PARTS n` (compiled n times with -DKERNEL_PART=p, each part
-holding some of its entry points: cuda_src/common.cuh's IN_PART), so that no single compile is long.
+as many at once as there are cores, the longest first (compile_seconds.py); with everything cached it starts
+none. A unit is a file, or one part of a file that says `#define KERNEL_PARTS n` (compiled n times with
+-DKERNEL_PART=p, each part holding some of its entry points: cuda_src/common.cuh's IN_PART), so that no single
+compile is long.
 Processes, not threads: they compile in parallel whatever NVRTC serialises inside one process (the
 GIL, locks of its own). Plain child processes, not multiprocessing: its spawned children import the
 parent's __main__ again (a user's script without a main guard would run again in each), and each would
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
+from .compile_seconds import SECONDS as UNIT_SECONDS
 from .driver import call
 
 log = logging.getLogger(__name__)
@@ -197,9 +199,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
             if unit.key not in _memory_cache and not unit.path.is_file()]
     if not todo:
         return
-    # the longest first: the parts of the files split for being long, then whole files by size
-    todo.sort(key=lambda unit: (_part(unit) is not None, len(unit.source) + sum(map(len, unit.headers.values()))),
-              reverse=True)
+    todo.sort(key=_expected_seconds, reverse=True)  # the longest first: none starts last and holds the rest up
     bar = None
     if progress:
         from tqdm import tqdm
@@ -235,6 +235,17 @@ def _left(units) -> str:
 def _part(unit: _Unit) -> str | None:
     """The part of its file a unit compiles, None for a whole file."""
     return next((o.split("=", 1)[1] for o in unit.options if o.startswith("-DKERNEL_PART=")), None)
+
+
+def unit_key(unit: _Unit) -> str:
+    """A unit as compile_seconds.SECONDS names it: "file.cu", or "file.cu:p" for part p."""
+    return unit.name if _part(unit) is None else f"{unit.name}:{_part(unit)}"
+
+
+def _expected_seconds(unit: _Unit) -> float:
+    """How long `unit` takes to compile, as compile_seconds.SECONDS measured it; a unit it does not name (a part
+    added since) counts as the longest, so that it starts among the first."""
+    return UNIT_SECONDS.get(unit_key(unit), max(UNIT_SECONDS.values()))
 
 
 def _label(unit: _Unit) -> str:
