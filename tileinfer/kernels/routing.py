@@ -99,8 +99,8 @@ def bf16_decode_blocks(*, batch: int, layer_cache_bytes: int, layer_weight_bytes
     max_context (`layer_cache_bytes`) is under 1 / ONE_BLOCK_CACHE_SHARE of its matrices' weights
     (`layer_weight_bytes`): qwen3-4b below 12,320 positions, qwen3-0.6b below 1,920. One block an SM there halves
     the splits (a grid of about half the SMs' slots, half the partials for attention_combine). On the H200 it was
-    the faster for qwen3-4b at 2,048 and 8,192 positions and the slower at 16,384 and 32,768, where a split of one
-    block an SM streams too few key tiles at once for the H200's bandwidth: docs/benchmarks.md, Batch-1 decode."""
+    the faster for qwen3-4b at 2,048 and 8,192 positions and the slower at 16,384 and 32,768 (on an H100 it had been
+    the faster at 32,768 too; why the two differ was not measured): docs/benchmarks.md, Batch-1 decode."""
     one = batch == 1 and ONE_BLOCK_CACHE_SHARE * layer_cache_bytes < layer_weight_bytes
     return 1 if one else DECODE_ITEMS_BLOCKS
 
