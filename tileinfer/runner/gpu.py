@@ -295,10 +295,10 @@ class GPURunner(CheckpointRunner):
 
     def _splits_for(self, row_tiles: int, max_tiles: int, per_sm: int | None = None) -> int:
         """attention_splits on this GPU for this runner's KV heads; per_sm by default the attached cache's
-        decode kernel's blocks an SM (2 for BF16; INT8: a decode step's _h8 build, one token x the group a
-        block)."""
+        decode kernel's blocks an SM (BF16: DECODE_ITEMS_BLOCKS; INT8: a decode step's _h8 build, one token x the
+        group a block)."""
         if per_sm is None:
-            per_sm = 2
+            per_sm = K.DECODE_ITEMS_BLOCKS
             if self.cache is not None and self.cache.int8:
                 group = self.local_config.num_attention_heads // self.local_config.num_key_value_heads
                 per_sm = K.int8_decode_blocks(group)
@@ -312,7 +312,7 @@ class GPURunner(CheckpointRunner):
         per_sm x SMs / (b q G / ROW_TILE x KV), so its b q rows x splits stay within
         per_sm x SMs x ROW_TILE / H."""
         c = self.local_config
-        per_sm = max(2, INT8_DECODE_BLOCKS_MAX)
+        per_sm = max(K.DECODE_ITEMS_BLOCKS, INT8_DECODE_BLOCKS_MAX)
         decode = max(self._splits_for(b, 1 << 30, per_sm) * b for b in self.buckets)
         return max(decode, per_sm * self.device.info.num_sms * ROW_TILE // c.num_attention_heads)
 
@@ -342,7 +342,7 @@ class GPURunner(CheckpointRunner):
         if self.batch_invariant or not K.keys_mode(max_q_len=shape.max_q_len, group=group):
             return 1
         rows = shape.max_q_len * group
-        per_sm = K.int8_decode_blocks(rows) if self.cache.int8 else 2
+        per_sm = K.int8_decode_blocks(rows) if self.cache.int8 else K.DECODE_ITEMS_BLOCKS
         splits = self._splits_for(shape.num_seqs * -(-rows // ROW_TILE), -(-self.max_context // KEY_TILE), per_sm)
         return max(1, min(splits, self.workspace.max_partial_rows // shape.num_tokens))
 
