@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -218,9 +219,9 @@ def prewarm_peer(peer: Path, timeout: int) -> float:
     return time.perf_counter() - start
 
 
-def first_output(cmd: list[str], env: dict, timeout: float) -> tuple[float, float]:
-    """Run `cmd`: (seconds until its first byte on stdout, seconds until it exits). RuntimeError with the
-    end of its stderr when it fails; killed after `timeout` seconds."""
+def first_output(cmd: list[str], env: dict, timeout: float) -> tuple[float, float, str]:
+    """Run `cmd`: (seconds until its first byte on stdout, seconds until it exits, its stderr). RuntimeError
+    with the end of its stderr when it fails; killed after `timeout` seconds."""
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: progress bars cannot fill it and block the run
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
@@ -234,33 +235,51 @@ def first_output(cmd: list[str], env: dict, timeout: float) -> tuple[float, floa
         finally:
             timer.cancel()
         total = time.perf_counter() - start
+        err.seek(0)
+        text = err.read().decode(errors="replace")
         if proc.returncode != 0:
-            err.seek(0)
-            tail = err.read().decode(errors="replace")[-3000:]
-            raise RuntimeError(f"{' '.join(cmd)} exited with status {proc.returncode} after {total:.1f} s:\n{tail}")
-    return first, total
+            raise RuntimeError(f"{' '.join(cmd)} exited with status {proc.returncode} after {total:.1f} s:\n"
+                               f"{text[-3000:]}")
+    return first, total, text
 
 
 COLD_PROMPT = "The capital of France is"
 COLD_TIMEOUT = 600  # seconds a cold-start run may take before it is killed (and the case not measured)
 
 
+# `python -m tileinfer` with INFO logging, each record stamped with the milliseconds since logging was imported
+# (the interpreter's start, within a few ms): start-up's log line says where its time went (StartupTimes).
+LOGGED_MAIN = ("import logging, runpy; logging.basicConfig(level=logging.INFO, "
+               "format='%(relativeCreated).0f ms %(name)s: %(message)s'); "
+               "runpy.run_module('tileinfer', run_name='__main__', alter_sys=True)")
+STARTUP_LINE = re.compile(r"^(\d+) ms tileinfer\.runner\.startup: (device opened in .*)$", re.M)
+
+
+def startup_phases(stderr: str) -> str | None:
+    """Start-up's log line in a logged run's stderr, with when it was written: "at N ms: device opened in ..."."""
+    found = STARTUP_LINE.search(stderr)
+    return f"at {int(found[1]):,} ms: {found[2]}" if found else None
+
+
 def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:
     """`tileinfer generate` (one new token) as a new user's first run: its own process, over an empty kernel
     cache (a temporary TILEINFER_CACHE); then again over the cache the first run filled. Each run's
     seconds to its first output (the token's text; the newline after it when the token prints nothing)
-    and to its exit, and the cubins each one added to the cache (its compiles)."""
-    cmd = [sys.executable, "-m", "tileinfer", "generate", "--prompt", COLD_PROMPT, "--max-new-tokens", "1",
+    and to its exit, and the cubins each one added to the cache (its compiles). The runs log at INFO, so
+    the first one's start-up line (where its time went) is reported too."""
+    cmd = [sys.executable, "-c", LOGGED_MAIN, "generate", "--prompt", COLD_PROMPT, "--max-new-tokens", "1",
            *(["--model", str(model)] if model else [])]
     with tempfile.TemporaryDirectory(prefix="tileinfer-cold-") as root:
         env = {**os.environ, "TILEINFER_CACHE": root, "PYTHONUNBUFFERED": "1"}
         kernels = Path(root, "kernels")
-        first, total = run(cmd, env, timeout)
+        first, total, err = run(cmd, env, timeout)
         compiled = len(list(kernels.glob("*.cubin")))
-        warm_first, warm_total = run(cmd, env, timeout)
+        warm_first, warm_total, _ = run(cmd, env, timeout)
         warm_compiled = len(list(kernels.glob("*.cubin"))) - compiled
+    phases = startup_phases(err)
     return dict(measured=first, compiled=compiled, warm=warm_first, warm_compiled=warm_compiled,
-                extra=f"whole command {total:.2f} s, warm {warm_total:.2f} s")
+                extra=f"whole command {total:.2f} s, warm {warm_total:.2f} s"
+                      + (f"; the first run's start-up {phases}" if phases else ""))
 
 
 def measure(args) -> dict:

@@ -1,10 +1,17 @@
 """scripts/bench_goals.py's table (the measuring needs a GPU; the table does not)."""
 import importlib.util
+import re
+import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+
+from tileinfer.runner.startup import StartupTimes
+
+STARTUP = StartupTimes(device=2.5, total=1.75, weights=0.05, kernels=1.25, kernels_compiled=38, warm_up=0.25,
+                       capture=0.1, graphs=3)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_goals.py"
 
@@ -190,34 +197,45 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
             kernels.mkdir(parents=True)
             for name in ("rmsnorm", "gemm_tma-0", "gemm_tma-1"):
                 (kernels / f"{name}.cubin").write_bytes(b"\x7fELF")
-            return 5.5, 6.0
-        return 1.25, 1.5
+            return 5.5, 6.0, f"INFO ...\n4321 ms tileinfer.runner.startup: {STARTUP.format()}\n"
+        return 1.25, 1.5, ""
 
     out = g.cold_start(Path("/ckpt/demo"), 600, run=run)
     (cmd, root, found), (cmd2, root2, found2) = runs
-    assert cmd == cmd2 and cmd[:3] == [sys.executable, "-m", "tileinfer"] and cmd[3] == "generate"
+    assert cmd == cmd2 and cmd[:3] == [sys.executable, "-c", g.LOGGED_MAIN] and cmd[3] == "generate"
     assert cmd[cmd.index("--max-new-tokens") + 1] == "1" and cmd[cmd.index("--model") + 1] == "/ckpt/demo"
     assert root == root2 and found == [] and len(found2) == 3, runs
     assert not Path(root).exists(), "the temporary kernel cache was left behind"
+    phases = ("at 4,321 ms: device opened in 2.50 s; start-up 1.75 s: weights 0.05 s, kernels 1.25 s (38 compiled), "
+              "warm-up 0.25 s, 3 decode graphs captured in 0.10 s")
     assert out == dict(measured=5.5, compiled=3, warm=1.25, warm_compiled=0,
-                       extra="whole command 6.00 s, warm 1.50 s")
-    g.cold_start(None, 600, run=lambda cmd, env, timeout: runs.append(cmd) or (1.0, 1.0))
+                       extra=f"whole command 6.00 s, warm 1.50 s; the first run's start-up {phases}")
+    g.cold_start(None, 600, run=lambda cmd, env, timeout: runs.append(cmd) or (1.0, 1.0, ""))
     assert "--model" not in runs[-1], "without a checkpoint the demo model is used"
 
     row_cells = row(g.goals_table({"cold_start": out}), "`tileinfer generate`")
-    assert row_cells[4:] == ["5.50 s (3 compiles); warm cache 1.25 s, 0 compiled (whole command 6.00 s, warm 1.50 s)",
-                             "yes"]
+    assert row_cells[4:] == [f"5.50 s (3 compiles); warm cache 1.25 s, 0 compiled (whole command 6.00 s, warm 1.50 s; "
+                             f"the first run's start-up {phases})", "yes"]
     recompiled = row(g.goals_table({"cold_start": {**out, "warm_compiled": 2}}), "`tileinfer generate`")
     assert recompiled[-1] == "no", recompiled
     slow = row(g.goals_table({"cold_start": {**out, "measured": 12.0}}), "`tileinfer generate`")
     assert slow[-1] == "no", slow
 
 
+def test_the_logged_command_runs_tileinfer_with_its_arguments_and_logs_at_info():
+    g = load()
+    code = g.LOGGED_MAIN.replace("runpy.", "logging.getLogger('x').info('hi'); runpy.")
+    out = subprocess.run([sys.executable, "-c", code, "generate", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "--max-new-tokens" in out.stdout, out.stderr
+    assert re.search(r"^\d+ ms x: hi$", out.stderr, re.M), out.stderr
+
+
 def test_first_output_times_the_first_byte_and_the_exit():
     g = load()
     code = "import sys, time; time.sleep(0.3); print('x', flush=True); sys.stderr.write('.' * 100000); time.sleep(1)"
-    first, total = g.first_output([sys.executable, "-c", code], {}, 60)
-    assert 0.3 <= first and total - first >= 0.9, (first, total)
+    first, total, err = g.first_output([sys.executable, "-c", code], {}, 60)
+    assert 0.3 <= first and total - first >= 0.9 and err == "." * 100000, (first, total)
     with pytest.raises(RuntimeError, match="exited with status 3 after .* s:\nno GPU here"):
         g.first_output([sys.executable, "-c", "import sys; sys.stderr.write('no GPU here'); sys.exit(3)"], {}, 60)
 

@@ -53,10 +53,11 @@ FIXED_RESERVE_BYTES = 256 * 1024**2  # and this much more (driver growth, alloca
 
 @dataclass(frozen=True, slots=True)
 class StartupTimes:
-    """Where start-up went (seconds): loading the weights; compiling (0 kernels with a warm disk cache) and
-    loading every kernel; the warm-up (the largest prefill chunk, a decode step per bucket and a first
-    capture, on a temporary cache, to measure their memory); capturing every decode graph over the real
-    pool. `total` also counts sizing and allocating the pool."""
+    """Where start-up went (seconds): opening the device (NVML and the CUDA context, before `total`); loading
+    the weights; compiling (0 kernels with a warm disk cache) and loading every kernel; the warm-up (the largest
+    prefill chunk, a decode step per bucket and a first capture, on a temporary cache, to measure their memory);
+    capturing every decode graph over the real pool. `total` also counts sizing and allocating the pool."""
+    device: float
     total: float
     weights: float
     kernels: float
@@ -66,7 +67,8 @@ class StartupTimes:
     graphs: int
 
     def format(self) -> str:
-        return (f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, kernels {self.kernels:.2f} s "
+        return (f"device opened in {self.device:.2f} s; start-up {self.total:.2f} s: weights {self.weights:.2f} s, "
+                f"kernels {self.kernels:.2f} s "
                 f"({self.kernels_compiled} compiled), warm-up {self.warm_up:.2f} s, {self.graphs} decode graphs "
                 f"captured in {self.capture:.2f} s")
 
@@ -157,9 +159,11 @@ def start_gpu(config: EngineConfig, group=None) -> Started:
 
 
 def _start_gpu(config: EngineConfig, made: list, group) -> Started:
+    t_device = time.perf_counter()
     nvml = _Nvml(config.gpu_ordinal)
     before = nvml.read()
     get_device(config.gpu_ordinal)
+    device_seconds = time.perf_counter() - t_device
     used_ctx = nvml.used()
     tp = None
     if group is not None:  # every rank joins the communicator before its weights load
@@ -196,9 +200,9 @@ def _start_gpu(config: EngineConfig, made: list, group) -> Started:
         draft_bytes += _attach_draft_pool(config, draft, num_pages, nvml)
     graphs_before = nvml.used()
     capture = _capture(config, runner)
-    times = StartupTimes(total=time.perf_counter() - t_start, weights=runner.weights.load_seconds,
-                         kernels=runner.kernel_seconds, kernels_compiled=runner.kernels_compiled,
-                         warm_up=warm["seconds"], capture=capture,
+    times = StartupTimes(device=device_seconds, total=time.perf_counter() - t_start,
+                         weights=runner.weights.load_seconds, kernels=runner.kernel_seconds,
+                         kernels_compiled=runner.kernels_compiled, warm_up=warm["seconds"], capture=capture,
                          graphs=runner.graphs.count(DECODE) if config.use_graphs else 0)
     log.info("%s", times.format())
     end = nvml.read()
