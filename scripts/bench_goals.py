@@ -9,7 +9,9 @@ Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scrip
 functions this calls):
   - a fresh machine's first `tileinfer generate` (the demo model, or --cold-model), in a process of its own
     over an empty kernel cache (a temporary TILEINFER_CACHE): seconds until its first token reaches
-    stdout, with the kernels it compiled; then the same command over the cache it filled (0 compiled);
+    stdout, with the kernels it compiled and its start-up's log line (the seconds opening the device, loading
+    the weights, compiling and loading the kernels, warming up, capturing); then the same command over the
+    cache it filled (0 compiled);
   - batch-1 decode after a 512-token prompt: qwen3-0.6b, qwen3-4b, qwen3-8b, apertus-8b (the peer at batch 1);
   - qwen3-4b batch-1 decode after 32,768 positions, BF16 and INT8 cache (the peer: BF16);
   - qwen3-4b prefill of one 4,096-token prompt, as a fraction of the measured 790 TFLOP/s;
