@@ -9,9 +9,9 @@ Cases (H200, bf16 weights, synthetic checkpoints; the same measurements as scrip
 functions this calls):
   - a fresh machine's first `tileinfer generate` (the demo model, or --cold-model), in a process of its own
     over an empty kernel cache (a temporary TILEINFER_CACHE): seconds until its first token reaches
-    stdout, with the kernels it compiled and its start-up's log line (the seconds opening the device, loading
-    the weights, compiling and loading the kernels, warming up, capturing); then the same command over the
-    cache it filled (0 compiled);
+    stdout, with the kernels it compiled and its GPU runner's log line (the seconds opening the device,
+    loading the weights, compiling and loading the kernels, and when); then the same command over the cache
+    it filled (0 compiled);
   - batch-1 decode after a 512-token prompt: qwen3-0.6b, qwen3-4b, qwen3-8b, apertus-8b (the peer at batch 1);
   - qwen3-4b batch-1 decode after 32,768 positions, BF16 and INT8 cache (the peer: BF16);
   - qwen3-4b prefill of one 4,096-token prompt, as a fraction of the measured 790 TFLOP/s;
@@ -250,16 +250,17 @@ COLD_TIMEOUT = 600  # seconds a cold-start run may take before it is killed (and
 
 
 # `python -m tileinfer` with INFO logging, each record stamped with the milliseconds since logging was imported
-# (the interpreter's start, within a few ms): start-up's log line says where its time went (StartupTimes).
+# (the interpreter's start, within a few ms): the GPU runner's log line says where its construction's time went.
 LOGGED_MAIN = ("import logging, runpy; logging.basicConfig(level=logging.INFO, "
                "format='%(relativeCreated).0f ms %(name)s: %(message)s'); "
                "runpy.run_module('tileinfer', run_name='__main__', alter_sys=True)")
-STARTUP_LINE = re.compile(r"^(\d+) ms tileinfer\.runner\.startup: (device opened in .*)$", re.M)
+RUNNER_LINE = re.compile(r"^(\d+) ms tileinfer\.runner\.gpu: GPU runner: (device opened in .*)$", re.M)
 
 
-def startup_phases(stderr: str) -> str | None:
-    """Start-up's log line in a logged run's stderr, with when it was written: "at N ms: device opened in ..."."""
-    found = STARTUP_LINE.search(stderr)
+def runner_phases(stderr: str) -> str | None:
+    """The GPU runner's log line in a logged run's stderr (where its construction's time went), with when it was
+    written: "at N ms: device opened in ..."."""
+    found = RUNNER_LINE.search(stderr)
     return f"at {int(found[1]):,} ms: {found[2]}" if found else None
 
 
@@ -268,7 +269,7 @@ def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:
     cache (a temporary TILEINFER_CACHE); then again over the cache the first run filled. Each run's
     seconds to its first output (the token's text; the newline after it when the token prints nothing)
     and to its exit, and the cubins each one added to the cache (its compiles). The runs log at INFO, so
-    the first one's start-up line (where its time went) is reported too."""
+    the first one's GPU runner line (where its construction's time went) is reported too."""
     cmd = [sys.executable, "-c", LOGGED_MAIN, "generate", "--prompt", COLD_PROMPT, "--max-new-tokens", "1",
            *(["--model", str(model)] if model else [])]
     with tempfile.TemporaryDirectory(prefix="tileinfer-cold-") as root:
@@ -278,10 +279,10 @@ def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:
         compiled = len(list(kernels.glob("*.cubin")))
         warm_first, warm_total, _ = run(cmd, env, timeout)
         warm_compiled = len(list(kernels.glob("*.cubin"))) - compiled
-    phases = startup_phases(err)
+    phases = runner_phases(err)
     return dict(measured=first, compiled=compiled, warm=warm_first, warm_compiled=warm_compiled,
                 extra=f"whole command {total:.2f} s, warm {warm_total:.2f} s"
-                      + (f"; the first run's start-up {phases}" if phases else ""))
+                      + (f"; the first run's GPU runner {phases}" if phases else ""))
 
 
 def measure(args) -> dict:

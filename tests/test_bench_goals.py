@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tileinfer.runner.startup import StartupTimes
-
-STARTUP = StartupTimes(device=2.5, total=1.75, weights=0.05, kernels=1.25, kernels_compiled=38, warm_up=0.25,
-                       capture=0.1, graphs=3)
+from tileinfer.runner.gpu import RUNNER_LOG
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_goals.py"
 
@@ -197,7 +194,7 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
             kernels.mkdir(parents=True)
             for name in ("rmsnorm", "gemm_tma-0", "gemm_tma-1"):
                 (kernels / f"{name}.cubin").write_bytes(b"\x7fELF")
-            return 5.5, 6.0, f"INFO ...\n4321 ms tileinfer.runner.startup: {STARTUP.format()}\n"
+            return 5.5, 6.0, f"INFO ...\n4321 ms tileinfer.runner.gpu: {RUNNER_LOG % (2.5, 0.05, 1.25, 38)}\n"
         return 1.25, 1.5, ""
 
     out = g.cold_start(Path("/ckpt/demo"), 600, run=run)
@@ -206,16 +203,15 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
     assert cmd[cmd.index("--max-new-tokens") + 1] == "1" and cmd[cmd.index("--model") + 1] == "/ckpt/demo"
     assert root == root2 and found == [] and len(found2) == 3, runs
     assert not Path(root).exists(), "the temporary kernel cache was left behind"
-    phases = ("at 4,321 ms: device opened in 2.50 s; start-up 1.75 s: weights 0.05 s, kernels 1.25 s (38 compiled), "
-              "warm-up 0.25 s, 3 decode graphs captured in 0.10 s")
+    phases = "at 4,321 ms: device opened in 2.50 s, weights loaded in 0.05 s, kernels in 1.25 s (38 compiled)"
     assert out == dict(measured=5.5, compiled=3, warm=1.25, warm_compiled=0,
-                       extra=f"whole command 6.00 s, warm 1.50 s; the first run's start-up {phases}")
+                       extra=f"whole command 6.00 s, warm 1.50 s; the first run's GPU runner {phases}")
     g.cold_start(None, 600, run=lambda cmd, env, timeout: runs.append(cmd) or (1.0, 1.0, ""))
     assert "--model" not in runs[-1], "without a checkpoint the demo model is used"
 
     row_cells = row(g.goals_table({"cold_start": out}), "`tileinfer generate`")
     assert row_cells[4:] == [f"5.50 s (3 compiles); warm cache 1.25 s, 0 compiled (whole command 6.00 s, warm 1.50 s; "
-                             f"the first run's start-up {phases})", "yes"]
+                             f"the first run's GPU runner {phases})", "yes"]
     recompiled = row(g.goals_table({"cold_start": {**out, "warm_compiled": 2}}), "`tileinfer generate`")
     assert recompiled[-1] == "no", recompiled
     slow = row(g.goals_table({"cold_start": {**out, "measured": 12.0}}), "`tileinfer generate`")

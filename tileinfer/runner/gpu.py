@@ -74,6 +74,8 @@ from .base import CheckpointRunner, DeviceDrafts
 from .step import SamplingRow, StepBuffers, prepare_step, set_token_sources
 
 log = logging.getLogger(__name__)
+# Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it).
+RUNNER_LOG = "GPU runner: device opened in %.2f s, weights loaded in %.2f s, kernels in %.2f s (%d compiled)"
 
 MAX_SPLITS = 48
 # Decode blocks an SM the splits aim at: the BF16 kernel fits 2; the INT8 kernel 3 (its 16-row build) or 4
@@ -163,13 +165,16 @@ class GPURunner(CheckpointRunner):
         shards = self.checkpoint if tp is None else self._shards(tp)
         self.local_config = shards.config     # what this GPU holds: the whole model, or a rank's shards
         self.eos_token_ids = list(self.checkpoint.eos_token_ids)
+        start = time.perf_counter()
         self.device = get_device(device)
+        device_seconds = time.perf_counter() - start  # opening the device (its context), if not yet open
         self.stream = Stream()
         self.weights = DeviceWeights(shards, self.stream, progress=progress)
         compiled, start = compiler.STATS.compiled, time.perf_counter()
         load_all(progress=progress)  # every kernel compiled (or read from the disk cache) and loaded now
         self.kernel_seconds = time.perf_counter() - start  # compiling (if not cached) and loading cuda_src/
         self.kernels_compiled = compiler.STATS.compiled - compiled  # 0 with a warm kernel cache
+        log.info(RUNNER_LOG, device_seconds, self.weights.load_seconds, self.kernel_seconds, self.kernels_compiled)
         self.buckets = decode_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
