@@ -6,7 +6,8 @@ once, in turns: between machine starts the same code moves by more than most cha
 
 In a git checkout: each revision's package (tileinfer/ without the demo model's files, graphs/, cuda_src/), its
 tests and scripts into ab-trees/NAME (a GPU machine without the repository's history needs only that folder
-beside a checkout):
+beside a checkout). A command that uses the demo model by default (`tileinfer generate` without --model,
+bench_goals.py's cold start) fails under a tree: give it the checkout's, tileinfer/demo/target.
 
     python3 scripts/ab.py prepare main tma-split-push
 
