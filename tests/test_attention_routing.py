@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.kv.paged_cache import CacheLayout
 from tileinfer.model.inputs import StepShape
 from tileinfer.runner.gpu import GPURunner
 from tileinfer.kernels import routing
@@ -168,13 +169,16 @@ def _layer_weights(hidden: int, heads: int, kv_heads: int, intermediate: int, he
 
 
 class _FakeDecoder(_FakeModel):
-    """What GPURunner.decode_splits reads beyond _splits_for's: the mode, the longest context, a layer's weights."""
+    """What GPURunner.decode_splits reads beyond _splits_for's: the mode, the longest context, the cache's layout,
+    a layer's weights."""
 
     def __init__(self, int8: bool, max_context: int, *, hidden: int, heads: int, kv_heads: int, intermediate: int):
         super().__init__(int8, heads, kv_heads)
         self.local_config.head_dim = 128
         self.batch_invariant, self.max_context = False, max_context
         self.weights = SimpleNamespace(layers=[_layer_weights(hidden, heads, kv_heads, intermediate)])
+        self.cache.layout = CacheLayout(num_layers=36, num_pages=1, num_kv_heads=kv_heads, page_size=64, head_dim=128,
+                                        int8=int8)
 
     def _splits_for(self, *args):
         return GPURunner._splits_for(self, *args)

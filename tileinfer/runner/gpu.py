@@ -330,10 +330,9 @@ class GPURunner(CheckpointRunner):
             return 1
         per_sm = None  # the cache's kernel's (_splits_for)
         if not self.cache.int8:
-            c = self.local_config
-            layer = self.weights.layers[0]
+            L, layer = self.cache.layout, self.weights.layers[0]
             per_sm = K.bf16_decode_blocks(
-                batch=batch, layer_cache_bytes=2 * self.max_context * c.num_key_value_heads * c.head_dim * 2,
+                batch=batch, layer_cache_bytes=self.max_context * L.bytes_per_position // L.num_layers,
                 layer_weight_bytes=sum(w.nbytes for w in (layer.w_qkv, layer.w_o, layer.w_up, layer.w_down)))
         return self._splits_for(batch, -(-self.max_context // KEY_TILE), per_sm)
 
