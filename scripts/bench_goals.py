@@ -255,13 +255,19 @@ LOGGED_MAIN = ("import logging, runpy; logging.basicConfig(level=logging.INFO, "
                "format='%(relativeCreated).0f ms %(name)s: %(message)s'); "
                "runpy.run_module('tileinfer', run_name='__main__', alter_sys=True)")
 RUNNER_LINE = re.compile(r"^(\d+) ms tileinfer\.runner\.gpu: GPU runner: (device opened in .*)$", re.M)
+COMPILE_LINE = re.compile(r"^(\d+) ms tileinfer\.cuda\.compiler: (compiled \d+ kernel units .*)$", re.M)
 
 
 def runner_phases(stderr: str) -> str | None:
     """The GPU runner's log line in a logged run's stderr (where its construction's time went), with when it was
-    written: "at N ms: device opened in ..."."""
+    written, "at N ms: device opened in ...", and before it the compiler's line when it compiled anything (how long
+    its child processes took, and NVRTC's share of that)."""
     found = RUNNER_LINE.search(stderr)
-    return f"at {int(found[1]):,} ms: {found[2]}" if found else None
+    if not found:
+        return None
+    compiled = COMPILE_LINE.search(stderr)
+    return (f"at {int(found[1]):,} ms: {found[2]}"
+            + (f" (its compiles ended at {int(compiled[1]):,} ms: {compiled[2]})" if compiled else ""))
 
 
 def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tileinfer.cuda.compiler import COMPILE_LOG
 from tileinfer.runner.gpu import RUNNER_LOG
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_goals.py"
@@ -194,7 +195,9 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
             kernels.mkdir(parents=True)
             for name in ("rmsnorm", "gemm_tma-0", "gemm_tma-1"):
                 (kernels / f"{name}.cubin").write_bytes(b"\x7fELF")
-            return 5.5, 6.0, f"INFO ...\n4321 ms tileinfer.runner.gpu: {RUNNER_LOG % (2.5, 0.05, 1.25, 38)}\n"
+            compiled = COMPILE_LOG % (38, 1.1, 16, 9.5, 7.25, "gemv.cu (part 0)", 1.02)
+            return 5.5, 6.0, (f"INFO ...\n4100 ms tileinfer.cuda.compiler: {compiled}\n"
+                              f"4321 ms tileinfer.runner.gpu: {RUNNER_LOG % (2.5, 0.05, 1.25, 38)}\n")
         return 1.25, 1.5, ""
 
     out = g.cold_start(Path("/ckpt/demo"), 600, run=run)
@@ -203,7 +206,9 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
     assert cmd[cmd.index("--max-new-tokens") + 1] == "1" and cmd[cmd.index("--model") + 1] == "/ckpt/demo"
     assert root == root2 and found == [] and len(found2) == 3, runs
     assert not Path(root).exists(), "the temporary kernel cache was left behind"
-    phases = "at 4,321 ms: device opened in 2.50 s, weights loaded in 0.05 s, kernels in 1.25 s (38 compiled)"
+    phases = ("at 4,321 ms: device opened in 2.50 s, weights loaded in 0.05 s, kernels in 1.25 s (38 compiled) (its "
+              "compiles ended at 4,100 ms: compiled 38 kernel units in 1.10 s on 16 cores: their processes took 9.5 s "
+              "summed, NVRTC 7.2 s of it; the longest gemv.cu (part 0) (1.02 s))")
     assert out == dict(measured=5.5, compiled=3, warm=1.25, warm_compiled=0,
                        extra=f"whole command 6.00 s, warm 1.50 s; the first run's GPU runner {phases}")
     g.cold_start(None, 600, run=lambda cmd, env, timeout: runs.append(cmd) or (1.0, 1.0, ""))

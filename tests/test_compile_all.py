@@ -5,6 +5,7 @@ the one an in-process compile makes, that a warm cache starts no process, and th
 reaches the caller as the error an in-process compile raises."""
 from __future__ import annotations
 
+import logging
 import subprocess
 
 import pytest
@@ -26,9 +27,15 @@ def use_cache(monkeypatch, path):
     return path / "kernels"
 
 
-def test_children_make_the_cubins_an_in_process_compile_makes(tmp_path, monkeypatch, capsys):
+def test_children_make_the_cubins_an_in_process_compile_makes(tmp_path, monkeypatch, capsys, caplog):
     parallel_dir = use_cache(monkeypatch, tmp_path / "parallel")
-    compile_all(UNITS, "sm_90", progress=True)
+    with caplog.at_level(logging.INFO, logger=compiler.log.name):
+        compile_all(UNITS, "sm_90", progress=True)
+    line = [r for r in caplog.records if r.msg == compiler.COMPILE_LOG]
+    assert len(line) == 1, caplog.text
+    count, wall, cores, processes, nvrtc_seconds, longest, longest_seconds = line[0].args
+    assert count == len(UNITS) and 0 < nvrtc_seconds < processes <= wall * cores + 0.1, line[0].getMessage()
+    assert longest in ("rmsnorm.cu", "embedding.cu", "gemm_tma.cu (part 1)") and longest_seconds <= wall + 0.1
     assert compiler.STATS.compiled == len(UNITS), compiler.STATS
     assert len(list(parallel_dir.glob("*.cubin"))) == len(UNITS) and not list(parallel_dir.glob("*.tmp"))
     parallel = [compile_file(f, "sm_90", d) for f, d in UNITS]
@@ -140,7 +147,7 @@ def test_the_longest_units_start_first(tmp_path, monkeypatch):
 
     def child(unit):
         started.append(compiler.unit_key(unit))
-        return b"\x7fELF", 0.0
+        return b"\x7fELF", 0.0, 0.0
     monkeypatch.setattr(compiler, "_compile_in_child", child)
     units = [("short.cu", None), ("long.cu", {"KERNEL_PART": 0}), ("new.cu", None), ("long.cu", {"KERNEL_PART": 1})]
     compile_all(units, "sm_90")

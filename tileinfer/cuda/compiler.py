@@ -44,6 +44,11 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _PARTS = re.compile(r"^\s*#\s*define\s+KERNEL_PARTS\s+(\d+)\b", re.MULTILINE)
 CHILD = Path(__file__).resolve().with_name("nvrtc_child.py")  # compile_all's child process
 COMPILE_FAILED = 3  # its exit status when NVRTC rejects the source (its output is then NVRTC's log)
+_NVRTC_SECONDS = re.compile(rb"^nvrtc_seconds ([0-9.]+)$", re.MULTILINE)  # what a child reports on its stderr
+# compile_all's line once it compiled anything: where a cold start's compile time went (a child's time beyond
+# NVRTC's is its interpreter's start and imports, a fresh machine's first reads of Python and libnvrtc among them).
+COMPILE_LOG = ("compiled %d kernel units in %.2f s on %d cores: their processes took %.1f s summed, NVRTC %.1f s of "
+               "it; the longest %s (%.2f s)")
 
 
 class CompileError(RuntimeError):
@@ -205,6 +210,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
         from tqdm import tqdm
         bar = tqdm(total=len(todo), unit="compile", desc="compiling kernels (once; then cached)", leave=False)
     cores = len(os.sched_getaffinity(0))  # the cores this process may run on
+    start, times = time.perf_counter(), []  # (unit, its process's seconds, NVRTC's of them)
     with ThreadPoolExecutor(max_workers=min(len(todo), cores)) as pool:
         pending = {pool.submit(_compile_in_child, unit): unit for unit in todo}
         try:
@@ -214,7 +220,9 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     unit = pending.pop(future)
-                    _store(unit, *future.result())  # a child's CompileError is raised here
+                    cubin, seconds, nvrtc_seconds = future.result()  # a child's CompileError is raised here
+                    _store(unit, cubin, seconds)
+                    times.append((unit, seconds, nvrtc_seconds))
                     if bar is not None:
                         bar.update()
         finally:
@@ -222,6 +230,9 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                 future.cancel()
             if bar is not None:
                 bar.close()
+    longest = max(times, key=lambda t: t[1])
+    log.info(COMPILE_LOG, len(times), time.perf_counter() - start, cores, sum(t[1] for t in times),
+             sum(t[2] for t in times), _label(longest[0]), longest[1])
 
 
 def _left(units) -> str:
@@ -253,16 +264,18 @@ def _label(unit: _Unit) -> str:
     return unit.name if _part(unit) is None else f"{unit.name} (part {_part(unit)})"
 
 
-def _compile_in_child(unit: _Unit) -> tuple[bytes, float]:
-    """(cubin, seconds) of one compile in a child process (nvrtc_child.py); CompileError with NVRTC's
-    log when NVRTC rejects the source, RuntimeError with the child's own output when it fails otherwise."""
+def _compile_in_child(unit: _Unit) -> tuple[bytes, float, float]:
+    """(cubin, seconds, NVRTC's seconds of them) of one compile in a child process (nvrtc_child.py); CompileError
+    with NVRTC's log when NVRTC rejects the source, RuntimeError with the child's own output when it fails
+    otherwise."""
     job = json.dumps(dict(name=unit.name, source=unit.source, headers=unit.headers, options=unit.options))
     start = time.perf_counter()
     # -P: nothing on sys.path from the child's directory (tileinfer/cuda/ holds names like `module`)
     child = subprocess.run([sys.executable, "-P", str(CHILD)], input=job.encode(), capture_output=True)
     seconds = time.perf_counter() - start
     if child.returncode == 0:
-        return child.stdout, seconds
+        reported = _NVRTC_SECONDS.search(child.stderr)
+        return child.stdout, seconds, float(reported[1]) if reported else float("nan")
     if child.returncode == COMPILE_FAILED:
         raise CompileError(unit.name, child.stdout.decode(errors="replace"), unit.options, unit.source)
     raise RuntimeError(f"the process compiling {_label(unit)} ({sys.executable} {CHILD}) failed with exit status "

@@ -1,7 +1,8 @@
 """One NVRTC compile in a process of its own, for compiler.compile_all.
 
 Reads a JSON job from stdin: {"name", "source", "headers": {name: text}, "options": [...]}. Writes the
-cubin to stdout and exits 0; when NVRTC rejects the source, writes NVRTC's log and exits with
+cubin to stdout and the seconds NVRTC took to stderr ("nvrtc_seconds S"; the rest of the child's time is its
+interpreter's start and imports) and exits 0; when NVRTC rejects the source, writes NVRTC's log and exits with
 compiler.COMPILE_FAILED (the parent raises the CompileError, with the options and the source it holds);
 anything else fails with a traceback on stderr.
 
@@ -12,6 +13,7 @@ bare namespaces, without running their __init__ files.
 """
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -29,11 +31,13 @@ def _compiler():
 def main() -> int:
     compiler = _compiler()
     job = json.loads(sys.stdin.buffer.read())
+    start = time.perf_counter()
     try:
         cubin = compiler._nvrtc_compile(job["name"], job["source"], job["headers"], job["options"])[0]
     except compiler.CompileError as e:
         sys.stdout.buffer.write(e.log.encode())
         return compiler.COMPILE_FAILED
+    sys.stderr.write(f"nvrtc_seconds {time.perf_counter() - start:.4f}\n")
     sys.stdout.buffer.write(cubin)
     return 0
 
