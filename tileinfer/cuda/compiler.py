@@ -46,7 +46,8 @@ CHILD = Path(__file__).resolve().with_name("nvrtc_child.py")  # compile_all's ch
 COMPILE_FAILED = 3  # its exit status when NVRTC rejects the source (its output is then NVRTC's log)
 _NVRTC_SECONDS = re.compile(rb"^nvrtc_seconds ([0-9.]+)$", re.MULTILINE)  # what a child reports on its stderr
 # compile_all's line once it compiled anything: where a cold start's compile time went (a child's time beyond
-# NVRTC's is its interpreter's start and imports, a fresh machine's first reads of Python and libnvrtc among them).
+# NVRTC's compile is its interpreter's start, its imports and libnvrtc's load, where a fresh machine's first reads
+# of them would show).
 COMPILE_LOG = ("compiled %d kernel units in %.2f s on %d cores: their processes took %.1f s summed, NVRTC %.1f s of "
                "it; the longest %s (%.2f s)")
 

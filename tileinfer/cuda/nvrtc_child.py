@@ -1,10 +1,10 @@
 """One NVRTC compile in a process of its own, for compiler.compile_all.
 
 Reads a JSON job from stdin: {"name", "source", "headers": {name: text}, "options": [...]}. Writes the
-cubin to stdout and the seconds NVRTC took to stderr ("nvrtc_seconds S"; the rest of the child's time is its
-interpreter's start and imports) and exits 0; when NVRTC rejects the source, writes NVRTC's log and exits with
-compiler.COMPILE_FAILED (the parent raises the CompileError, with the options and the source it holds);
-anything else fails with a traceback on stderr.
+cubin to stdout and the seconds NVRTC's compile took to stderr ("nvrtc_seconds S"; the rest of the child's
+time is its interpreter's start, its imports and libnvrtc's load) and exits 0; when NVRTC rejects the
+source, writes NVRTC's log and exits with compiler.COMPILE_FAILED (the parent raises the CompileError, with
+the options and the source it holds); anything else fails with a traceback on stderr.
 
 Run as a script (`python -P nvrtc_child.py`), not as `-m tileinfer.cuda.nvrtc_child`: the package's
 __init__ files import the whole engine (seconds, for every child), and the compile needs only
@@ -31,6 +31,7 @@ def _compiler():
 def main() -> int:
     compiler = _compiler()
     job = json.loads(sys.stdin.buffer.read())
+    compiler.nvrtc.nvrtcVersion()  # loads libnvrtc (at its first call), so that NVRTC's seconds are the compile's
     start = time.perf_counter()
     try:
         cubin = compiler._nvrtc_compile(job["name"], job["source"], job["headers"], job["options"])[0]
