@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 # Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it).
 RUNNER_LOG = "GPU runner: device opened in %.2f s, weights loaded in %.2f s, kernels in %.2f s (%d compiled)"
 
+# A sequence's key splits at most. qwen3-4b's INT8 step at 32,768 positions ran fastest at 48 of the 32-66
+# tried, its _h8 build's full wave (66) 2.6% slower (docs/benchmarks.md, Known gaps).
 MAX_SPLITS = 48
 # Decode blocks an SM the splits aim at: the BF16 kernel fits 2; the INT8 kernel 3 (its 16-row build) or 4
 # (the _h8 build of a decode step, group <= 8), kernels/attention.py's int8_decode_blocks.
