@@ -152,3 +152,36 @@ def test_the_longest_units_start_first(tmp_path, monkeypatch):
     units = [("short.cu", None), ("long.cu", {"KERNEL_PART": 0}), ("new.cu", None), ("long.cu", {"KERNEL_PART": 1})]
     compile_all(units, "sm_90")
     assert started == ["new.cu", "long.cu:1", "long.cu:0", "short.cu"], started
+
+
+def test_load_all_waits_for_the_compile_start_compiling_began_and_counts_it(tmp_path, monkeypatch):
+    from tileinfer.cuda import module
+    kernels = use_cache(monkeypatch, tmp_path)
+    files = ["rmsnorm.cu", "embedding.cu"]
+    loaded = []
+    monkeypatch.setattr(module, "kernel_files", lambda: files)
+    monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))  # no GPU here: the device's answer
+    monkeypatch.setattr(module, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(module, "load_module", loaded.append)
+    monkeypatch.setattr(module, "_compiling", None)
+    module.start_compiling(0)
+    assert module._compiling is not None
+    assert module.load_all() == 2 and compiler.STATS.compiled == 2, compiler.STATS  # nothing compiled twice
+    assert sorted(p.name.split("-")[0] for p in kernels.glob("*.cubin")) == ["embedding", "rmsnorm"]
+    assert loaded == files and module._compiling is None
+    assert module.load_all() == 0, "a warm cache compiles nothing"
+
+
+def test_load_all_raises_the_error_of_the_compile_start_compiling_began(monkeypatch):
+    from tileinfer.cuda import module
+
+    def failing(units, arch, progress):
+        raise CompileError("rmsnorm.cu", "error: expected a ';'", [f"-arch={arch}"], "")
+
+    monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))
+    monkeypatch.setattr(module, "compile_all", failing)
+    monkeypatch.setattr(module, "_compiling", None)
+    module.start_compiling(0)
+    with pytest.raises(CompileError, match="expected a ';'"):
+        module.load_all()
+    assert module._compiling is None

@@ -102,6 +102,9 @@ def _load(args):
     import tileinfer
     if args.device == "cuda":
         from tileinfer.cuda import get_device
+        from tileinfer.cuda.module import start_compiling
+        if args.tensor_parallel_size == 1:  # what the kernel cache lacks compiles beside the loads below
+            start_compiling(0, progress=True)
         get_device()  # no GPU: say so before writing a synthetic checkpoint
     if args.tensor_parallel_size > 1:
         return tileinfer.LLM(_model_path(args), tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=1,

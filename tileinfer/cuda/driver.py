@@ -163,6 +163,15 @@ class Device:
         call(driver.cuCtxSynchronize)
 
 
+def compute_capability(ordinal: int = 0) -> tuple[int, int]:
+    """CUDA device `ordinal`'s compute capability, read without a context (what the kernels compile for can be
+    known before the device opens); raises NoDeviceError without a GPU."""
+    handle = device_handle(ordinal)
+    A = driver.CUdevice_attribute
+    return (call(driver.cuDeviceGetAttribute, A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle),
+            call(driver.cuDeviceGetAttribute, A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle))
+
+
 def pci_bus_id(ordinal: int = 0) -> str:
     """The PCI bus id of CUDA device `ordinal`, e.g. "0000:19:00.0": how NVML names the same GPU
     whatever CUDA_VISIBLE_DEVICES says. Creates no context; raises NoDeviceError without a GPU."""

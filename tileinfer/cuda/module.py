@@ -19,12 +19,14 @@ import array
 import ctypes
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 
 from cuda.bindings import driver
 
+from . import compiler
 from .compiler import compile_all, compile_file, kernel_files, part_defines
-from .driver import call, get_device, last_work
+from .driver import call, compute_capability, get_device, last_work
 from .memory import DeviceArray
 
 I32, U32, I64, U64, F32 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
@@ -200,10 +202,15 @@ def entry_points(cubin: bytes) -> list[str]:
     return names
 
 
+def nvrtc_arch(compute_capability: tuple[int, int]) -> str:
+    """The arch the kernels are compiled for on a device of this compute capability."""
+    major, minor = compute_capability
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"  # Hopper's wgmma, setmaxnreg need 'a'
+
+
 def device_arch() -> str:
     """The arch the kernels are compiled for on the current device."""
-    arch = get_device().info.arch
-    return "sm_90a" if arch == "sm_90" else arch  # Hopper's own instructions (wgmma, setmaxnreg) need 'a'
+    return nvrtc_arch(get_device().info.compute_capability)
 
 
 @cache
@@ -219,10 +226,40 @@ def kernel(filename: str, name: str) -> Kernel:
     return load_module(filename).kernel(name)
 
 
-def load_all(progress: bool = False) -> None:
-    """Compile what the kernel caches lack of cuda_src/ (in parallel, with a progress bar when asked) and
-    load every file now, instead of at each kernel's first launch."""
-    files = kernel_files()
-    compile_all([(name, defines) for name in files for defines in part_defines(name)], device_arch(), progress)
-    for name in files:
+def _every_unit() -> list[tuple[str, dict[str, object] | None]]:
+    return [(name, defines) for name in kernel_files() for defines in part_defines(name)]
+
+
+# The compile start_compiling began on a thread, until load_all waits for it: (its future, compiler.STATS.compiled
+# then).
+_compiling: tuple[Future, int] | None = None
+
+
+def start_compiling(ordinal: int, progress: bool = False) -> None:
+    """Begin compiling what the kernel caches lack of cuda_src/ for device `ordinal` (in parallel, with a
+    progress bar when asked) on a thread of its own, before the device's context opens: the compiles (child
+    processes) overlap the device's opening and the weights' load. load_all waits for them. A process that
+    ends before load_all (an error while loading the checkpoint) lets the compile finish first, at its exit, so
+    that the next run finds the kernel cache filled."""
+    global _compiling
+    if _compiling is not None:
+        return
+    arch, before = nvrtc_arch(compute_capability(ordinal)), compiler.STATS.compiled
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
+    _compiling = (pool.submit(compile_all, _every_unit(), arch, progress), before)
+    pool.shutdown(wait=False)  # its thread ends with the compile
+
+
+def load_all(progress: bool = False) -> int:
+    """Compile what the kernel caches lack of cuda_src/ (in parallel, with a progress bar when asked), or wait
+    for the compile start_compiling began, and load every file now, instead of at each kernel's first launch.
+    Returns the kernels compiled for it (0 with a warm cache), the ones start_compiling compiled included."""
+    global _compiling
+    compiled = compiler.STATS.compiled
+    if _compiling is not None:
+        (future, compiled), _compiling = _compiling, None
+        future.result()  # its CompileError, if any, is raised here
+    compile_all(_every_unit(), device_arch(), progress)  # what is still missing (nothing after start_compiling)
+    for name in kernel_files():
         load_module(name)
+    return compiler.STATS.compiled - compiled

@@ -58,8 +58,7 @@ from cuda.bindings import driver
 
 from .. import kernels as K
 from ..cuda import DeviceArray, Event, PinnedBuffer, Stream, call, get_device
-from ..cuda import compiler
-from ..cuda.module import load_all
+from ..cuda.module import load_all, start_compiling
 from ..graphs import DECODE, DECODE_MASKED, PREFILL, PREFILL_MASKED, GraphManager, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
@@ -167,15 +166,16 @@ class GPURunner(CheckpointRunner):
         shards = self.checkpoint if tp is None else self._shards(tp)
         self.local_config = shards.config     # what this GPU holds: the whole model, or a rank's shards
         self.eos_token_ids = list(self.checkpoint.eos_token_ids)
+        start_compiling(device, progress)  # the compiles overlap the device's opening and the weights' load
         start = time.perf_counter()
         self.device = get_device(device)
         device_seconds = time.perf_counter() - start  # opening the device (its context), if not yet open
         self.stream = Stream()
         self.weights = DeviceWeights(shards, self.stream, progress=progress)
-        compiled, start = compiler.STATS.compiled, time.perf_counter()
-        load_all(progress=progress)  # every kernel compiled (or read from the disk cache) and loaded now
-        self.kernel_seconds = time.perf_counter() - start  # compiling (if not cached) and loading cuda_src/
-        self.kernels_compiled = compiler.STATS.compiled - compiled  # 0 with a warm kernel cache
+        start = time.perf_counter()
+        # every kernel compiled (or read from the disk cache; or compiled by start_compiling) and loaded now
+        self.kernels_compiled = load_all(progress=progress)  # 0 with a warm kernel cache
+        self.kernel_seconds = time.perf_counter() - start  # waiting for the compiles not yet done, loading cuda_src/
         log.info(RUNNER_LOG, device_seconds, self.weights.load_seconds, self.kernel_seconds, self.kernels_compiled)
         self.buckets = decode_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
+from ..cuda.module import start_compiling
 from ..graphs import DECODE
 from ..kv import Sequence
 from ..kv import sizing
@@ -160,6 +161,7 @@ def start_gpu(config: EngineConfig, group=None) -> Started:
 
 def _start_gpu(config: EngineConfig, made: list, group) -> Started:
     t_device = time.perf_counter()
+    start_compiling(config.gpu_ordinal, config.progress)  # what the kernel cache lacks compiles while the device opens
     nvml = _Nvml(config.gpu_ordinal)
     before = nvml.read()
     get_device(config.gpu_ordinal)
