@@ -73,7 +73,9 @@ from .base import CheckpointRunner, DeviceDrafts
 from .step import SamplingRow, StepBuffers, prepare_step, set_token_sources
 
 log = logging.getLogger(__name__)
-# Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it).
+# Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it). The
+# kernels' seconds are load_all's: waiting for the compiles start_compiling began (beside the weights' load),
+# compiling what is still missing, loading the modules.
 RUNNER_LOG = "GPU runner: device opened in %.2f s, weights loaded in %.2f s, kernels in %.2f s (%d compiled)"
 
 # A sequence's key splits at most. qwen3-4b's INT8 step at 32,768 positions ran fastest at 48 of the 32-66
