@@ -47,6 +47,7 @@ def no_gpu_calls(monkeypatch):
         loads.append((path, kwargs))
         raise RuntimeError("fake load_model called")
     monkeypatch.setattr("tileinfer.cuda.get_device", touched)
+    monkeypatch.setattr("tileinfer.cuda.module.start_compiling", touched)
     monkeypatch.setattr(tileinfer, "load_model", fake_load_model)
     return loads
 
@@ -159,6 +160,24 @@ def test_tensor_parallel_generate_and_chat_check_their_options_first(capsys, no_
     argv = [str(micro) if a == "DRAFT" else a for a in argv]
     rc, err = run_cli(capsys, command, *prompt, "--model", str(micro), "--tensor-parallel-size", "2", *argv)
     assert rc == 1 and message in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_start_compiling_before_the_model_loads(capsys, monkeypatch, micro, command):
+    """On one GPU the kernels the cache lacks start compiling at the device check, so that they compile beside the
+    checkpoint's and weights' loads (load_all waits for them)."""
+    calls = []
+    monkeypatch.setattr("tileinfer.cuda.module.start_compiling", lambda *a, **k: calls.append(("compile", a, k)))
+    monkeypatch.setattr("tileinfer.cuda.get_device", lambda *a, **k: calls.append(("device",)))
+
+    def fake_load_model(path, **kwargs):
+        calls.append(("load", path))
+        raise RuntimeError("fake load_model")
+    monkeypatch.setattr(tileinfer, "load_model", fake_load_model)
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    rc, err = run_cli(capsys, command, *prompt, "--model", str(micro))
+    assert rc == 1 and "fake load_model" in err, err
+    assert calls == [("compile", (0,), dict(progress=True)), ("device",), ("load", micro)], calls
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
