@@ -230,9 +230,9 @@ def _every_unit() -> list[tuple[str, dict[str, object] | None]]:
     return [(name, defines) for name in kernel_files() for defines in part_defines(name)]
 
 
-# The compile start_compiling began on a thread, until load_all waits for it: (its future, compiler.STATS.compiled
-# then).
-_compiling: tuple[Future, int] | None = None
+# The compile start_compiling began on a thread, until load_all waits for it: (its future, its arch,
+# compiler.STATS.compiled then).
+_compiling: tuple[Future, str, int] | None = None
 
 
 def start_compiling(ordinal: int, progress: bool = False) -> None:
@@ -246,7 +246,7 @@ def start_compiling(ordinal: int, progress: bool = False) -> None:
         return
     arch, before = nvrtc_arch(compute_capability(ordinal)), compiler.STATS.compiled
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-    _compiling = (pool.submit(compile_all, _every_unit(), arch, progress), before)
+    _compiling = (pool.submit(compile_all, _every_unit(), arch, progress), arch, before)
     pool.shutdown(wait=False)  # its thread ends with the compile
 
 
@@ -255,11 +255,13 @@ def load_all(progress: bool = False) -> int:
     for the compile start_compiling began, and load every file now, instead of at each kernel's first launch.
     Returns the kernels compiled for it (0 with a warm cache), the ones start_compiling compiled included."""
     global _compiling
-    compiled = compiler.STATS.compiled
+    compiled, started_arch = compiler.STATS.compiled, None
     if _compiling is not None:
-        (future, compiled), _compiling = _compiling, None
+        (future, started_arch, compiled), _compiling = _compiling, None
         future.result()  # its CompileError, if any, is raised here
-    compile_all(_every_unit(), device_arch(), progress)  # what is still missing (nothing after start_compiling)
+    arch = device_arch()
+    if started_arch != arch:  # none started, or for another arch: each unit read and keyed again is not free
+        compile_all(_every_unit(), arch, progress)
     for name in kernel_files():
         load_module(name)
     return compiler.STATS.compiled - compiled
