@@ -4,6 +4,7 @@ GPU time of the step's graph replayed back to back (bench.py's figure).
 
     python scripts/decode_timeline.py --model qwen3-4b --context 32768 --kv int8 [--max-splits 32]
     python scripts/decode_timeline.py --model qwen3-4b --batch 256 --context 512
+    python scripts/decode_timeline.py --model qwen3-0.6b --offline
 
 At batch 1 the run is a `tileinfer.generate`; at --batch B it is B requests of --context random tokens each
 through `tileinfer.LLM` (bench.py's batched decode), and the steps counted are those in which all B decode.
@@ -154,6 +155,42 @@ def batched(args, kv_quantize: str | None) -> str:
                       float(s["step_ms"][0]))
 
 
+def by_kind(marks: list[Mark], elapsed_ms) -> dict[str, dict]:
+    """The decode steps and the prompt steps among `marks`: for each, the steps, their GPU seconds, the host's seconds
+    in launch() and the GPU's idle seconds before them (from the end of the launch before each), with the largest
+    such gap in ms. elapsed_ms(a, b): ms from event a to b."""
+    out = {}
+    for kind, decode in (("decode steps", True), ("prompt steps", False)):
+        picked = [i for i, m in enumerate(marks) if m.decode == decode]
+        idle = [elapsed_ms(marks[i - 1].end, marks[i].start) for i in picked if i > 0]
+        out[kind] = dict(steps=len(picked), gpu_s=sum(elapsed_ms(marks[i].start, marks[i].end) for i in picked) / 1e3,
+                         host_s=sum(marks[i].host_ms for i in picked) / 1e3, idle_s=sum(idle) / 1e3,
+                         largest_idle_ms=max(idle, default=0.0))
+    return out
+
+
+def offline_timeline(args) -> str:
+    """bench.py's offline run (bench_engine.offline, the qwen3-0.6b goal's workload) with every launch recorded:
+    per kind of step (decode: one token a row; prompt: with prompt chunks) the steps, their GPU seconds, the host's
+    seconds in launch() and the GPU's idle seconds before each (from the end of the launch before it)."""
+    from bench_engine import offline
+    with tileinfer.LLM(cached_checkpoint(args.model), max_num_seqs=256, max_context=2048 + 64,
+                       max_num_batched_tokens=8192, progress=False) as llm:
+        offline(llm, n=16)  # warm-up
+        t0 = time.perf_counter()
+        with recording() as marks:
+            r = offline(llm)
+        wall = time.perf_counter() - t0
+        lines = [f"{args.model} offline: {r['output_tok_s']:,.0f} output tok/s, {wall:.2f} s in all, "
+                 f"{len(marks)} launches; the GPU from the first launch's start to the last one's end "
+                 f"{_elapsed(marks[0].start, marks[-1].end) / 1e3:.2f} s"]
+        for kind, k in by_kind(marks, _elapsed).items():
+            lines.append(f"  {kind}: {k['steps']}, GPU {k['gpu_s']:.3f} s, host in launch() {k['host_s']:.3f} s, GPU "
+                         f"idle before them {k['idle_s']:.3f} s (largest {k['largest_idle_ms']:.2f} ms)")
+        _destroy(marks)
+        return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-4b", help="a preset (its synthetic checkpoint)")
@@ -162,12 +199,17 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "int8"))
     ap.add_argument("--new", type=int, default=128, help="tokens generated")
     ap.add_argument("--max-splits", type=int, default=None, help="override the engine's MAX_SPLITS")
+    ap.add_argument("--offline", action="store_true", help="bench.py's offline run instead (256 requests, in/out "
+                    "100-1,024 tokens): each kind of step's GPU, host and idle seconds")
     args = ap.parse_args()
     if args.batch < 1 or args.new < 3:
         ap.error("--batch must be >= 1 and --new >= 3 (two consecutive decode steps at least)")
     if args.max_splits is not None:
         engine_model.MAX_SPLITS = args.max_splits
     kv_quantize = "int8" if args.kv == "int8" else None
+    if args.offline:
+        print(offline_timeline(args))
+        return
     print(batch_one(args, kv_quantize) if args.batch == 1 else batched(args, kv_quantize))
 
 

@@ -38,3 +38,17 @@ def test_a_run_without_two_consecutive_steps_is_named():
     marks = marks_of([(0.0, 3.0, 0.0, 8, False), (3.0, 5.0, 1.0, 8, True)])
     with pytest.raises(ValueError, match="no two consecutive decode steps of 8 rows among 2 launches"):
         dt.summarize(marks, 8, lambda a, b: b - a)
+
+
+def test_the_offline_accounting_splits_decode_and_prompt_steps():
+    marks = marks_of([
+        (0.0, 3.0, 0.0, 4, False),    # a prompt step, first: no gap before it
+        (3.0, 5.0, 1.0, 4, True),
+        (6.0, 9.0, 5.5, 6, False),    # a prompt step the GPU waited 1 ms for
+        (9.5, 10.0, 9.0, 6, True),    # a decode step after 0.5 ms idle
+    ])
+    k = dt.by_kind(marks, lambda a, b: b - a)
+    assert k["decode steps"] == dict(steps=2, gpu_s=pytest.approx(0.0025), host_s=pytest.approx(0.0004),
+                                     idle_s=pytest.approx(0.0005), largest_idle_ms=0.5)
+    assert k["prompt steps"] == dict(steps=2, gpu_s=pytest.approx(0.006), host_s=pytest.approx(0.0004),
+                                     idle_s=pytest.approx(0.001), largest_idle_ms=1.0)
