@@ -151,8 +151,7 @@ class Device:
         return DeviceInfo(
             ordinal=ordinal,
             name=name.split(b"\0", 1)[0].decode(),
-            compute_capability=(self._attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                                self._attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            compute_capability=compute_capability(ordinal),
             num_sms=self._attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             total_memory=call(driver.cuDeviceTotalMem, self.handle),
             max_shared_per_block_optin=self._attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
