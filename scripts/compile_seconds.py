@@ -57,7 +57,7 @@ def main() -> None:
     for name in compiler.kernel_files():
         for defines in compiler.part_defines(name):
             unit = compiler._unit(name, (src / name).read_text(), "sm_90a", defines, src)
-            runs = [compiler._compile_in_child(unit)[1] for _ in range(args.repeats)]
+            runs = [compiler._compile_in_child(unit)[1].seconds for _ in range(args.repeats)]
             key = compiler.unit_key(unit)
             table[key] = statistics.median(runs)
             sizes[key] = len(unit.source) + sum(map(len, unit.headers.values()))

@@ -33,8 +33,12 @@ def test_children_make_the_cubins_an_in_process_compile_makes(tmp_path, monkeypa
         compile_all(UNITS, "sm_90", progress=True)
     line = [r for r in caplog.records if r.msg == compiler.COMPILE_LOG]
     assert len(line) == 1, caplog.text
-    count, wall, cores, processes, nvrtc_seconds, longest, longest_seconds = line[0].args
+    count, wall, cores, processes, user, system, thousand_faults, from_disk, nvrtc_seconds, longest, longest_seconds = \
+        line[0].args
     assert count == len(UNITS) and 0 < nvrtc_seconds < processes <= wall * cores + 0.1, line[0].getMessage()
+    # each child's own CPU seconds and page faults (an interpreter and libnvrtc map some thousands of pages)
+    assert 0 < user + system <= processes + 0.1 and thousand_faults > len(UNITS) and from_disk >= 0, \
+        line[0].getMessage()
     assert longest in ("rmsnorm.cu", "embedding.cu", "gemm_tma.cu (part 1)") and longest_seconds <= wall + 0.1
     assert compiler.STATS.compiled == len(UNITS), compiler.STATS
     assert len(list(parallel_dir.glob("*.cubin"))) == len(UNITS) and not list(parallel_dir.glob("*.tmp"))
@@ -147,7 +151,7 @@ def test_the_longest_units_start_first(tmp_path, monkeypatch):
 
     def child(unit):
         started.append(compiler.unit_key(unit))
-        return b"\x7fELF", 0.0, 0.0
+        return b"\x7fELF", compiler.ChildTimes(0.0)
     monkeypatch.setattr(compiler, "_compile_in_child", child)
     units = [("short.cu", None), ("long.cu", {"KERNEL_PART": 0}), ("new.cu", None), ("long.cu", {"KERNEL_PART": 1})]
     compile_all(units, "sm_90")

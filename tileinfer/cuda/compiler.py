@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -29,6 +30,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from cuda.bindings import nvrtc
 
@@ -44,12 +46,27 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _PARTS = re.compile(r"^\s*#\s*define\s+KERNEL_PARTS\s+(\d+)\b", re.MULTILINE)
 CHILD = Path(__file__).resolve().with_name("nvrtc_child.py")  # compile_all's child process
 COMPILE_FAILED = 3  # its exit status when NVRTC rejects the source (its output is then NVRTC's log)
-_NVRTC_SECONDS = re.compile(rb"^nvrtc_seconds ([0-9.]+)$", re.MULTILINE)  # what a child reports on its stderr
-# compile_all's line once it compiled anything: where a cold start's compile time went (a child's time beyond
+# What a child reports on its stderr: NVRTC's seconds, then its own CPU seconds (user, system) and page faults
+# (minor: a page mapped without a read from disk; major: read from disk), from getrusage at its end.
+CHILD_REPORT = re.compile(rb"^nvrtc_seconds ([0-9.]+) user ([0-9.]+) system ([0-9.]+) faults (\d+) (\d+)$",
+                          re.MULTILINE)
+# compile_all's line once it compiled anything: where a cold start's compile time went. A child's time beyond
 # NVRTC's compile is its interpreter's start, its imports and libnvrtc's load, where a fresh machine's first reads
-# of them would show).
-COMPILE_LOG = ("compiled %d kernel units in %.2f s on %d cores: their processes took %.1f s summed, NVRTC %.1f s of "
-               "it; the longest %s (%.2f s)")
+# of them would show (as major faults); the system seconds are the kernel's, among them its page faults' (on a
+# virtual machine the first touch of a page of its memory can cost far more than a later one).
+COMPILE_LOG = ("compiled %d kernel units in %.2f s on %d cores: their processes took %.1f s summed (CPU %.1f s user, "
+               "%.1f s system; %.0f thousand page faults, %.0f from disk), NVRTC %.1f s of it; the longest %s (%.2f s)")
+
+
+class ChildTimes(NamedTuple):
+    """One compile's child process: its wall seconds, NVRTC's compile's of them, its CPU seconds and page faults
+    (CHILD_REPORT; NaN where it reported none)."""
+    seconds: float
+    nvrtc: float = math.nan
+    user: float = math.nan
+    system: float = math.nan
+    minor_faults: float = math.nan
+    major_faults: float = math.nan
 
 
 class CompileError(RuntimeError):
@@ -211,7 +228,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
         from tqdm import tqdm
         bar = tqdm(total=len(todo), unit="compile", desc="compiling kernels (once; then cached)", leave=False)
     cores = len(os.sched_getaffinity(0))  # the cores this process may run on
-    start, times = time.perf_counter(), []  # (unit, its process's seconds, NVRTC's of them)
+    start, times = time.perf_counter(), []  # (unit, ChildTimes)
     with ThreadPoolExecutor(max_workers=min(len(todo), cores)) as pool:
         pending = {pool.submit(_compile_in_child, unit): unit for unit in todo}
         try:
@@ -221,9 +238,9 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     unit = pending.pop(future)
-                    cubin, seconds, nvrtc_seconds = future.result()  # a child's CompileError is raised here
-                    _store(unit, cubin, seconds)
-                    times.append((unit, seconds, nvrtc_seconds))
+                    cubin, child = future.result()  # a child's CompileError is raised here
+                    _store(unit, cubin, child.seconds)
+                    times.append((unit, child))
                     if bar is not None:
                         bar.update()
         finally:
@@ -231,9 +248,11 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                 future.cancel()
             if bar is not None:
                 bar.close()
-    longest = max(times, key=lambda t: t[1])
-    log.info(COMPILE_LOG, len(times), time.perf_counter() - start, cores, sum(t[1] for t in times),
-             sum(t[2] for t in times), _label(longest[0]), longest[1])
+    longest = max(times, key=lambda t: t[1].seconds)
+    seconds, nvrtc, user, system, minor, major = (sum(child[i] for _, child in times)
+                                                  for i in range(len(ChildTimes._fields)))
+    log.info(COMPILE_LOG, len(times), time.perf_counter() - start, cores, seconds, user, system,
+             (minor + major) / 1e3, major, nvrtc, _label(longest[0]), longest[1].seconds)
 
 
 def _left(units) -> str:
@@ -265,8 +284,8 @@ def _label(unit: _Unit) -> str:
     return unit.name if _part(unit) is None else f"{unit.name} (part {_part(unit)})"
 
 
-def _compile_in_child(unit: _Unit) -> tuple[bytes, float, float]:
-    """(cubin, seconds, NVRTC's seconds of them) of one compile in a child process (nvrtc_child.py); CompileError
+def _compile_in_child(unit: _Unit) -> tuple[bytes, ChildTimes]:
+    """(cubin, what its process took) of one compile in a child process (nvrtc_child.py); CompileError
     with NVRTC's log when NVRTC rejects the source, RuntimeError with the child's own output when it fails
     otherwise."""
     job = json.dumps(dict(name=unit.name, source=unit.source, headers=unit.headers, options=unit.options))
@@ -275,8 +294,8 @@ def _compile_in_child(unit: _Unit) -> tuple[bytes, float, float]:
     child = subprocess.run([sys.executable, "-P", str(CHILD)], input=job.encode(), capture_output=True)
     seconds = time.perf_counter() - start
     if child.returncode == 0:
-        reported = _NVRTC_SECONDS.search(child.stderr)
-        return child.stdout, seconds, float(reported[1]) if reported else float("nan")
+        reported = CHILD_REPORT.search(child.stderr)
+        return child.stdout, ChildTimes(seconds, *map(float, reported.groups())) if reported else ChildTimes(seconds)
     if child.returncode == COMPILE_FAILED:
         raise CompileError(unit.name, child.stdout.decode(errors="replace"), unit.options, unit.source)
     raise RuntimeError(f"the process compiling {_label(unit)} ({sys.executable} {CHILD}) failed with exit status "

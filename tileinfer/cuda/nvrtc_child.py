@@ -1,8 +1,9 @@
 """One NVRTC compile in a process of its own, for compiler.compile_all.
 
 Reads a JSON job from stdin: {"name", "source", "headers": {name: text}, "options": [...]}. Writes the
-cubin to stdout and the seconds NVRTC's compile took to stderr ("nvrtc_seconds S"; the rest of the child's
-time is its interpreter's start, its imports and libnvrtc's load) and exits 0; when NVRTC rejects the
+cubin to stdout and, to stderr, the seconds NVRTC's compile took (the rest of the child's time is its
+interpreter's start, its imports and libnvrtc's load) with the process's own CPU seconds and page faults
+(compiler.CHILD_REPORT) and exits 0; when NVRTC rejects the
 source, writes NVRTC's log and exits with compiler.COMPILE_FAILED (the parent raises the CompileError, with
 the options and the source it holds); anything else fails with a traceback on stderr.
 
@@ -12,6 +13,7 @@ compiler.py and driver.py, which import nothing else of it. So the two packages 
 bare namespaces, without running their __init__ files.
 """
 import json
+import resource
 import sys
 import time
 import types
@@ -38,7 +40,10 @@ def main() -> int:
     except compiler.CompileError as e:
         sys.stdout.buffer.write(e.log.encode())
         return compiler.COMPILE_FAILED
-    sys.stderr.write(f"nvrtc_seconds {time.perf_counter() - start:.4f}\n")
+    nvrtc_seconds = time.perf_counter() - start
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    sys.stderr.write(f"nvrtc_seconds {nvrtc_seconds:.4f} user {use.ru_utime:.3f} system {use.ru_stime:.3f} "
+                     f"faults {use.ru_minflt} {use.ru_majflt}\n")
     sys.stdout.buffer.write(cubin)
     return 0
 
