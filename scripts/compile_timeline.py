@@ -61,7 +61,7 @@ def one_round(files: list[str], src: Path, work: Path, salt: int | None) -> str:
     os.environ["TILEINFER_CUDA_SRC"] = str(src)
     os.environ["TILEINFER_CACHE"] = str(work / "cache")
     compiler._memory_cache.clear()  # as in a new process: every compile this round asks for happens
-    handler = CompilerLine()
+    handler, level = CompilerLine(), compiler.log.level
     compiler.log.addHandler(handler)
     compiler.log.setLevel(logging.INFO)
     up, stolen = uptime(), steal_ticks()
@@ -69,6 +69,7 @@ def one_round(files: list[str], src: Path, work: Path, salt: int | None) -> str:
         compile_all([(f, d) for f in files for d in part_defines(f)], arch="sm_90a")
     finally:
         compiler.log.removeHandler(handler)
+        compiler.log.setLevel(level)
     return (f"uptime {up:.1f} s, steal {(steal_ticks() - stolen) / os.sysconf('SC_CLK_TCK'):.2f} s: "
             f"{handler.line or 'nothing compiled'}")
 

@@ -52,8 +52,8 @@ CHILD_REPORT = re.compile(rb"^nvrtc_seconds ([0-9.]+) user ([0-9.]+) system ([0-
                           re.MULTILINE)
 # compile_all's line once it compiled anything: where a cold start's compile time went. A child's time beyond
 # NVRTC's compile is its interpreter's start, its imports and libnvrtc's load, where a fresh machine's first reads
-# of them would show (as major faults); the system seconds are the kernel's, among them its page faults' (on a
-# virtual machine the first touch of a page of its memory can cost far more than a later one).
+# of them would show (as major faults); the system seconds are the kernel's work for the children, their page
+# faults' among it, and the user seconds NVRTC's own work and the interpreter's.
 COMPILE_LOG = ("compiled %d kernel units in %.2f s on %d cores: their processes took %.1f s summed (CPU %.1f s user, "
                "%.1f s system; %.0f thousand page faults, %.0f from disk), NVRTC %.1f s of it; the longest %s (%.2f s)")
 
