@@ -1,4 +1,5 @@
-// Decode-time matrix products y[m, n] = sum_k x[m, k] * W[n, k] for a few rows of x (M <= 8).
+// Decode-time matrix products y[m, n] = sum_k x[m, k] * W[n, k] for one or two rows of x
+// (M = 1 or 2: from 3 rows on the swap-AB GEMM, gemm_swap.cu, is faster).
 //
 // Bandwidth-bound: every weight byte is read exactly once per step, with 16-byte streaming
 // loads, coalesced across the warp (a warp reads 512 contiguous bytes of a row per step).
@@ -283,8 +284,6 @@ __device__ __forceinline__ void gemv_rows(const bf16 *x, const float *__restrict
 #if IN_PART(0)
 GEMV_ALL_EPI(1)
 GEMV_ALL_EPI(2)
-GEMV_ALL_EPI(4)
-GEMV_ALL_EPI(8)
 GEMV_KERNEL(gemv_pipe_m1_e1, 1, 1, true)
 GEMV_KERNEL(gemv_pipe_m1_e3, 1, 3, true)
 #endif

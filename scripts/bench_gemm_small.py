@@ -2,18 +2,17 @@
 """linear()'s default path on the Qwen3 and Apertus decode and verify shapes (few rows: the GEMV, the swap-AB GEMM,
 the TMA GEMM past 64 rows), with the alternatives beside it.
 
-    python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 5,16,32,64,128] [--swap] [--gemv]
+    python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 5,16,32,64,128] [--swap]
                                        [--tma] [--matrices o,down]
 
-For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul (Apertus: up xielu), down
-residual, LM head f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per
-call, the bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB
-GEMM (force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its
-rule was fitted to); --gemv the GEMV (force="gemv") where M is 1, 2, 4 or 8; --tma the TMA GEMM (gemm_tma.cu)
-past 64 rows at every tile width and split (width 160 unsplit only, 96 also split 2 and 4 ways; the persistent
-kernel's "s1" without a split last round or multicast), marking the (width, split) tma_plan picks and, t2-t4,
-the split of the last round it adds, "mc" its multicast build (the default path's time includes both); a split
-whose clusters do not all fit at once runs in more than one wave.
+For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul (Apertus: up xielu), down residual,
+LM head f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per call, the
+bytes a decode step must read) for the default path (linear.default_path). --swap also times the swap-AB GEMM
+(force="swap") at M <= 64 with every cluster split, marking the one swap_config picks (the sweep its rule was fitted
+to); --tma the TMA GEMM (gemm_tma.cu) past 64 rows at every tile width and split (width 160 unsplit only, 96 also
+split 2 and 4 ways; the persistent kernel's "s1" without a split last round or multicast), marking the (width,
+split) tma_plan picks and, t2-t4, the split of the last round it adds, "mc" its multicast build (the default path's
+time includes both); a split whose clusters do not all fit at once runs in more than one wave.
 
 Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
@@ -40,7 +39,7 @@ from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
 from tileinfer.kernels.linear import cluster_slots, gemm
-from tileinfer.kernels.routing import (GEMV_ROWS, SWAP_BATCHES, SWAP_SPLITS, TMA_BM, TMA_ROUND_SPLITS,
+from tileinfer.kernels.routing import (SWAP_BATCHES, SWAP_SPLITS, TMA_BM, TMA_ROUND_SPLITS,
                                        TMA_ROUND_WIDTHS, TMA_SPLITS, TMA_TALL, TMA_TALL_SPLITS, TMA_WIDTHS,
                                        default_path, swap_config, tma_plan)
 from tileinfer.model.config import preset
@@ -113,7 +112,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
     ap.add_argument("--m", default="5,16,32,64,128", help="batch sizes (rows of x)")
-    ap.add_argument("--gemv", action="store_true", help="also time the GEMV (force='gemv') where M is 1, 2, 4 or 8")
     ap.add_argument("--swap", action="store_true", help="also time the swap-AB GEMM (force='swap') with every "
                     "split where M <= 64")
     ap.add_argument("--tma", action="store_true", help="also time the TMA GEMM at every tile width and split "
@@ -142,8 +140,6 @@ def main() -> None:
     header = "| model | matrix | N x K | epilogue | M | default | us | GB/s | roofline |"
     if args.swap:
         header += " swap split | " + " | ".join(f"swap ks{k} us" for k in SWAP_SPLITS) + " |"
-    if args.gemv:
-        header += " gemv us |"
     tma_options = [(TMA_BM, w, ks) for w in TMA_WIDTHS for ks in (1,) + TMA_SPLITS]
     tma_options += [(TMA_BM, w, 1) for w in TMA_ROUND_WIDTHS]
     tma_options += [(TMA_BM, w, ks) for w, splits in TMA_ROUND_SPLITS.items() for ks in splits]
@@ -179,12 +175,6 @@ def main() -> None:
                             line += f" {picked} | " + " | ".join(f"{swap[k]:.1f}" for k in SWAP_SPLITS) + " |"
                         else:
                             line += " - |" + " - |" * len(SWAP_SPLITS)
-                    if args.gemv:
-                        if M in GEMV_ROWS:
-                            row["gemv_us"] = time_calls(case, M, stream, calls, args.replays, force="gemv")
-                            line += f" {row['gemv_us']:.1f} |"
-                        else:
-                            line += " - |"
                     if args.tma:
                         if M > SWAP_BATCHES[-1]:
                             pick = tma_plan(M, N, K, epilogue, info.num_sms, cluster_slots())

@@ -36,7 +36,7 @@ ENTRY_POINTS = {
     + [f"gemm_tma_n96_s{k}_e{e}" for k in (2, 4) for e in range(5)]
     + [f"gemm_tma_m256_n{w}{s}_e{e}" for w, ss in ((96, ("", "_s4")), (160, ("",))) for s in ss for e in range(5)],
     "gemm_swap.cu": [f"gemm_swap_b{b}_w1_c{k}{r}" for b in ("16", "32", "64", "16d") for k in (1, 2, 4, 8) for r in ("", "_np", "_nc")],
-    "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2, 4, 8) for e in range(4)] + ["gemv_pipe_m1_e1", "gemv_pipe_m1_e3",
+    "gemv.cu": [f"gemv_m{m}_e{e}" for m in (1, 2) for e in range(4)] + ["gemv_pipe_m1_e1", "gemv_pipe_m1_e3",
                                                                                     "gemv_argmax_m1_e3", "gemv_pipe_argmax_m1_e3",
                                                                                     "gemv_norm_m1_e0", "gemv_norm_m1_e0_b4", "gemv_norm_m1_e2",
                                                                                     "gemv_norm_m2_e0", "gemv_norm_m2_e2"],

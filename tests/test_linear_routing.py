@@ -374,7 +374,7 @@ def test_norm_linear_fuses_only_the_gemv_after_a_norm():
     for M in (1, 2):
         assert fuses_norm("gemv", M, "bf16") and fuses_norm("gemv", M, "silu_mul")
         assert not fuses_norm("gemv", M, "residual") and not fuses_norm("gemm", M, "bf16")  # batch-invariant
-    assert not fuses_norm("gemv", 4, "bf16")  # a forced 4-row GEMV has no gemv_norm_* build
+    assert not fuses_norm("gemv", 4, "bf16")  # the GEMV takes 1 or 2 rows
     assert not fuses_norm("swap", 5, "bf16")
 
 
@@ -383,7 +383,7 @@ def every_kernel_name() -> dict[str, set[str]]:
     gemv = {L.gemv_kernel_name(M, e, False, False) for M in L.GEMV_ROWS for e in L.EPILOGUES}
     gemv |= {L.gemv_kernel_name(1, e, True, False) for e in L.PIPE_EPILOGUES}
     gemv |= {L.gemv_kernel_name(1, "f32", pipe, True) for pipe in (False, True)}
-    gemv |= {norm_kernel_name(M, K, e) for M in L.GEMV_DEFAULT_ROWS for e in L.NORM_EPILOGUES
+    gemv |= {norm_kernel_name(M, K, e) for M in L.GEMV_ROWS for e in L.NORM_EPILOGUES
              for K in (L.NORM_SHORT_K, L.NORM_SHORT_K + 8)}
     swap = {L.SwapConfig(B, ks, (ks, 1), 0, deep).kernel_name + suffix
             for B in SWAP_BATCHES for deep in ((False, True) if B == 16 else (False,))

@@ -50,7 +50,7 @@ def forced(path: str, stream, **kw):
 
 
 @pytest.mark.parametrize("ksplit", [None, 1, 8])
-@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("N, K", [(8, 64), (136, 4104), (1024, 2560)])
 def test_xielu_gemv(M, N, K, ksplit, buf, stream):
     check_xielu(buf, stream, M, N, K, forced("gemv", stream, ksplit=ksplit),

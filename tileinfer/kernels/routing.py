@@ -140,9 +140,8 @@ H200_SMS = 132
 # reads GEMV_SEGMENT elements of a row per 16-byte load across its lanes.
 GEMV_WARPS = 8
 GEMV_SEGMENT = 256
-GEMV_ROWS = (1, 2, 4, 8)  # the gemv_m{M}_* builds
+GEMV_ROWS = (1, 2)  # the gemv_m{M}_* builds, and the M the GEMV takes (from 3 rows on the swap-AB GEMM)
 GEMV_SPLITS = (1, 2, 4, 8)
-GEMV_DEFAULT_ROWS = (1, 2)  # M the GEMV takes by default; 4 and 8 only when forced (tests, benchmarks)
 PIPE_EPILOGUES = ("residual", "f32")  # gemv_pipe_m1_*: o_proj, down_proj and the LM head
 PIPE_MIN_SEGMENTS = 4
 NORM_EPILOGUES = ("bf16", "silu_mul", "xielu")  # the gemv_norm_* builds: the products after a norm (QKV, gate/up, up)
@@ -269,7 +268,7 @@ TMA_MULTICAST_ROWS = 2048
 
 def default_path(M: int, N: int) -> str:
     """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
-    if M in GEMV_DEFAULT_ROWS:
+    if M in GEMV_ROWS:
         return "gemv"
     if M in SWAP_DEFAULT_ROWS:
         return "swap"
@@ -279,7 +278,7 @@ def default_path(M: int, N: int) -> str:
 def fuses_norm(path: str, M: int, epilogue: str) -> bool:
     """Whether norm_linear runs one gemv_norm_* launch (the GEMV normalizing its own rows) instead of the
     rmsnorm kernel and then `linear`."""
-    return path == "gemv" and M in GEMV_DEFAULT_ROWS and epilogue in NORM_EPILOGUES
+    return path == "gemv" and M in GEMV_ROWS and epilogue in NORM_EPILOGUES
 
 
 def gemv_pairs(N: int, epilogue: str) -> int:
