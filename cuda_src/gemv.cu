@@ -1,5 +1,5 @@
-// Decode-time matrix products y[m, n] = sum_k x[m, k] * W[n, k] for one or two rows of x
-// (M = 1 or 2: from 3 rows on the swap-AB GEMM, gemm_swap.cu, is faster).
+// Decode-time matrix products y[m, n] = sum_k x[m, k] * W[n, k] for one or two rows of x (M = 1 or 2;
+// from 3 rows on, `linear` runs the swap-AB GEMM, gemm_swap.cu).
 //
 // Bandwidth-bound: every weight byte is read exactly once per step, with 16-byte streaming
 // loads, coalesced across the warp (a warp reads 512 contiguous bytes of a row per step).
