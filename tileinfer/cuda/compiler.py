@@ -249,8 +249,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
             if bar is not None:
                 bar.close()
     longest = max(times, key=lambda t: t[1].seconds)
-    seconds, nvrtc, user, system, minor, major = (sum(child[i] for _, child in times)
-                                                  for i in range(len(ChildTimes._fields)))
+    seconds, nvrtc, user, system, minor, major = map(sum, zip(*(child for _, child in times)))
     log.info(COMPILE_LOG, len(times), time.perf_counter() - start, cores, seconds, user, system,
              (minor + major) / 1e3, major, nvrtc, _label(longest[0]), longest[1].seconds)
 

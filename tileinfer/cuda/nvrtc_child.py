@@ -1,11 +1,11 @@
 """One NVRTC compile in a process of its own, for compiler.compile_all.
 
-Reads a JSON job from stdin: {"name", "source", "headers": {name: text}, "options": [...]}. Writes the
-cubin to stdout and, to stderr, the seconds NVRTC's compile took (the rest of the child's time is its
+Reads a JSON job from stdin: {"name", "source", "headers": {name: text}, "options": [...]}. Writes the cubin
+to stdout and, to stderr, the seconds NVRTC's compile took (the rest of the child's time is its
 interpreter's start, its imports and libnvrtc's load) with the process's own CPU seconds and page faults
-(compiler.CHILD_REPORT) and exits 0; when NVRTC rejects the
-source, writes NVRTC's log and exits with compiler.COMPILE_FAILED (the parent raises the CompileError, with
-the options and the source it holds); anything else fails with a traceback on stderr.
+(compiler.CHILD_REPORT) and exits 0; when NVRTC rejects the source, writes NVRTC's log and exits with
+compiler.COMPILE_FAILED (the parent raises the CompileError, with the options and the source it holds);
+anything else fails with a traceback on stderr.
 
 Run as a script (`python -P nvrtc_child.py`), not as `-m tileinfer.cuda.nvrtc_child`: the package's
 __init__ files import the whole engine (seconds, for every child), and the compile needs only
