@@ -3,7 +3,8 @@
 The cache key hashes everything that can change the binary: the source, every header it
 includes (recursively, our own `#include "x.cuh"` files), the options, the target arch and
 the NVRTC version. Files are written atomically (temp file + rename), so concurrent
-processes never read half a cubin. Within a process each key is compiled at most once.
+processes never read half a cubin. Within a process each key is compiled at most once: a unit that a compile_all
+on another thread has under way is waited for, not compiled again.
 
 `compile_all` compiles what the caches lack, every unit in a child process of its own (nvrtc_child.py),
 as many at once as there are cores, the longest first (compile_seconds.py); with everything cached it starts
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -84,11 +85,13 @@ class CompileStats:
     compiled: int = 0       # NVRTC invocations
     disk_hits: int = 0      # loaded from the on-disk cache
     memory_hits: int = 0    # already compiled in this process
+    waits: int = 0          # taken from a compile_all under way on another thread, once it ended
     seconds: float = 0.0    # time the compiles took, summed (a child's: from its start to its end)
 
 
 STATS = CompileStats()
 _memory_cache: dict[str, bytes] = {}
+_in_flight: dict[str, Future] = {}  # key -> compile_all's compile of it, from its start until its cubin is stored
 
 
 def cuda_src_dir() -> Path:
@@ -175,11 +178,21 @@ def _unit(name: str, source: str, arch: str, defines: dict[str, object] | None, 
 
 
 def _cached(unit: _Unit) -> bytes | None:
-    """The unit's cubin from the memory cache, else the disk cache, else None."""
+    """The unit's cubin from the memory cache, else from the compile of it under way (once it ends; its
+    CompileError is raised here), else the disk cache, else None."""
     if unit.key in _memory_cache:
         STATS.memory_hits += 1
         return _memory_cache[unit.key]
-    if not unit.path.is_file():
+    compiling = _in_flight.get(unit.key)
+    if compiling is not None:
+        try:
+            cubin = compiling.result()[0]
+        except CancelledError:  # its compile_all stopped at another unit's error before starting it
+            pass
+        else:
+            STATS.waits += 1
+            return cubin
+    if not unit.path.is_file():  # (a compile that ended stored its cubin before leaving _in_flight)
         return None
     cubin = unit.path.read_bytes()
     STATS.disk_hits += 1
@@ -216,10 +229,11 @@ def part_defines(filename: str, src_dir: Path | None = None) -> list[dict[str, o
 def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, progress: bool = False) -> None:
     """Compile each (cuda_src file, defines) unit the caches lack into them, each in a child process of
     its own, as many at once as there are cores, with a progress bar naming what is left when asked.
-    With everything cached no process starts. A failed compile raises its CompileError."""
+    With everything cached no process starts; a unit another compile_all has under way is left to it (_cached
+    waits for it). A failed compile raises its CompileError."""
     src_dir = cuda_src_dir()
     todo = [unit for unit in (_unit(f, (src_dir / f).read_text(), arch, d, src_dir) for f, d in units)
-            if unit.key not in _memory_cache and not unit.path.is_file()]
+            if unit.key not in _memory_cache and unit.key not in _in_flight and not unit.path.is_file()]
     if not todo:
         return
     todo.sort(key=_expected_seconds, reverse=True)  # the longest first: none starts last and holds the rest up
@@ -231,6 +245,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
     start, times = time.perf_counter(), []  # (unit, ChildTimes)
     with ThreadPoolExecutor(max_workers=min(len(todo), cores)) as pool:
         pending = {pool.submit(_compile_in_child, unit): unit for unit in todo}
+        _in_flight.update((unit.key, future) for future, unit in pending.items())
         try:
             while pending:
                 if bar is not None:
@@ -238,14 +253,18 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     unit = pending.pop(future)
-                    cubin, child = future.result()  # a child's CompileError is raised here
-                    _store(unit, cubin, child.seconds)
+                    try:
+                        cubin, child = future.result()  # a child's CompileError is raised here
+                        _store(unit, cubin, child.seconds)
+                    finally:  # (stored first: another thread finds the cubin in one place or the other)
+                        _in_flight.pop(unit.key, None)  # (two units of the same source share a key)
                     times.append((unit, child))
                     if bar is not None:
                         bar.update()
         finally:
-            for future in pending:
+            for future, unit in pending.items():
                 future.cancel()
+                _in_flight.pop(unit.key, None)
             if bar is not None:
                 bar.close()
     longest = max(times, key=lambda t: t[1].seconds)
