@@ -256,18 +256,24 @@ LOGGED_MAIN = ("import logging, runpy; logging.basicConfig(level=logging.INFO, "
                "runpy.run_module('tileinfer', run_name='__main__', alter_sys=True)")
 RUNNER_LINE = re.compile(r"^(\d+) ms tileinfer\.runner\.gpu: GPU runner: (device opened in .*)$", re.M)
 COMPILE_LINE = re.compile(r"^(\d+) ms tileinfer\.cuda\.compiler: (compiled \d+ kernel units .*)$", re.M)
+LOAD_LINE = re.compile(r"^(\d+) ms tileinfer\.cuda\.module: (\S+) loaded in [0-9.]+ s, waiting for its compile$", re.M)
 
 
 def runner_phases(stderr: str) -> str | None:
-    """The GPU runner's log line in a logged run's stderr (where its construction's time went), with when it was
-    written, "at N ms: device opened in ...", and before it the compiler's line when it compiled anything (how long
-    its child processes took, and NVRTC's share of that)."""
+    """Where a logged run's start went, from its stderr: the GPU runner's line (the device's opening and the weights'
+    load) with when it was written, "at N ms: device opened in ..."; then how many files its steps waited for the
+    compiles of at their first use (module.LOAD_LOG) and when the last of those waits ended; then the compiler's
+    first line (start_compiling's first round: how long its child processes took, and NVRTC's share of that)."""
     found = RUNNER_LINE.search(stderr)
     if not found:
         return None
+    text = f"at {int(found[1]):,} ms: {found[2]}"
+    waits = LOAD_LINE.findall(stderr)
+    if waits:
+        at, name = max(waits, key=lambda w: int(w[0]))
+        text += f"; {len(waits)} files loaded once their compiles ended, the last {name} at {int(at):,} ms"
     compiled = COMPILE_LINE.search(stderr)
-    return (f"at {int(found[1]):,} ms: {found[2]}"
-            + (f" (its compiles ended at {int(compiled[1]):,} ms: {compiled[2]})" if compiled else ""))
+    return text + (f" (the first compiles ended at {int(compiled[1]):,} ms: {compiled[2]})" if compiled else "")
 
 
 def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:

@@ -80,6 +80,11 @@ class Recorder:
         self._allocations: list[tuple[int, int]] = []  # its (bytes, how many allocations of that size came before)
         self._sizes: dict[int, int] = {}
 
+    @property
+    def files(self) -> list[str]:
+        """The cuda_src files whose kernels were launched (or looked up), in the order of their first use."""
+        return list(self._modules)
+
     def module(self, filename: str) -> "_Module":
         if filename not in self._modules:
             self._modules[filename] = _Module(self)

@@ -165,7 +165,7 @@ def test_tensor_parallel_generate_and_chat_check_their_options_first(capsys, no_
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_generate_and_chat_start_compiling_before_the_model_loads(capsys, monkeypatch, micro, command):
     """On one GPU the kernels the cache lacks start compiling at the device check, so that they compile beside the
-    checkpoint's and weights' loads (load_all waits for them)."""
+    checkpoint's and weights' loads (each file loads at its first use, once its compile is done)."""
     calls = []
     monkeypatch.setattr("tileinfer.cuda.module.start_compiling", lambda *a, **k: calls.append(("compile", a, k)))
     monkeypatch.setattr("tileinfer.cuda.get_device", lambda *a, **k: calls.append(("device",)))

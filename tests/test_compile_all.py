@@ -1,12 +1,15 @@
 """compiler.compile_all: what the kernel caches lack, compiled in child processes at once (NVRTC, no GPU).
 
-The GPU runner's start-up (module.load_all) compiles through it; these check that a child's cubin is
-the one an in-process compile makes, that a warm cache starts no process, and that a child's failure
-reaches the caller as the error an in-process compile raises."""
+A cold start compiles through it (module.start_compiling, on a thread of its own, while each file loads at its
+first use); these check that a child's cubin is the one an in-process compile makes, that a warm cache starts no
+process, that a unit under way is waited for and not compiled twice, and that a child's failure reaches the caller
+as the error an in-process compile raises."""
 from __future__ import annotations
 
 import logging
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -179,7 +182,7 @@ def test_load_all_waits_for_the_compile_start_compiling_began_and_counts_it(tmp_
 def test_load_all_raises_the_error_of_the_compile_start_compiling_began(monkeypatch):
     from tileinfer.cuda import module
 
-    def failing(units, arch, progress):
+    def failing(units, arch, progress=False):
         raise CompileError("rmsnorm.cu", "error: expected a ';'", [f"-arch={arch}"], "")
 
     monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))
@@ -189,3 +192,85 @@ def test_load_all_raises_the_error_of_the_compile_start_compiling_began(monkeypa
     with pytest.raises(CompileError, match="expected a ';'"):
         module.load_all()
     assert module._compiling is None
+
+
+def gated_children(monkeypatch, cubin=b"\x7fELF from the child"):
+    """compile_all's children replaced by ones that wait for the returned event (a compile under way until it is
+    set); an in-process compile fails the test."""
+    release = threading.Event()
+
+    def child(unit):
+        assert release.wait(30), "the test never released the child"
+        if unit.name == "bad.cu":
+            raise CompileError(unit.name, "error: expected a ';'", unit.options, unit.source)
+        return cubin, compiler.ChildTimes(0.1)
+
+    def in_process(*args, **kwargs):
+        raise AssertionError("compiled again in this process")
+
+    monkeypatch.setattr(compiler, "_compile_in_child", child)
+    monkeypatch.setattr(compiler, "_nvrtc_compile", in_process)
+    return release
+
+
+def wait_until_under_way(seconds: float = 30.0) -> None:
+    """Until a compile_all on another thread has its units under way (compiler._in_flight), at most `seconds`."""
+    for _ in range(int(seconds / 0.01)):
+        if compiler._in_flight:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no compile under way after {seconds} s")
+
+
+def test_a_unit_under_way_on_another_thread_is_waited_for_not_compiled_again(tmp_path, monkeypatch):
+    use_cache(monkeypatch, tmp_path)
+    monkeypatch.setattr(compiler, "_in_flight", {})
+    release = gated_children(monkeypatch)
+    background = threading.Thread(target=compile_all, args=([("rmsnorm.cu", None)], "sm_90"))
+    background.start()
+    wait_until_under_way()
+    compile_all([("rmsnorm.cu", None)], "sm_90")  # starts nothing: the unit is under way
+    threading.Timer(0.2, release.set).start()
+    assert compile_file("rmsnorm.cu", "sm_90") == b"\x7fELF from the child"  # once the child ends
+    background.join(30)
+    assert (compiler.STATS.compiled, compiler.STATS.waits) == (1, 1), compiler.STATS
+    assert not compiler._in_flight
+    assert compile_file("rmsnorm.cu", "sm_90") == b"\x7fELF from the child" and compiler.STATS.memory_hits == 1
+
+
+def test_the_error_of_a_unit_under_way_reaches_the_thread_waiting_for_it(tmp_path, monkeypatch):
+    use_cache(monkeypatch, tmp_path)
+    monkeypatch.setenv("TILEINFER_CUDA_SRC", str(tmp_path))
+    (tmp_path / "bad.cu").write_text("__global__ void k() { int x }\n")
+    monkeypatch.setattr(compiler, "_in_flight", {})
+    release = gated_children(monkeypatch)
+    errors = []
+
+    def background():
+        try:
+            compile_all([("bad.cu", None)], "sm_90")
+        except CompileError as e:
+            errors.append(e)
+    thread = threading.Thread(target=background)
+    thread.start()
+    wait_until_under_way()
+    threading.Timer(0.2, release.set).start()
+    with pytest.raises(CompileError, match="expected a ';'"):
+        compile_file("bad.cu", "sm_90")
+    thread.join(30)
+    assert len(errors) == 1 and not compiler._in_flight
+
+
+def test_start_compiling_compiles_the_later_files_in_a_second_round_without_a_bar(monkeypatch):
+    from tileinfer.cuda import module
+    calls = []
+    monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))
+    monkeypatch.setattr(module, "compile_all", lambda units, arch, progress=False: calls.append((units, progress)))
+    monkeypatch.setattr(module, "_compiling", None)
+    module.start_compiling(0, progress=True)
+    module._compiling[0].result(30)
+    (first, first_bar), (later, later_bar) = calls
+    assert first_bar and not later_bar
+    assert {f for f, _ in later} == set(module.LATER_FILES) and "rmsnorm.cu" in {f for f, _ in first}
+    assert not {f for f, _ in first} & set(module.LATER_FILES)
+

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import array
 import ctypes
+import logging
 import os
 import struct
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 
@@ -28,6 +30,8 @@ from . import compiler
 from .compiler import compile_all, compile_file, kernel_files, part_defines
 from .driver import call, compute_capability, get_device, last_work
 from .memory import DeviceArray
+
+log = logging.getLogger(__name__)
 
 I32, U32, I64, U64, F32 = ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
 
@@ -215,19 +219,35 @@ def device_arch() -> str:
 
 @cache
 def load_module(filename: str) -> Module:
-    """Compile (or fetch from cache) and load `cuda_src/<filename>` for the current device."""
+    """Compile (or fetch from cache, or wait for start_compiling's compile of it) and load `cuda_src/<filename>` for
+    the current device: at its first kernel's first launch, or in load_all."""
     arch = device_arch()
     parts = part_defines(filename)
+    start, before = time.perf_counter(), (compiler.STATS.compiled, compiler.STATS.waits)
     compile_all([(filename, defines) for defines in parts], arch)
-    return Module([compile_file(filename, arch, defines) for defines in parts], f"{filename} ({arch})")
+    module = Module([compile_file(filename, arch, defines) for defines in parts], f"{filename} ({arch})")
+    if (compiler.STATS.compiled, compiler.STATS.waits) != before:
+        log.info(LOAD_LOG, filename, time.perf_counter() - start)
+    return module
 
 
 def kernel(filename: str, name: str) -> Kernel:
     return load_module(filename).kernel(name)
 
 
-def _every_unit() -> list[tuple[str, dict[str, object] | None]]:
-    return [(name, defines) for name in kernel_files() for defines in part_defines(name)]
+# Compiled after every other file: what only products of more than 64 rows launch (the tensor-core GEMM of long
+# prompts and large batches), so that the kernels of a first short prompt and its decode steps are ready first.
+# tests/test_host_launches.py checks that such steps of the presets' shapes launch none of them.
+LATER_FILES = ("gemm_tma.cu",)
+# load_module's line when a file's first use waited for its compile (INFO): what a cold start's first step waits for.
+LOAD_LOG = "%s loaded in %.2f s, waiting for its compile"
+
+
+def compile_order() -> list[list[tuple[str, dict[str, object] | None]]]:
+    """Every unit of cuda_src/, in the two rounds start_compiling compiles them: every file but LATER_FILES, then
+    those."""
+    units = [(name, defines) for name in kernel_files() for defines in part_defines(name)]
+    return [[u for u in units if u[0] not in LATER_FILES], [u for u in units if u[0] in LATER_FILES]]
 
 
 # The compile start_compiling began on a thread, until load_all waits for it: (its future, its arch,
@@ -237,23 +257,31 @@ _compiling: tuple[Future, str, int] | None = None
 
 def start_compiling(ordinal: int, progress: bool = False) -> None:
     """Begin compiling what the kernel caches lack of cuda_src/ for device `ordinal` (in parallel, with a
-    progress bar when asked) on a thread of its own, before the device's context opens: the compiles (child
-    processes) overlap the device's opening and the weights' load. load_all waits for them. A process that
-    ends before load_all (an error while loading the checkpoint) lets the compile finish first, at its exit, so
+    progress bar over the first round when asked) on a thread of its own, before the device's context opens: the
+    compiles (child processes) overlap the device's opening and the weights' load, and each file loads at its first
+    use (load_module), once its own compile is done. The files a short step uses compile first, then LATER_FILES,
+    while the model already runs. A process that ends before they are done lets them finish first, at its exit, so
     that the next run finds the kernel cache filled."""
     global _compiling
     if _compiling is not None:
         return
     arch, before = nvrtc_arch(compute_capability(ordinal)), compiler.STATS.compiled
+    first, later = compile_order()
+
+    def rounds():
+        compile_all(first, arch, progress)
+        compile_all(later, arch)
+
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-    _compiling = (pool.submit(compile_all, _every_unit(), arch, progress), arch, before)
+    _compiling = (pool.submit(rounds), arch, before)
     pool.shutdown(wait=False)  # its thread ends with the compile
 
 
 def load_all(progress: bool = False) -> int:
     """Compile what the kernel caches lack of cuda_src/ (in parallel, with a progress bar when asked), or wait
-    for the compile start_compiling began, and load every file now, instead of at each kernel's first launch.
-    Returns the kernels compiled for it (0 with a warm cache), the ones start_compiling compiled included."""
+    for the compile start_compiling began, and load every file now: a server's start-up, so that it never compiles
+    or loads a file while it serves, nor while it captures its graphs. Returns the kernels compiled for it (0 with a
+    warm cache), start_compiling's included."""
     global _compiling
     compiled, started_arch = compiler.STATS.compiled, None
     if _compiling is not None:
@@ -261,7 +289,7 @@ def load_all(progress: bool = False) -> int:
         future.result()  # its CompileError, if any, is raised here
     arch = device_arch()
     if started_arch != arch:  # none started, or for another arch: each unit read and keyed again is not free
-        compile_all(_every_unit(), arch, progress)
+        compile_all([u for units in compile_order() for u in units], arch, progress)
     for name in kernel_files():
         load_module(name)
     return compiler.STATS.compiled - compiled

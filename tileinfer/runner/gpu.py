@@ -58,7 +58,7 @@ from cuda.bindings import driver
 
 from .. import kernels as K
 from ..cuda import DeviceArray, Event, PinnedBuffer, Stream, call, get_device
-from ..cuda.module import load_all, start_compiling
+from ..cuda.module import start_compiling
 from ..graphs import DECODE, DECODE_MASKED, PREFILL, PREFILL_MASKED, GraphManager, bucket_for
 from ..kv import PagedKVCache, Sequence
 from ..kv.int8 import smoothing_factors
@@ -73,10 +73,9 @@ from .base import CheckpointRunner, DeviceDrafts
 from .step import SamplingRow, StepBuffers, prepare_step, set_token_sources
 
 log = logging.getLogger(__name__)
-# Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it). The
-# kernels' seconds are load_all's: waiting for the compiles start_compiling began (beside the weights' load),
-# compiling what is still missing, loading the modules.
-RUNNER_LOG = "GPU runner: device opened in %.2f s, weights loaded in %.2f s, kernels in %.2f s (%d compiled)"
+# Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it). Its kernels
+# load at their first launch (cuda/module.py load_module), each file once start_compiling's compile of it is done.
+RUNNER_LOG = "GPU runner: device opened in %.2f s, weights loaded in %.2f s"
 
 # A sequence's key splits at most. qwen3-4b's INT8 step at 32,768 positions ran fastest at 48 of the 32-66
 # tried, its _h8 build's full wave (66) 2.6% slower (docs/benchmarks.md, Known gaps).
@@ -174,11 +173,7 @@ class GPURunner(CheckpointRunner):
         device_seconds = time.perf_counter() - start  # opening the device (its context), if not yet open
         self.stream = Stream()
         self.weights = DeviceWeights(shards, self.stream, progress=progress)
-        start = time.perf_counter()
-        # every kernel compiled (or read from the disk cache; or compiled by start_compiling) and loaded now
-        self.kernels_compiled = load_all(progress=progress)  # 0 with a warm kernel cache
-        self.kernel_seconds = time.perf_counter() - start  # waiting for the compiles not yet done, loading cuda_src/
-        log.info(RUNNER_LOG, device_seconds, self.weights.load_seconds, self.kernel_seconds, self.kernels_compiled)
+        log.info(RUNNER_LOG, device_seconds, self.weights.load_seconds)
         self.buckets = decode_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)

@@ -1,10 +1,11 @@
 """Start-up: the runner(s) an EngineConfig asks for, with their KV pools sized and their graphs captured.
 
 On the GPU (`start_gpu`), sizing the pool from what NVML says is free, after a worst-case warm-up:
-  1. the CUDA context, weights and workspace (activations for the largest step);
+  1. the CUDA context, weights and workspace (activations for the largest step); every kernel file loaded
+     (cuda/module.py load_all), so that a server never waits for a compile nor loads one inside a capture;
   2. a warm-up on a small temporary cache: the largest prefill chunk, then a decode step of every
-     batch bucket (this loads every kernel), then every decode graph captured once to measure what
-     graphs take; the temporary cache and graphs are freed;
+     batch bucket, then every decode graph captured once to measure what graphs take; the temporary cache and
+     graphs are freed;
   3. the pool: floor((floor(u x total) - used - reserve) / bytes per page) pages, u =
      gpu_memory_utilization (a fraction of the device's TOTAL memory; see kv/sizing.py for why),
      reserve = the measured graph memory plus a margin; or exactly `num_pages` / `max_tokens`;
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..cuda import CudaError, allocated_bytes, get_device, pci_bus_id
-from ..cuda.module import start_compiling
+from ..cuda.module import load_all, start_compiling
 from ..graphs import DECODE
 from ..kv import Sequence
 from ..kv import sizing
@@ -191,6 +192,9 @@ def _start_gpu(config: EngineConfig, made: list, group) -> Started:
             draft.use_graphs = config.use_graphs
         draft_bytes = allocated_bytes() - mark
     alloc0 += draft_bytes  # what follows is measured as before, without the draft
+    t_kernels = time.perf_counter()
+    kernels_compiled = load_all(config.progress)  # every file loaded before the warm-up and the captures
+    kernel_seconds = time.perf_counter() - t_kernels
 
     warm = _warm_up(config, runner, nvml, alloc0 + weights_bytes + workspace_bytes)
     num_pages, utilization = _pool_pages(config, runner, draft, nvml, warm)
@@ -203,8 +207,8 @@ def _start_gpu(config: EngineConfig, made: list, group) -> Started:
     graphs_before = nvml.used()
     capture = _capture(config, runner)
     times = StartupTimes(device=device_seconds, total=time.perf_counter() - t_start,
-                         weights=runner.weights.load_seconds, kernels=runner.kernel_seconds,
-                         kernels_compiled=runner.kernels_compiled, warm_up=warm["seconds"], capture=capture,
+                         weights=runner.weights.load_seconds, kernels=kernel_seconds,
+                         kernels_compiled=kernels_compiled, warm_up=warm["seconds"], capture=capture,
                          graphs=runner.graphs.count(DECODE) if config.use_graphs else 0)
     log.info("%s", times.format())
     end = nvml.read()
@@ -264,7 +268,7 @@ def _warm_up(config: EngineConfig, runner: GPURunner, nvml: _Nvml, allocated_bef
 
 
 def _warm_up_steps(config: EngineConfig, runner: GPURunner, chunk: int) -> None:
-    """The largest prefill chunk, then one decode step of every bucket, eagerly (loads every kernel)."""
+    """The largest prefill chunk, then one decode step of every bucket, eagerly."""
     manager = runner.cache.manager
     # The largest step: `chunk` tokens, as sequences of at most max_context positions each.
     sizes = [min(config.max_context, chunk - i) for i in range(0, chunk, config.max_context)][:config.max_num_seqs]
