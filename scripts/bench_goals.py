@@ -263,7 +263,7 @@ def runner_phases(stderr: str) -> str | None:
     """Where a logged run's start went, from its stderr: the GPU runner's line (the device's opening and the weights'
     load) with when it was written, "at N ms: device opened in ..."; then how many files its steps waited for the
     compiles of at their first use (module.LOAD_LOG) and when the last of those waits ended; then the compiler's
-    first line (start_compiling's first round: how long its child processes took, and NVRTC's share of that)."""
+    line (start_compiling's: when its compiles ended, how long its child processes took, and NVRTC's share)."""
     found = RUNNER_LINE.search(stderr)
     if not found:
         return None
@@ -273,7 +273,7 @@ def runner_phases(stderr: str) -> str | None:
         at, name = max(waits, key=lambda w: int(w[0]))
         text += f"; {len(waits)} files loaded once their compiles ended, the last {name} at {int(at):,} ms"
     compiled = COMPILE_LINE.search(stderr)
-    return text + (f" (the first compiles ended at {int(compiled[1]):,} ms: {compiled[2]})" if compiled else "")
+    return text + (f" (its compiles ended at {int(compiled[1]):,} ms: {compiled[2]})" if compiled else "")
 
 
 def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:

@@ -210,7 +210,7 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
     assert root == root2 and found == [] and len(found2) == 3, runs
     assert not Path(root).exists(), "the temporary kernel cache was left behind"
     phases = ("at 1,321 ms: device opened in 2.50 s, weights loaded in 0.05 s; 2 files loaded once their compiles "
-              "ended, the last gemm_swap.cu at 4,150 ms (the first compiles ended at 4,100 ms: compiled 38 kernel units in 1.10 s on 16 cores: their processes took 9.5 s "
+              "ended, the last gemm_swap.cu at 4,150 ms (its compiles ended at 4,100 ms: compiled 38 kernel units in 1.10 s on 16 cores: their processes took 9.5 s "
               "summed (CPU 8.0 s user, 1.2 s system; 120 thousand page faults, 3 from disk), NVRTC 7.2 s of it; "
               "the longest gemv.cu (part 0) (1.02 s))")
     assert out == dict(measured=5.5, compiled=3, warm=1.25, warm_compiled=0,

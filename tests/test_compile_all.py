@@ -182,7 +182,7 @@ def test_load_all_waits_for_the_compile_start_compiling_began_and_counts_it(tmp_
 def test_load_all_raises_the_error_of_the_compile_start_compiling_began(monkeypatch):
     from tileinfer.cuda import module
 
-    def failing(units, arch, progress=False):
+    def failing(units, arch, *rest):
         raise CompileError("rmsnorm.cu", "error: expected a ';'", [f"-arch={arch}"], "")
 
     monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))
@@ -261,16 +261,46 @@ def test_the_error_of_a_unit_under_way_reaches_the_thread_waiting_for_it(tmp_pat
     assert len(errors) == 1 and not compiler._in_flight
 
 
-def test_start_compiling_compiles_the_later_files_in_a_second_round_without_a_bar(monkeypatch):
+def test_start_compiling_starts_the_later_files_after_every_other(monkeypatch):
     from tileinfer.cuda import module
     calls = []
     monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))
-    monkeypatch.setattr(module, "compile_all", lambda units, arch, progress=False: calls.append((units, progress)))
+    monkeypatch.setattr(module, "compile_all", lambda *args: calls.append(args))
     monkeypatch.setattr(module, "_compiling", None)
     module.start_compiling(0, progress=True)
     module._compiling[0].result(30)
-    (first, first_bar), (later, later_bar) = calls
-    assert first_bar and not later_bar
-    assert {f for f, _ in later} == set(module.LATER_FILES) and "rmsnorm.cu" in {f for f, _ in first}
-    assert not {f for f, _ in first} & set(module.LATER_FILES)
+    assert calls == [(module.every_unit(), "sm_90a", True, module.LATER_FILES)], calls
+    assert module.LATER_FILES and set(module.LATER_FILES) <= {f for f, _ in module.every_unit()}
 
+
+def test_the_last_files_start_after_every_other_and_the_bar_counts_the_others(tmp_path, monkeypatch):
+    use_cache(monkeypatch, tmp_path / "cache")
+    monkeypatch.setenv("TILEINFER_CUDA_SRC", str(tmp_path))
+    for name in ("late.cu", "short.cu", "long.cu"):
+        (tmp_path / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(compiler, "UNIT_SECONDS", {"short.cu": 0.5, "long.cu": 2.0, "late.cu": 3.0})
+    monkeypatch.setattr(compiler.os, "sched_getaffinity", lambda pid: {0})
+    started, bars = [], []
+
+    def child(unit):
+        started.append(unit.name)
+        return b"\x7fELF", compiler.ChildTimes(0.0)
+    monkeypatch.setattr(compiler, "_compile_in_child", child)
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.disable = total, 0, False
+            bars.append(self)
+
+        def set_postfix_str(self, text, refresh):
+            assert "late.cu" not in text, text
+
+        def update(self):
+            self.n += 1
+
+        def close(self):
+            self.disable = True
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    compile_all([("short.cu", None), ("late.cu", None), ("long.cu", None)], "sm_90", progress=True, last=["late.cu"])
+    assert started == ["long.cu", "short.cu", "late.cu"], started
+    assert len(bars) == 1 and (bars[0].total, bars[0].n, bars[0].disable) == (2, 2, True)

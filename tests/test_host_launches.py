@@ -11,8 +11,7 @@ import pytest
 import tileinfer.cuda.driver as cuda_driver
 import tileinfer.cuda.memory as cuda_memory
 import tileinfer.cuda.module as cuda_module
-from tileinfer.cuda.compiler import kernel_files, part_defines
-from tileinfer.cuda.module import LATER_FILES, compile_order
+from tileinfer.cuda.module import LATER_FILES
 from tileinfer.model.config import PRESETS, read_config
 from tileinfer.model.inputs import StepShape
 
@@ -108,7 +107,7 @@ def test_a_step_whose_rows_read_each_others_new_keys_stores_them_before_attentio
     assert block.index("attn_input") < min(i for i, n in enumerate(block) if n.startswith("attention_decode"))
 
 
-# module.LATER_FILES, compiled after every other file of cuda_src/ (start_compiling's second round), must hold no
+# module.LATER_FILES, compiled after every other file of cuda_src/ (start_compiling), must hold no
 # kernel that a short step launches: a prompt of up to 64 tokens in one sequence, a decode step of one sequence (its
 # keys split or not), for each preset's shapes and the demo model's; a new route into one of those files fails here,
 # not as a slower first token.
@@ -146,10 +145,3 @@ def test_short_steps_launch_no_kernel_of_a_file_compiled_later(model):
         files = launched_files(h, config, *step)
         assert "rmsnorm.cu" in files and not set(files) & set(LATER_FILES), (step, files)
     assert "gemm_tma.cu" in launched_files(h, config, 256, 1, 1)  # a longer prompt's products run there
-
-
-def test_the_two_rounds_hold_every_unit_once():
-    first, later = compile_order()
-    units = [(f, d) for f in kernel_files() for d in part_defines(f)]
-    assert first + later == [u for u in units if u in first] + [u for u in units if u in later]
-    assert len(first) + len(later) == len(units) and {f for f, _ in later} == set(LATER_FILES)

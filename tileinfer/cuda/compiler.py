@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,9 +227,11 @@ def part_defines(filename: str, src_dir: Path | None = None) -> list[dict[str, o
     return [{"KERNEL_PART": p} for p in range(int(found[0]))]
 
 
-def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, progress: bool = False) -> None:
+def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, progress: bool = False,
+                last: Collection[str] = ()) -> None:
     """Compile each (cuda_src file, defines) unit the caches lack into them, each in a child process of
-    its own, as many at once as there are cores, with a progress bar naming what is left when asked.
+    its own, as many at once as there are cores, the longest first, those of the files in `last` after every other,
+    with a progress bar naming what is left of the others when asked (it closes once they are done).
     With everything cached no process starts; a unit another compile_all has under way is left to it (_cached
     waits for it). A failed compile raises its CompileError."""
     src_dir = cuda_src_dir()
@@ -236,11 +239,13 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
             if unit.key not in _memory_cache and unit.key not in _in_flight and not unit.path.is_file()]
     if not todo:
         return
-    todo.sort(key=_expected_seconds, reverse=True)  # the longest first: none starts last and holds the rest up
+    # The longest first, so that none starts last and holds the rest up; `last` after them all.
+    todo.sort(key=lambda unit: (unit.name in last, -_expected_seconds(unit)))
+    shown = [unit for unit in todo if unit.name not in last] if progress else []
     bar = None
-    if progress:
+    if shown:
         from tqdm import tqdm
-        bar = tqdm(total=len(todo), unit="compile", desc="compiling kernels (once; then cached)", leave=False)
+        bar = tqdm(total=len(shown), unit="compile", desc="compiling kernels (once; then cached)", leave=False)
     cores = len(os.sched_getaffinity(0))  # the cores this process may run on
     start, times = time.perf_counter(), []  # (unit, ChildTimes)
     with ThreadPoolExecutor(max_workers=min(len(todo), cores)) as pool:
@@ -249,7 +254,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
         try:
             while pending:
                 if bar is not None:
-                    bar.set_postfix_str(_left(pending.values()), refresh=True)
+                    bar.set_postfix_str(_left(u for u in pending.values() if u.name not in last), refresh=True)
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     unit = pending.pop(future)
@@ -259,8 +264,11 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                     finally:  # (stored first: another thread finds the cubin in one place or the other)
                         _in_flight.pop(unit.key, None)  # (two units of the same source share a key)
                     times.append((unit, child))
-                    if bar is not None:
+                    if bar is not None and unit.name not in last:
                         bar.update()
+                        if bar.n == len(shown):
+                            bar.close()
+                            bar = None
         finally:
             for future, unit in pending.items():
                 future.cancel()

@@ -243,11 +243,9 @@ LATER_FILES = ("gemm_tma.cu",)
 LOAD_LOG = "%s loaded in %.2f s, waiting for its compile"
 
 
-def compile_order() -> list[list[tuple[str, dict[str, object] | None]]]:
-    """Every unit of cuda_src/, in the two rounds start_compiling compiles them: every file but LATER_FILES, then
-    those."""
-    units = [(name, defines) for name in kernel_files() for defines in part_defines(name)]
-    return [[u for u in units if u[0] not in LATER_FILES], [u for u in units if u[0] in LATER_FILES]]
+def every_unit() -> list[tuple[str, dict[str, object] | None]]:
+    """Every compile unit of cuda_src/: (file, its part's defines or None)."""
+    return [(name, defines) for name in kernel_files() for defines in part_defines(name)]
 
 
 # The compile start_compiling began on a thread, until load_all waits for it: (its future, its arch,
@@ -257,23 +255,17 @@ _compiling: tuple[Future, str, int] | None = None
 
 def start_compiling(ordinal: int, progress: bool = False) -> None:
     """Begin compiling what the kernel caches lack of cuda_src/ for device `ordinal` (in parallel, with a
-    progress bar over the first round when asked) on a thread of its own, before the device's context opens: the
-    compiles (child processes) overlap the device's opening and the weights' load, and each file loads at its first
-    use (load_module), once its own compile is done. The files a short step uses compile first, then LATER_FILES,
-    while the model already runs. A process that ends before they are done lets them finish first, at its exit, so
-    that the next run finds the kernel cache filled."""
+    progress bar when asked) on a thread of its own, before the device's context opens: the compiles (child
+    processes) overlap the device's opening and the weights' load, and each file loads at its first use
+    (load_module), once its own compile is done. LATER_FILES start after every other file (the progress bar counts
+    the others), and may still compile while a short prompt runs. A process that ends before they are done lets
+    them finish first, at its exit, so that the next run finds the kernel cache filled."""
     global _compiling
     if _compiling is not None:
         return
     arch, before = nvrtc_arch(compute_capability(ordinal)), compiler.STATS.compiled
-    first, later = compile_order()
-
-    def rounds():
-        compile_all(first, arch, progress)
-        compile_all(later, arch)
-
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-    _compiling = (pool.submit(rounds), arch, before)
+    _compiling = (pool.submit(compile_all, every_unit(), arch, progress, LATER_FILES), arch, before)
     pool.shutdown(wait=False)  # its thread ends with the compile
 
 
@@ -289,7 +281,7 @@ def load_all(progress: bool = False) -> int:
         future.result()  # its CompileError, if any, is raised here
     arch = device_arch()
     if started_arch != arch:  # none started, or for another arch: each unit read and keyed again is not free
-        compile_all([u for units in compile_order() for u in units], arch, progress)
+        compile_all(every_unit(), arch, progress, LATER_FILES)
     for name in kernel_files():
         load_module(name)
     return compiler.STATS.compiled - compiled
