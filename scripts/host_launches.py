@@ -80,11 +80,6 @@ class Recorder:
         self._allocations: list[tuple[int, int]] = []  # its (bytes, how many allocations of that size came before)
         self._sizes: dict[int, int] = {}
 
-    @property
-    def files(self) -> list[str]:
-        """The cuda_src files whose kernels were launched (or looked up), in the order of their first use."""
-        return list(self._modules)
-
     def module(self, filename: str) -> "_Module":
         if filename not in self._modules:
             self._modules[filename] = _Module(self)
@@ -128,6 +123,11 @@ class _Module:
     def __init__(self, recorder: Recorder):
         self.recorder = recorder
         self._kernels: dict[str, _Kernel] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """The kernels looked up (launched, or asked for their occupancy) in this file, sorted."""
+        return sorted(self._kernels)
 
     def kernel(self, name: str) -> "_Kernel":
         if name not in self._kernels:
@@ -211,9 +211,10 @@ class _Stream:
     handle = 0
 
 
-def step_objects(model: str, tokens: int, seqs: int):
-    """Weights, workspace, cache and inputs of `model`'s shapes (addresses only; inside `recording`)."""
-    c = preset(model)
+def step_objects(model, tokens: int, seqs: int):
+    """Weights, workspace, cache and inputs of `model`'s shapes (a preset's name, or a ModelConfig; addresses only;
+    inside `recording`)."""
+    c = preset(model) if isinstance(model, str) else model
     D, I, H, KV, hd = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
     def a(*shape, dtype=BF16):
@@ -238,6 +239,15 @@ def step_objects(model: str, tokens: int, seqs: int):
                         last_rows=a(seqs, dtype=i32), block_tables=a(seqs, pages, dtype=i32),
                         sampled=a(seqs, dtype=i32))
     return weights, ws, cache, inputs
+
+
+def step_kernels(model, tokens: int, seqs: int, splits: int) -> dict[str, list[str]]:
+    """The kernels one step of `model`'s shapes (a preset's name, or a ModelConfig) looks up, by cuda_src file."""
+    with recording() as recorder:
+        weights, ws, cache, inputs = step_objects(model, tokens, seqs)
+        shape = StepShape(num_tokens=tokens, num_seqs=seqs, max_q_len=tokens // seqs)
+        F.forward(weights, ws, cache, inputs, shape, all_logits=False, num_splits=splits, stream=_Stream())
+        return {filename: module.names for filename, module in recorder._modules.items()}
 
 
 def measure(model: str, tokens: int, seqs: int, splits: int, repeats: int, profile: int = 0) -> dict:

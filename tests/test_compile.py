@@ -20,6 +20,7 @@ import pytest
 from tileinfer.cuda import CompileError, compiler, gpu_available
 from tileinfer.cuda.compiler import (cache_key, compile_all, compile_file, compile_source, cubin_and_ptx, cuda_src_dir,
                                      part_defines, read_headers)
+from tileinfer.cuda.kernel_units import PART_OF
 from tileinfer.cuda.module import entry_points
 
 CU_FILES = sorted(p.name for p in cuda_src_dir().glob("*.cu"))
@@ -102,6 +103,7 @@ SPLIT_FILES = [filename for filename in CU_FILES if part_defines(filename) != [N
 
 def test_the_longest_files_are_compiled_in_parts():
     assert {"gemm_swap.cu", "gemm_tma.cu"} <= set(SPLIT_FILES), f"files compiled in parts: {SPLIT_FILES}"
+    assert set(PART_OF) == set(SPLIT_FILES), "kernel_units.PART_OF names other files: run scripts/kernel_units.py"
 
 
 @pytest.mark.parametrize("filename", SPLIT_FILES)
@@ -118,6 +120,9 @@ def test_each_entry_point_is_in_exactly_one_part(filename, builds, fresh_cache):
     assert not twice, f"{filename}: entry points in more than one part: {twice}"
     assert sorted(names) == sorted(whole), \
         f"{filename}: the parts miss {sorted(set(whole) - set(names))} and add {sorted(set(names) - set(whole))}"
+    # Module loads the part that kernel_units.PART_OF names (looking through every part only for a name it lacks)
+    assert PART_OF.get(filename) == {name: p for p, part in enumerate(held) for name in part}, \
+        f"{filename}: tileinfer/cuda/kernel_units.py's PART_OF is out of date: run python3 scripts/kernel_units.py"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

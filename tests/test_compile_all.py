@@ -10,6 +10,7 @@ import logging
 import subprocess
 import threading
 import time
+import types
 
 import pytest
 
@@ -169,7 +170,7 @@ def test_load_all_waits_for_the_compile_start_compiling_began_and_counts_it(tmp_
     monkeypatch.setattr(module, "kernel_files", lambda: files)
     monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))  # no GPU here: the device's answer
     monkeypatch.setattr(module, "device_arch", lambda: "sm_90a")
-    monkeypatch.setattr(module, "load_module", loaded.append)
+    monkeypatch.setattr(module, "load_module", lambda name: loaded.append(name) or types.SimpleNamespace(load=lambda: None))
     monkeypatch.setattr(module, "_compiling", None)
     module.start_compiling(0)
     assert module._compiling is not None
@@ -261,7 +262,7 @@ def test_the_error_of_a_unit_under_way_reaches_the_thread_waiting_for_it(tmp_pat
     assert len(errors) == 1 and not compiler._in_flight
 
 
-def test_start_compiling_starts_the_later_files_after_every_other(monkeypatch):
+def test_start_compiling_starts_the_first_units_first_and_the_later_files_last(monkeypatch):
     from tileinfer.cuda import module
     calls = []
     monkeypatch.setattr(module, "compute_capability", lambda ordinal: (9, 0))
@@ -269,16 +270,16 @@ def test_start_compiling_starts_the_later_files_after_every_other(monkeypatch):
     monkeypatch.setattr(module, "_compiling", None)
     module.start_compiling(0, progress=True)
     module._compiling[0].result(30)
-    assert calls == [(module.every_unit(), "sm_90a", True, module.LATER_FILES)], calls
+    assert calls == [(module.every_unit(), "sm_90a", True, module.FIRST, module.LATER_FILES)], calls
     assert module.LATER_FILES and set(module.LATER_FILES) <= {f for f, _ in module.every_unit()}
 
 
-def test_the_last_files_start_after_every_other_and_the_bar_counts_the_others(tmp_path, monkeypatch):
+def test_the_first_units_start_first_the_last_files_last_and_the_bar_counts_all_but_those(tmp_path, monkeypatch):
     use_cache(monkeypatch, tmp_path / "cache")
     monkeypatch.setenv("TILEINFER_CUDA_SRC", str(tmp_path))
-    for name in ("late.cu", "short.cu", "long.cu"):
+    for name in ("late.cu", "short.cu", "long.cu", "first.cu"):
         (tmp_path / name).write_text(f"// {name}\n")
-    monkeypatch.setattr(compiler, "UNIT_SECONDS", {"short.cu": 0.5, "long.cu": 2.0, "late.cu": 3.0})
+    monkeypatch.setattr(compiler, "UNIT_SECONDS", {"short.cu": 0.5, "long.cu": 2.0, "late.cu": 3.0, "first.cu": 0.1})
     monkeypatch.setattr(compiler.os, "sched_getaffinity", lambda pid: {0})
     started, bars = [], []
 
@@ -301,6 +302,7 @@ def test_the_last_files_start_after_every_other_and_the_bar_counts_the_others(tm
         def close(self):
             self.disable = True
     monkeypatch.setattr("tqdm.tqdm", Bar)
-    compile_all([("short.cu", None), ("late.cu", None), ("long.cu", None)], "sm_90", progress=True, last=["late.cu"])
-    assert started == ["long.cu", "short.cu", "late.cu"], started
-    assert len(bars) == 1 and (bars[0].total, bars[0].n, bars[0].disable) == (2, 2, True)
+    compile_all([("short.cu", None), ("late.cu", None), ("long.cu", None), ("first.cu", None)], "sm_90", progress=True,
+                first=["first.cu"], last=["late.cu"])
+    assert started == ["first.cu", "long.cu", "short.cu", "late.cu"], started
+    assert len(bars) == 1 and (bars[0].total, bars[0].n, bars[0].disable) == (3, 3, True)

@@ -11,9 +11,9 @@ import pytest
 import tileinfer.cuda.driver as cuda_driver
 import tileinfer.cuda.memory as cuda_memory
 import tileinfer.cuda.module as cuda_module
+from tileinfer.cuda.kernel_units import FIRST, PART_OF
 from tileinfer.cuda.module import LATER_FILES
 from tileinfer.model.config import PRESETS, read_config
-from tileinfer.model.inputs import StepShape
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "host_launches.py"
 
@@ -116,20 +116,6 @@ def test_a_step_whose_rows_read_each_others_new_keys_stores_them_before_attentio
 SHORT_STEPS = [(1, 1, 1), (1, 1, 33), (7, 1, 1), (16, 1, 1), (33, 1, 1), (50, 1, 1), (64, 1, 1)]
 
 
-def launched_files(h, config, tokens: int, seqs: int, splits: int) -> list[str]:
-    """The cuda_src files one forward step of `config`'s shapes launches kernels of."""
-    with h.recording() as recorder:
-        saved = h.preset
-        h.preset = lambda name: config
-        try:
-            weights, ws, cache, inputs = h.step_objects("shapes", tokens, seqs)
-        finally:
-            h.preset = saved
-        shape = StepShape(num_tokens=tokens, num_seqs=seqs, max_q_len=tokens // seqs)
-        h.F.forward(weights, ws, cache, inputs, shape, all_logits=False, num_splits=splits, stream=h._Stream())
-        return recorder.files
-
-
 def demo_config():
     from tileinfer.demo import TARGET
     return read_config(TARGET / "config.json")
@@ -142,6 +128,18 @@ def test_short_steps_launch_no_kernel_of_a_file_compiled_later(model):
     h = load()
     config = demo_config() if model == "demo" else PRESETS[model]
     for step in SHORT_STEPS:
-        files = launched_files(h, config, *step)
+        files = h.step_kernels(config, *step)
         assert "rmsnorm.cu" in files and not set(files) & set(LATER_FILES), (step, files)
-    assert "gemm_tma.cu" in launched_files(h, config, 256, 1, 1)  # a longer prompt's products run there
+    assert "gemm_tma.cu" in h.step_kernels(config, 256, 1, 1)  # a longer prompt's products run there
+
+
+def test_the_units_started_first_are_those_of_a_short_first_request():
+    # kernel_units.FIRST, written by scripts/kernel_units.py from these recordings
+    spec = importlib.util.spec_from_file_location("kernel_units_script", SCRIPT.with_name("kernel_units.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    load()  # (the script imports host_launches by name)
+    assert list(FIRST) == script.first_units(PART_OF), \
+        "tileinfer/cuda/kernel_units.py's FIRST is out of date: run python3 scripts/kernel_units.py"
+    assert "gemm_swap.cu:0" in FIRST and "sampling.cu" in FIRST and not any(u.startswith("gemm_tma") for u in FIRST)
+

@@ -1,11 +1,13 @@
-"""Start-up's kernel loading from an empty kernel cache (module.load_all): what is missing compiled in
-child processes at once, each file's parts loaded, and every entry point found in the part that holds it."""
+"""Kernel loading from an empty kernel cache: a server's start-up (module.load_all: what is missing compiled in
+child processes at once, each file's parts loaded, and every entry point found in the part that holds it), and a
+kernel's first lookup (only the part of its file that holds it loaded)."""
 from __future__ import annotations
 
 import pytest
 
 from tileinfer.cuda import compiler
 from tileinfer.cuda.compiler import kernel_files, part_defines
+from tileinfer.cuda.kernel_units import PART_OF
 from tileinfer.cuda.module import load_all, load_module
 
 pytestmark = pytest.mark.gpu
@@ -39,3 +41,15 @@ def test_load_all_from_an_empty_cache_finds_every_entry_point(device, empty_cach
     compiler._memory_cache.clear()
     load_all()
     assert compiler.STATS.compiled == compiles and compiler.STATS.disk_hits == compiles, compiler.STATS
+
+
+def test_a_kernel_loads_only_the_part_of_its_file_that_holds_it(device, empty_cache):
+    module = load_module("gemm_swap.cu")
+    assert module.handles == [None] * len(part_defines("gemm_swap.cu"))
+    name, part = next((n, p) for n, p in PART_OF["gemm_swap.cu"].items() if p == 3)
+    assert module.kernel(name).function is not None
+    assert [p for p, handle in enumerate(module.handles) if handle is not None] == [part]
+    with pytest.raises(LookupError, match="has no kernel 'gemm_swap_b99'"):
+        module.kernel("gemm_swap_b99")  # a name the table lacks is looked for in every part
+    assert None not in module.handles
+

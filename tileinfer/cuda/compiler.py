@@ -228,10 +228,11 @@ def part_defines(filename: str, src_dir: Path | None = None) -> list[dict[str, o
 
 
 def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, progress: bool = False,
-                last: Collection[str] = ()) -> None:
+                first: Collection[str] = (), last: Collection[str] = ()) -> None:
     """Compile each (cuda_src file, defines) unit the caches lack into them, each in a child process of
-    its own, as many at once as there are cores, the longest first, those of the files in `last` after every other,
-    with a progress bar naming what is left of the others when asked (it closes once they are done).
+    its own, as many at once as there are cores: the units named in `first` ("file.cu" or "file.cu:p", as
+    unit_key names them), then the others, then those of the files in `last`, each group the longest first; with a
+    progress bar naming what is left of all but `last` when asked (it closes once they are done).
     With everything cached no process starts; a unit another compile_all has under way is left to it (_cached
     waits for it). A failed compile raises its CompileError."""
     src_dir = cuda_src_dir()
@@ -239,8 +240,11 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
             if unit.key not in _memory_cache and unit.key not in _in_flight and not unit.path.is_file()]
     if not todo:
         return
-    # The longest first, so that none starts last and holds the rest up; `last` after them all.
-    todo.sort(key=lambda unit: (unit.name in last, -_expected_seconds(unit)))
+
+    def order(unit: _Unit) -> tuple[int, float]:  # in a group the longest first: none starts last, holding the rest up
+        group = 0 if unit_key(unit) in first else 2 if unit.name in last else 1
+        return group, -_expected_seconds(unit)
+    todo.sort(key=order)
     shown = [unit for unit in todo if unit.name not in last] if progress else []
     bar = None
     if shown:

@@ -29,6 +29,7 @@ from cuda.bindings import driver
 from . import compiler
 from .compiler import compile_all, compile_file, kernel_files, part_defines
 from .driver import call, compute_capability, get_device, last_work
+from .kernel_units import FIRST, PART_OF
 from .memory import DeviceArray
 
 log = logging.getLogger(__name__)
@@ -158,26 +159,55 @@ class Kernel:
 
 
 class Module:
-    """One cuda_src file loaded: the cubin of each of its parts (one, unless the file is compiled in
-    parts: compiler.part_defines), and which part holds each entry point."""
+    """One cuda_src file: each of its parts (one, unless the file is compiled in parts: compiler.part_defines)
+    compiled, or waited for while another thread compiles it, and loaded at the first lookup of a kernel it holds.
+    Which part holds a kernel: kernel_units.PART_OF; a kernel it does not name (the table not yet written again
+    after a change to the file) is looked for in every part."""
 
-    def __init__(self, cubins: list[bytes], label: str):
-        self.label = label
-        self._images = cubins  # keep the bytes alive while the modules are loaded
-        self.handles = [call(driver.cuModuleLoadData, cubin, detail=label) for cubin in cubins]
-        self._holder = {name: handle for cubin, handle in zip(cubins, self.handles) for name in entry_points(cubin)}
+    def __init__(self, filename: str, arch: str, parts: list[dict[str, object] | None]):
+        self.filename, self.arch, self.parts = filename, arch, parts
+        self.label = f"{filename} ({arch})"
+        self._images: list[bytes | None] = [None] * len(parts)  # each loaded part's cubin, kept alive while loaded
+        self.handles: list = [None] * len(parts)                # each part's CUmodule, once loaded
         self._kernels: dict[str, Kernel] = {}
+
+    def part(self, p: int):
+        """Part p's CUmodule, compiled (or its compile waited for, or read from the cache) and loaded the first time."""
+        if self.handles[p] is None:
+            start, waits = time.perf_counter(), compiler.STATS.waits
+            cubin = compile_file(self.filename, self.arch, self.parts[p])
+            if compiler.STATS.waits != waits:
+                log.info(LOAD_LOG, self.filename if len(self.parts) == 1 else f"{self.filename} (part {p})",
+                         time.perf_counter() - start)
+            self.handles[p] = call(driver.cuModuleLoadData, cubin, detail=self.label)
+            self._images[p] = cubin
+        return self.handles[p]
+
+    def load(self) -> None:
+        """Every part loaded."""
+        for p in range(len(self.parts)):
+            self.part(p)
 
     @property
     def names(self) -> list[str]:
-        """Every entry point of the file, sorted."""
-        return sorted(self._holder)
+        """Every entry point of the file, sorted (every part loaded)."""
+        self.load()
+        return sorted(name for image in self._images for name in entry_points(image))
+
+    def holder(self, name: str) -> int:
+        """The part that holds entry point `name`; LookupError when none does."""
+        known = PART_OF.get(self.filename, {}).get(name)
+        if known is not None:
+            return known
+        for p in range(len(self.parts)):  # a whole file, or a kernel the table does not name
+            self.part(p)
+            if name in entry_points(self._images[p]):
+                return p
+        raise LookupError(f"{self.label} has no kernel {name!r}; it has {', '.join(self.names)}")
 
     def function(self, name: str):
         """The CUfunction of entry point `name`, from the part that holds it."""
-        if name not in self._holder:
-            raise LookupError(f"{self.label} has no kernel {name!r}; it has {', '.join(self.names)}")
-        return call(driver.cuModuleGetFunction, self._holder[name], name.encode(), detail=name)
+        return call(driver.cuModuleGetFunction, self.part(self.holder(name)), name.encode(), detail=name)
 
     def kernel(self, name: str) -> Kernel:
         if name not in self._kernels:
@@ -219,16 +249,13 @@ def device_arch() -> str:
 
 @cache
 def load_module(filename: str) -> Module:
-    """Compile (or fetch from cache, or wait for start_compiling's compile of it) and load `cuda_src/<filename>` for
-    the current device: at its first kernel's first launch, or in load_all."""
+    """`cuda_src/<filename>` for the current device, at its first kernel's first lookup (or in load_all): what of it
+    neither kernel cache holds nor a compile has under way (start_compiling's) compiled now, in parallel; each part
+    loaded at its first use (Module.part)."""
     arch = device_arch()
     parts = part_defines(filename)
-    start, before = time.perf_counter(), (compiler.STATS.compiled, compiler.STATS.waits)
     compile_all([(filename, defines) for defines in parts], arch)
-    module = Module([compile_file(filename, arch, defines) for defines in parts], f"{filename} ({arch})")
-    if (compiler.STATS.compiled, compiler.STATS.waits) != before:
-        log.info(LOAD_LOG, filename, time.perf_counter() - start)
-    return module
+    return Module(filename, arch, parts)
 
 
 def kernel(filename: str, name: str) -> Kernel:
@@ -239,7 +266,7 @@ def kernel(filename: str, name: str) -> Kernel:
 # prompts and large batches), so that the kernels of a first short prompt and its decode steps are ready first.
 # tests/test_host_launches.py checks that such steps of the presets' shapes launch none of them.
 LATER_FILES = ("gemm_tma.cu",)
-# load_module's line when a file's first use waited for its compile (INFO): what a cold start's first step waits for.
+# Module.part's line when a part's first use waited for its compile (INFO): what a cold start's first step waits for.
 LOAD_LOG = "%s loaded in %.2f s, waiting for its compile"
 
 
@@ -256,16 +283,17 @@ _compiling: tuple[Future, str, int] | None = None
 def start_compiling(ordinal: int, progress: bool = False) -> None:
     """Begin compiling what the kernel caches lack of cuda_src/ for device `ordinal` (in parallel, with a
     progress bar when asked) on a thread of its own, before the device's context opens: the compiles (child
-    processes) overlap the device's opening and the weights' load, and each file loads at its first use
-    (load_module), once its own compile is done. LATER_FILES start after every other file (the progress bar counts
-    the others), and may still compile while a short prompt runs. A process that ends before they are done lets
-    them finish first, at its exit, so that the next run finds the kernel cache filled."""
+    processes) overlap the device's opening and the weights' load, and each part of a file loads at its first use
+    (Module.part), once its own compile is done. The units a short first request launches (kernel_units.FIRST) start
+    first, LATER_FILES after every other (the progress bar counts all but those, which may still compile while a
+    short prompt runs). A process that ends before they are done lets them finish first, at its exit, so that the
+    next run finds the kernel cache filled."""
     global _compiling
     if _compiling is not None:
         return
     arch, before = nvrtc_arch(compute_capability(ordinal)), compiler.STATS.compiled
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-    _compiling = (pool.submit(compile_all, every_unit(), arch, progress, LATER_FILES), arch, before)
+    _compiling = (pool.submit(compile_all, every_unit(), arch, progress, FIRST, LATER_FILES), arch, before)
     pool.shutdown(wait=False)  # its thread ends with the compile
 
 
@@ -281,7 +309,7 @@ def load_all(progress: bool = False) -> int:
         future.result()  # its CompileError, if any, is raised here
     arch = device_arch()
     if started_arch != arch:  # none started, or for another arch: each unit read and keyed again is not free
-        compile_all(every_unit(), arch, progress, LATER_FILES)
+        compile_all(every_unit(), arch, progress, FIRST, LATER_FILES)
     for name in kernel_files():
-        load_module(name)
+        load_module(name).load()
     return compiler.STATS.compiled - compiled
