@@ -254,9 +254,11 @@ COLD_TIMEOUT = 600  # seconds a cold-start run may take before it is killed (and
 LOGGED_MAIN = ("import logging, runpy; logging.basicConfig(level=logging.INFO, "
                "format='%(relativeCreated).0f ms %(name)s: %(message)s'); "
                "runpy.run_module('tileinfer', run_name='__main__', alter_sys=True)")
-RUNNER_LINE = re.compile(r"^(\d+) ms tileinfer\.runner\.gpu: GPU runner: (device opened in .*)$", re.M)
-COMPILE_LINE = re.compile(r"^(\d+) ms tileinfer\.cuda\.compiler: (compiled \d+ kernel units .*)$", re.M)
-LOAD_LINE = re.compile(r"^(\d+) ms tileinfer\.cuda\.module: (\S+) loaded in [0-9.]+ s, waiting for its compile$", re.M)
+# (Not anchored at a line's start: a line logged while the compiles' progress bar is drawn follows the bar's text.)
+RUNNER_LINE = re.compile(r"(\d+) ms tileinfer\.runner\.gpu: GPU runner: (device opened in .*)$", re.M)
+COMPILE_LINE = re.compile(r"(\d+) ms tileinfer\.cuda\.compiler: (compiled \d+ kernel units .*)$", re.M)
+LOAD_LINE = re.compile(r"(\d+) ms tileinfer\.cuda\.module: (\S+(?: \(part \d+\))?) loaded in [0-9.]+ s, waiting for its "
+                       r"compile$", re.M)
 
 
 def runner_phases(stderr: str) -> str | None:
@@ -271,7 +273,7 @@ def runner_phases(stderr: str) -> str | None:
     waits = LOAD_LINE.findall(stderr)
     if waits:
         at, name = max(waits, key=lambda w: int(w[0]))
-        text += f"; {len(waits)} files loaded once their compiles ended, the last {name} at {int(at):,} ms"
+        text += f"; {len(waits)} units loaded once their compiles ended, the last {name} at {int(at):,} ms"
     compiled = COMPILE_LINE.search(stderr)
     return text + (f" (its compiles ended at {int(compiled[1]):,} ms: {compiled[2]})" if compiled else "")
 

@@ -197,10 +197,11 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
             for name in ("rmsnorm", "gemm_tma-0", "gemm_tma-1"):
                 (kernels / f"{name}.cubin").write_bytes(b"\x7fELF")
             compiled = COMPILE_LOG % (38, 1.1, 16, 9.5, 8.0, 1.25, 120.5, 3, 7.25, "gemv.cu (part 0)", 1.02)
+            bar = "compiling kernels (once; then cached):  41%|####  | 12/29 [00:01<00:02, left: gemm_swap.cu][A"
             return 5.5, 6.0, (f"INFO ...\n1321 ms tileinfer.runner.gpu: {RUNNER_LOG % (2.5, 0.05)}\n"
                               f"3900 ms tileinfer.cuda.module: {LOAD_LOG % ('embedding.cu', 2.1)}\n"
-                              f"4100 ms tileinfer.cuda.compiler: {compiled}\n"
-                              f"4150 ms tileinfer.cuda.module: {LOAD_LOG % ('gemm_swap.cu', 0.2)}\n")
+                              f"{bar}4100 ms tileinfer.cuda.compiler: {compiled}\n"
+                              f"{bar}4150 ms tileinfer.cuda.module: {LOAD_LOG % ('gemm_swap.cu (part 3)', 0.2)}\n")
         return 1.25, 1.5, ""
 
     out = g.cold_start(Path("/ckpt/demo"), 600, run=run)
@@ -209,8 +210,8 @@ def test_cold_start_runs_twice_over_one_cache_that_starts_empty(monkeypatch):
     assert cmd[cmd.index("--max-new-tokens") + 1] == "1" and cmd[cmd.index("--model") + 1] == "/ckpt/demo"
     assert root == root2 and found == [] and len(found2) == 3, runs
     assert not Path(root).exists(), "the temporary kernel cache was left behind"
-    phases = ("at 1,321 ms: device opened in 2.50 s, weights loaded in 0.05 s; 2 files loaded once their compiles "
-              "ended, the last gemm_swap.cu at 4,150 ms (its compiles ended at 4,100 ms: compiled 38 kernel units in 1.10 s on 16 cores: their processes took 9.5 s "
+    phases = ("at 1,321 ms: device opened in 2.50 s, weights loaded in 0.05 s; 2 units loaded once their compiles "
+              "ended, the last gemm_swap.cu (part 3) at 4,150 ms (its compiles ended at 4,100 ms: compiled 38 kernel units in 1.10 s on 16 cores: their processes took 9.5 s "
               "summed (CPU 8.0 s user, 1.2 s system; 120 thousand page faults, 3 from disk), NVRTC 7.2 s of it; "
               "the longest gemv.cu (part 0) (1.02 s))")
     assert out == dict(measured=5.5, compiled=3, warm=1.25, warm_compiled=0,
