@@ -74,7 +74,8 @@ from .step import SamplingRow, StepBuffers, prepare_step, set_token_sources
 
 log = logging.getLogger(__name__)
 # Where a GPURunner's construction went, logged at INFO (scripts/bench_goals.py's cold start reads it). Its kernels
-# load at their first launch (cuda/module.py load_module), each file once start_compiling's compile of it is done.
+# load at their first launch, each with the part of its file that holds it, once start_compiling's compile of that
+# part is done (cuda/module.py Module.part).
 RUNNER_LOG = "GPU runner: device opened in %.2f s, weights loaded in %.2f s"
 
 # A sequence's key splits at most. qwen3-4b's INT8 step at 32,768 positions ran fastest at 48 of the 32-66
