@@ -279,3 +279,16 @@ def test_a_gpu_older_than_hopper_is_refused(monkeypatch):
         cuda_driver.Device(0)
     assert str(caught.value) == (cuda_driver.NO_GPU_MESSAGE +
                                  " (GPU 0 (NVIDIA A100-SXM4-80GB) has compute capability 8.0)")
+
+
+def test_generate_says_when_it_waits_at_its_exit_for_compiles_a_later_run_needs(capsys, monkeypatch):
+    """A first run's start_compiling may still be compiling kernels the run did not launch when its output ends: the
+    process waits for them at its exit (the next run finds them cached), and says so rather than seem to hang."""
+    from tileinfer.cuda import compiler
+    argv = ["generate", "--device", "cpu", "--prompt", "Hello", "--max-new-tokens", "2"]  # the demo model
+    assert cli.main(argv) == 0
+    assert "kernel compiles" not in capsys.readouterr().err
+    monkeypatch.setattr(compiler, "_in_flight", {"a": None, "b": None})
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "tileinfer: finishing 2 kernel compiles for later runs (once; then cached)"

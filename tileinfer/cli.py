@@ -153,7 +153,17 @@ def _generate(args) -> int:
                 f"{s.tokens_per_target_step:.2f} tokens per target step")
     print(f"[{len(result.token_ids)} tokens, {result.decode_tokens_per_second:.1f} tok/s decode{spec}, "
           f"finish: {result.finish_reason}]", file=sys.stderr)
+    _say_compiles_left()
     return 0
+
+
+def _say_compiles_left() -> None:
+    """On a first run, the kernels the run did not need may still be compiling (cuda/module.py start_compiling): the
+    process waits for them at its exit, so that later runs find them cached. Say so rather than seem to hang."""
+    from tileinfer.cuda.compiler import units_in_flight
+    left = units_in_flight()
+    if left:
+        print(f"tileinfer: finishing {left} kernel compiles for later runs (once; then cached)", file=sys.stderr)
 
 
 def chat_loop(session, sampling: dict, read=input, out=sys.stdout, err=sys.stderr) -> int:
@@ -218,6 +228,7 @@ def _chat(args) -> int:
         finally:
             if draft is not None:
                 draft.close()
+            _say_compiles_left()
 
 
 # Requests decoding at once when --max-num-seqs is not given: the CPU runner's pool holds that many sequences

@@ -232,7 +232,8 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
     """Compile each (cuda_src file, defines) unit the caches lack into them, each in a child process of
     its own, as many at once as there are cores: the units named in `first` ("file.cu" or "file.cu:p", as
     unit_key names them), then the others, then those of the files in `last`, each group the longest first; with a
-    progress bar naming what is left of all but `last` when asked (it closes once they are done).
+    progress bar naming what is left when asked: of the `first` units when there are any (what a first request waits
+    for: the bar closes once they are done, before its output starts), else of every unit.
     With everything cached no process starts; a unit another compile_all has under way is left to it (_cached
     waits for it). A failed compile raises its CompileError."""
     src_dir = cuda_src_dir()
@@ -245,7 +246,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
         group = 0 if unit_key(unit) in first else 2 if unit.name in last else 1
         return group, -_expected_seconds(unit)
     todo.sort(key=order)
-    shown = [unit for unit in todo if unit.name not in last] if progress else []
+    shown = {unit.key for unit in todo if not first or unit_key(unit) in first} if progress else set()
     bar = None
     if shown:
         from tqdm import tqdm
@@ -258,7 +259,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
         try:
             while pending:
                 if bar is not None:
-                    bar.set_postfix_str(_left(u for u in pending.values() if u.name not in last), refresh=True)
+                    bar.set_postfix_str(_left(u for u in pending.values() if u.key in shown), refresh=True)
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     unit = pending.pop(future)
@@ -268,7 +269,7 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
                     finally:  # (stored first: another thread finds the cubin in one place or the other)
                         _in_flight.pop(unit.key, None)  # (two units of the same source share a key)
                     times.append((unit, child))
-                    if bar is not None and unit.name not in last:
+                    if bar is not None and unit.key in shown:
                         bar.update()
                         if bar.n == len(shown):
                             bar.close()
@@ -283,6 +284,11 @@ def compile_all(units: list[tuple[str, dict[str, object] | None]], arch: str, pr
     seconds, nvrtc, user, system, minor, major = map(sum, zip(*(child for _, child in times)))
     log.info(COMPILE_LOG, len(times), time.perf_counter() - start, cores, seconds, user, system,
              (minor + major) / 1e3, major, nvrtc, _label(longest[0]), longest[1].seconds)
+
+
+def units_in_flight() -> int:
+    """Units a compile_all has under way or queued (start_compiling's, while a short first request already runs)."""
+    return len(_in_flight)
 
 
 def _left(units) -> str:

@@ -285,9 +285,9 @@ def start_compiling(ordinal: int, progress: bool = False) -> None:
     progress bar when asked) on a thread of its own, before the device's context opens: the compiles (child
     processes) overlap the device's opening and the weights' load, and each part of a file loads at its first use
     (Module.part), once its own compile is done. The units a short first request launches (kernel_units.FIRST) start
-    first, LATER_FILES after every other (the progress bar counts all but those, which may still compile while a
-    short prompt runs). A process that ends before they are done lets them finish first, at its exit, so that the
-    next run finds the kernel cache filled."""
+    first (the progress bar counts them), LATER_FILES after every other; the rest may still compile while a short
+    prompt runs. A process that ends before they are done lets them finish first, at its exit, so that the next run
+    finds the kernel cache filled."""
     global _compiling
     if _compiling is not None:
         return
