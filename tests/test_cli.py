@@ -292,3 +292,33 @@ def test_generate_says_when_it_waits_at_its_exit_for_compiles_a_later_run_needs(
     assert cli.main(argv) == 0
     assert capsys.readouterr().err.splitlines()[-1] == \
         "tileinfer: finishing 2 kernel compiles for later runs (once; then cached)"
+
+
+def test_compile_fills_the_kernel_cache_without_a_gpu_and_then_compiles_nothing(capsys, monkeypatch, tmp_path):
+    """`tileinfer compile` compiles every unit of cuda_src/ (here two small files) into the kernel cache, as a first
+    start on a GPU would; a second run finds them cached. Without a GPU it compiles for sm_90a and says so."""
+    from tileinfer.cuda import compiler
+    from tileinfer.cuda.driver import NoDeviceError
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("one.cu", "two.cu"):
+        (src / name).write_text(f'extern "C" __global__ void {name[:3]}(float *x) {{ x[threadIdx.x] = 1.0f; }}\n')
+    monkeypatch.setenv("TILEINFER_CUDA_SRC", str(src))
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiler, "_memory_cache", {})
+    monkeypatch.setattr(compiler, "STATS", compiler.CompileStats())
+
+    def no_gpu(ordinal=0):
+        raise NoDeviceError("no CUDA device")
+    monkeypatch.setattr("tileinfer.cuda.driver.compute_capability", no_gpu)
+    assert cli.main(["compile"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "tileinfer: no GPU here: compiling for sm_90a (an H100 or H200); --arch chooses another", err
+    assert err[-1] == f"tileinfer: 2 kernel units for sm_90a in {tmp_path / 'cache' / 'kernels'}: 2 compiled now, " \
+                      "0 cached already", err
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "kernels").glob("*.cubin")) == ["one", "two"]
+    compiler._memory_cache.clear()  # as a new process
+    assert cli.main(["compile", "--arch", "sm_90a"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].endswith(": 0 compiled now, 2 cached already")
+    rc, err = run_cli(capsys, "compile", "--arch", "sm_80")
+    assert rc == 1 and "--arch must name a GPU arch of sm_90 or newer" in err and "'sm_80'" in err, err

@@ -443,6 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_arguments(v)
     v.set_defaults(run=_serve)
+    k = sub.add_parser("compile", help="compile every kernel into the kernel cache now (no GPU needed), so that the "
+                                       "first start on a GPU compiles nothing",
+                       description="Compile every kernel of cuda_src/ into the kernel cache (TILEINFER_CACHE, else "
+                                   "~/.cache/tileinfer) with NVRTC, as a first start on a GPU would: for instance "
+                                   "while building an image for GPU machines. The cache is keyed by the sources, "
+                                   "the arch and NVRTC's version, so the machine that runs the kernels needs the same "
+                                   "TileInfer and NVRTC (the nvidia-cuda-nvrtc package).")
+    k.add_argument("--arch", default=None,
+                   help="the GPU arch to compile for: this machine's GPU's, else sm_90a (an H100 or H200)")
+    k.set_defaults(run=_compile)
     w = sub.add_parser("tp-worker", help="one rank of a tensor-parallel group whose rank 0 listens at --address",
                        description="Run rank --rank of a tensor-parallel group started by hand (another host's "
                                    "GPUs): rank 0 is an LLM or `tileinfer serve` given the same address as "
@@ -452,8 +462,32 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rank", type=int, required=True, help="this process's rank, 1..N-1")
     w.add_argument("--device", default="cuda", help="this rank's GPU: cuda (GPU 0) or cuda:K")
     w.set_defaults(run=_tp_worker)
-    parser.commands = {"generate": g, "chat": c, "size": s, "serve": v, "tp-worker": w}
+    parser.commands = {"generate": g, "chat": c, "size": s, "serve": v, "compile": k, "tp-worker": w}
     return parser
+
+
+def _compile(args) -> int:
+    from tileinfer.cuda import compiler
+    from tileinfer.cuda.driver import compute_capability
+    from tileinfer.cuda.module import every_unit, nvrtc_arch
+    arch = args.arch
+    if arch is None:
+        try:
+            arch = nvrtc_arch(compute_capability(0))
+        except Exception:  # noqa: BLE001 (no GPU, no driver: the arch of the GPUs TileInfer is built for)
+            arch = "sm_90a"
+            print("tileinfer: no GPU here: compiling for sm_90a (an H100 or H200); --arch chooses another",
+                  file=sys.stderr)
+    found = re.fullmatch(r"sm_(\d+)a?", arch)
+    if not found or int(found[1]) < 90:
+        raise ValueError(f"--arch must name a GPU arch of sm_90 or newer, as sm_90a (an H100 or H200) does; "
+                         f"got {arch!r}")
+    units, before = every_unit(), compiler.STATS.compiled
+    compiler.compile_all(units, arch, progress=True)
+    compiled = compiler.STATS.compiled - before
+    print(f"tileinfer: {len(units)} kernel units for {arch} in {compiler.cache_dir()}: {compiled} compiled now, "
+          f"{len(units) - compiled} cached already", file=sys.stderr)
+    return 0
 
 
 def _tp_worker(args) -> int:
