@@ -46,11 +46,14 @@ def part_of() -> dict[str, dict[str, int]]:
     return table
 
 
-def first_models() -> list:
-    """The shapes FIRST is recorded for: every preset's but apertus-70b's, and the demo model's."""
+def first_models() -> dict:
+    """The shapes FIRST is recorded for, by name: every preset's but apertus-70b's, and the demo model's ("demo").
+    apertus-70b runs only under tensor parallelism (140 GB of weights), whose steps take no flow builds; on one GPU
+    its prompts of 3-32 rows would ask the flow's norm statistics for more partials than they sum (K = 8192 > 6144)."""
     from tileinfer.demo import TARGET
     from tileinfer.model.config import PRESETS, read_config
-    return [config for name, config in PRESETS.items() if name != "apertus-70b"] + [read_config(TARGET / "config.json")]
+    return {**{name: config for name, config in PRESETS.items() if name != "apertus-70b"},
+            "demo": read_config(TARGET / "config.json")}
 
 
 def first_units(parts: dict[str, dict[str, int]]) -> list[str]:
@@ -58,7 +61,7 @@ def first_units(parts: dict[str, dict[str, int]]) -> list[str]:
     by file, then part."""
     import host_launches
     units = set(RUNNER_UNITS)
-    for config in first_models():
+    for config in first_models().values():
         for step in FIRST_STEPS:
             for filename, names in host_launches.step_kernels(config, *step).items():
                 units.update(f"{filename}:{parts[filename][n]}" if filename in parts else filename for n in names)

@@ -13,7 +13,6 @@ import tileinfer.cuda.memory as cuda_memory
 import tileinfer.cuda.module as cuda_module
 from tileinfer.cuda.kernel_units import FIRST, PART_OF
 from tileinfer.cuda.module import LATER_FILES
-from tileinfer.model.config import PRESETS, read_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "host_launches.py"
 
@@ -109,24 +108,27 @@ def test_a_step_whose_rows_read_each_others_new_keys_stores_them_before_attentio
 
 # module.LATER_FILES, compiled after every other file of cuda_src/ (start_compiling), must hold no
 # kernel that a short step launches: a prompt of up to 64 tokens in one sequence, a decode step of one sequence (its
-# keys split or not), for each preset's shapes and the demo model's; a new route into one of those files fails here,
-# not as a slower first token.
+# keys split or not), for the shapes kernel_units.FIRST is recorded for; a new route into one of those files fails
+# here, not as a slower first token.
 # (token rows, sequences, key splits): prompts of awkward and bucket sizes up to 64 rows, and decode steps of one
 # sequence.
 SHORT_STEPS = [(1, 1, 1), (1, 1, 33), (7, 1, 1), (16, 1, 1), (33, 1, 1), (50, 1, 1), (64, 1, 1)]
 
 
-def demo_config():
-    from tileinfer.demo import TARGET
-    return read_config(TARGET / "config.json")
+def kernel_units():
+    """scripts/kernel_units.py, which writes kernel_units.FIRST from these recordings (it imports host_launches)."""
+    if "kernel_units_script" not in sys.modules:
+        load()
+        spec = importlib.util.spec_from_file_location("kernel_units_script", SCRIPT.with_name("kernel_units.py"))
+        sys.modules["kernel_units_script"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["kernel_units_script"])
+    return sys.modules["kernel_units_script"]
 
 
-# apertus-70b runs only under tensor parallelism (140 GB of weights), whose steps take no flow builds; on one GPU its
-# prompts of 3-32 rows would ask the flow's norm statistics for more partials than they sum (K = 8192 > 6144).
-@pytest.mark.parametrize("model", [*(name for name in PRESETS if name != "apertus-70b"), "demo"])
+@pytest.mark.parametrize("model", list(kernel_units().first_models()))
 def test_short_steps_launch_no_kernel_of_a_file_compiled_later(model):
     h = load()
-    config = demo_config() if model == "demo" else PRESETS[model]
+    config = kernel_units().first_models()[model]
     for step in SHORT_STEPS:
         files = h.step_kernels(config, *step)
         assert "rmsnorm.cu" in files and not set(files) & set(LATER_FILES), (step, files)
@@ -134,12 +136,7 @@ def test_short_steps_launch_no_kernel_of_a_file_compiled_later(model):
 
 
 def test_the_units_started_first_are_those_of_a_short_first_request():
-    # kernel_units.FIRST, written by scripts/kernel_units.py from these recordings
-    spec = importlib.util.spec_from_file_location("kernel_units_script", SCRIPT.with_name("kernel_units.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    load()  # (the script imports host_launches by name)
-    assert list(FIRST) == script.first_units(PART_OF), \
+    assert list(FIRST) == kernel_units().first_units(PART_OF), \
         "tileinfer/cuda/kernel_units.py's FIRST is out of date: run python3 scripts/kernel_units.py"
     assert "gemm_swap.cu:0" in FIRST and "sampling.cu" in FIRST and not any(u.startswith("gemm_tma") for u in FIRST)
 
