@@ -420,46 +420,81 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
         if (threadIdx.x == 0) {
             tma_prefetch_desc(tmA);
             tma_prefetch_desc(tmW);
-            int s = 0;
-            u32 phase = 0;
-            for (int tile = FIRST_TILE; tile < tile1; tile += TILE_STRIDE) {
+            // What a tile loads: its first A row m0, its W boxes' first rows r0 and r1 (the second box only where
+            // `second`), A's boxes (`aboxes`) and a stage's bytes.
+            struct Loads {
+                int m0, r0, r1, aboxes;
+                bool second;
+                u32 bytes;
+            };
+            auto loads_of = [&](int tile) {
                 int mt, nt;
                 tile_coords(tile, tiles_m, tiles_n, mt, nt);
-                const int m0 = mt * TM;
-                const int r0 = SILU ? nt * WBOX : nt * BN;             // first W box: gate rows, or the first half
-                const int r1 = SILU ? half + nt * WBOX : nt * BN + WBOX;  // second: up rows, or the second half
-                const bool second = r1 < N;                           // always with SILU (r0 < half)
+                Loads l;
+                l.m0 = mt * TM;
+                l.r0 = SILU ? nt * WBOX : nt * BN;                 // first W box: gate rows, or the first half
+                l.r1 = SILU ? half + nt * WBOX : nt * BN + WBOX;   // second: up rows, or the second half
+                l.second = l.r1 < N;                               // always with SILU (r0 < half)
                 // A's boxes from m0 on, but a 256-row tile's second one when it lies wholly past M: its rows'
                 // products (whatever that stage holds) are not stored, and a product row reads its own A row only.
-                const int aboxes = MW == 1 || m0 + BM < M ? MW : 1;
-                const u32 bytes = aboxes * TILE_A + (second ? 2 : 1) * WBOX * BK * 2;
+                l.aboxes = MW == 1 || l.m0 + BM < M ? MW : 1;
+                l.bytes = l.aboxes * TILE_A + (l.second ? 2 : 1) * WBOX * BK * 2;
+                return l;
+            };
+            auto load_w = [&](const Loads &l, int s, int k0) {
+                if constexpr (MC) {
+                    // The pair's tiles share W's column tile: rank 0 loads its first box into both blocks,
+                    // rank 1 the second.
+                    if (rank == 0) tma_load_2d_pair(sB + s * TILE_B, tmW, full + 8 * s, k0, l.r0);
+                    else if (l.second) tma_load_2d_pair(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, l.r1);
+                } else {
+                    tma_load_2d(sB + s * TILE_B, tmW, full + 8 * s, k0, l.r0);
+                    if (l.second) tma_load_2d(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, l.r1);
+                }
+            };
+            // No kernel writes the weights, so the first tile's first STAGES k-steps request their W boxes before
+            // pdl_start: the weights' trip from HBM overlaps the end of the kernel before. Their A boxes follow
+            // the wait.
+            const int first = FIRST_TILE;
+            const int early = first < tile1 ? min(STAGES, kend - kbeg) : 0;
+            if (early > 0) {
+                const Loads l = loads_of(first);
+                for (int i = 0; i < early; ++i) {   // stage i's first use: nothing to wait for
+                    mbar_arrive_expect_tx(full + 8 * i, l.bytes);
+                    load_w(l, i, (kbeg + i) * BK);
+                }
+            }
+            pdl_start();
+            int s = 0;
+            u32 phase = 0;
+            for (int tile = first; tile < tile1; tile += TILE_STRIDE) {
+                const Loads l = loads_of(tile);
                 for (int kt = kbeg; kt < kend; ++kt) {
-                    mbar_wait(empty + 8 * s, phase ^ 1);              // the consumers are done with stage s
-                    mbar_arrive_expect_tx(full + 8 * s, bytes);
+                    const bool requested = tile == first && kt - kbeg < early;   // its W boxes, above
+                    if (!requested) {
+                        mbar_wait(empty + 8 * s, phase ^ 1);          // the consumers are done with stage s
+                        mbar_arrive_expect_tx(full + 8 * s, l.bytes);
+                    }
                     const int k0 = kt * BK;
 #pragma unroll
                     for (int b = 0; b < MW; ++b)
-                        if (b < aboxes) tma_load_2d(sA + s * TILE_AT + b * TILE_A, tmA, full + 8 * s, k0, m0 + b * BM);
-                    if constexpr (MC) {
-                        // The pair's tiles share W's column tile: rank 0 loads its first box into both blocks,
-                        // rank 1 the second.
-                        if (rank == 0) tma_load_2d_pair(sB + s * TILE_B, tmW, full + 8 * s, k0, r0);
-                        else if (second) tma_load_2d_pair(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, r1);
-                    } else {
-                        tma_load_2d(sB + s * TILE_B, tmW, full + 8 * s, k0, r0);
-                        if (second) tma_load_2d(sB + s * TILE_B + WBOX * BK * 2, tmW, full + 8 * s, k0, r1);
-                    }
+                        if (b < l.aboxes)
+                            tma_load_2d(sA + s * TILE_AT + b * TILE_A, tmA, full + 8 * s, k0, l.m0 + b * BM);
+                    if (!requested) load_w(l, s, k0);
                     if (++s == STAGES) {
                         s = 0;
                         phase ^= 1;
                     }
                 }
             }
+        } else {
+            pdl_start();
         }
         return;
     }
 
     // ----------------------------------------------------------------------- consumers
+    pdl_start();                                      // before any read of A or write of `out`
     setmaxnreg_inc<CONSUMER_REGS>();
     const int c = wg - 1;                             // rows (TM / 2) c .. (TM / 2) (c + 1) - 1 of the block tile
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
@@ -583,7 +618,6 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *
             const bf16 *__restrict__ A, const bf16 *__restrict__ W, void *__restrict__ out, int M, int N, int K, \
             int tile0, int tile1, const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmW, \
             const float *__restrict__ act, float *__restrict__ cap, int cap_stride) {                       \
-        pdl_start();                                                                                        \
         gemm_ws<EPI, BN, KS, MC, TM>(&tmA, &tmW, out, M, N, K, tile0, tile1, act, Capture{cap, cap_stride});\
     }
 // One width's five builds, NAME_e{EPI} for each epilogue.
