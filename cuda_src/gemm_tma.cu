@@ -27,6 +27,10 @@
 // fresh barrier counts its "previous" phase (parity 1) as completed, so the producer's first pass
 // over the ring waits on nothing.
 //
+// Programmatic dependent launch (common.cuh, pdl_start): no kernel writes the weights, so the producer requests the
+// W boxes of its first tile's first STAGES k-steps before its wait for the kernel before, and their A boxes after
+// it; the weights' trip from HBM then overlaps that kernel's last blocks. Every other thread waits at its start.
+//
 // Persistent: a launch covers tiles [tile0, tile1) of a grouped order (GROUP_M row tiles share each
 // column of W tiles, M fastest, so blocks running together share A and W tiles in L2); grid = min(tiles,
 // SMs), block b takes tiles tile0 + b, + grid, ... The producer runs ahead across tile boundaries, so the
@@ -603,6 +607,7 @@ __device__ __forceinline__ void gemm_ws(const TmaDesc *tmA, const TmaDesc *tmW, 
 template <int EPI, int BN, int KS, bool MC, int TM>
 __device__ __forceinline__ void gemm_ws(const TmaDesc *, const TmaDesc *, void *, int, int, int, int, int,
                                         const float *, Capture) {
+    pdl_start();
     __trap();
 }
 #endif
