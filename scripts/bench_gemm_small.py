@@ -3,7 +3,7 @@
 the TMA GEMM past 64 rows), with the alternatives beside it.
 
     python scripts/bench_gemm_small.py [--models qwen3-0.6b,qwen3-4b,qwen3-8b] [--m 5,16,32,64,128] [--swap]
-                                       [--tma] [--matrices o,down]
+                                       [--tma] [--cublas] [--matrices o,down]
 
 For every weight matrix of the models (qkv bf16, o residual, [gate; up] silu_mul (Apertus: up xielu), down residual,
 LM head f32) and every batch M: microseconds per call and GB/s of weight traffic (N * K * 2 bytes per call, the
@@ -12,7 +12,11 @@ bytes a decode step must read) for the default path (linear.default_path). --swa
 to); --tma the TMA GEMM (gemm_tma.cu) past 64 rows at every tile width and split (width 160 unsplit only, 96 also
 split 2 and 4 ways; the persistent kernel's "s1" without a split last round or multicast), marking the (width,
 split) tma_plan picks and, t2-t4, the split of the last round it adds, "mc" its multicast build (the default path's
-time includes both); a split whose clusters do not all fit at once runs in more than one wave.
+time includes both); a split whose clusters do not all fit at once runs in more than one wave. --cublas times the
+same product through PyTorch's torch.mm (cuBLAS, where PyTorch is installed: a peer, not a dependency), timed the
+same way in a PyTorch CUDA graph over its own copies of W, with the name of the kernel cuBLAS chose. It is the bare
+product with a bf16 output: no epilogue (TileInfer's gate/up also applies SiLU and the product, o and down add the
+residual in float32), so it is a lower bound for what the same product would cost in a peer's step.
 
 Timing: a Python launch costs ~9 us, more than many of these kernels, so `calls` launches are
 captured into one CUDA graph and its replays are timed with CUDA events (median of --replays). The calls
@@ -108,6 +112,59 @@ def time_calls(case: Case, M: int, stream: Stream, calls: int, replays: int, exa
             x.free()
 
 
+class CublasCase:
+    """The peer's side of a Case: PyTorch tensors of the same shapes, W cycled through as many copies."""
+
+    def __init__(self, case: Case, max_m: int):
+        import torch  # the peer's library, only for --cublas
+
+        self.torch = torch
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(case.N, case.K, device="cuda", generator=gen).div_(math.sqrt(case.K)).bfloat16()
+        self.weights = [w.clone() for _ in range(len(case.weights))]
+        self.x = torch.randn(max_m, case.K, device="cuda", generator=gen).bfloat16()
+        self.out = torch.empty(max_m, case.N, device="cuda", dtype=torch.bfloat16)
+
+    def kernel(self, M: int) -> str:
+        """The name of the kernel (or kernels, joined by '+') one torch.mm of M rows launches."""
+        torch = self.torch
+        x, out = self.x[:M], self.out[:M]
+        torch.mm(x, self.weights[0].t(), out=out)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.mm(x, self.weights[0].t(), out=out)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return "+".join(dict.fromkeys(names)) or "?"
+
+    def time(self, M: int, calls: int, replays: int) -> float:
+        """Microseconds per torch.mm: `calls` of them in one CUDA graph, the median of `replays` timed replays."""
+        torch = self.torch
+        x, out = self.x[:M], self.out[:M]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture (cuBLAS's handle and workspace)
+            for i in range(3):
+                torch.mm(x, self.weights[i % len(self.weights)].t(), out=out)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                torch.mm(x, self.weights[i % len(self.weights)].t(), out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        del graph
+        return float(np.median(times))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
@@ -116,6 +173,8 @@ def main() -> None:
                     "split where M <= 64")
     ap.add_argument("--tma", action="store_true", help="also time the TMA GEMM at every tile width and split "
                     "where M > 64")
+    ap.add_argument("--cublas", action="store_true", help="also time torch.mm (cuBLAS, where PyTorch is installed) "
+                    "on the same shapes, and name its kernel")
     ap.add_argument("--no-lm-head", action="store_true", help="skip the LM head (the largest matrix)")
     ap.add_argument("--matrices", default=None, help="only these matrices (comma-separated of qkv, o, gate_up, up, "
                     "down, lm_head)")
@@ -147,6 +206,8 @@ def main() -> None:
     label = lambda r, w, ks: f"{'m256 ' if r == TMA_TALL else ''}{w} s{ks}"  # noqa: E731
     if args.tma:
         header += " tma pick | " + " | ".join(f"tma {label(*o)} us" for o in tma_options) + " |"
+    if args.cublas:
+        header += " cuBLAS us | cuBLAS TFLOP/s | default TFLOP/s | cuBLAS kernel |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for model in args.models.split(","):
@@ -154,6 +215,7 @@ def main() -> None:
             if (args.no_lm_head and matrix == "lm_head") or (args.matrices and matrix not in args.matrices.split(",")):
                 continue
             case = Case(N, K, epilogue, max(ms), info.l2_bytes, rng, args.hot)
+            peer = CublasCase(case, max(ms)) if args.cublas else None
             calls = int(min(400, max(10, args.graph_bytes // case.w_bytes)))
             gbs = lambda us: case.w_bytes / us / 1e3  # noqa: E731 (bytes per microsecond -> GB/s)
             try:
@@ -189,11 +251,18 @@ def main() -> None:
                                      + " | ".join(f"{tma[o]:.1f}" for o in tma_options) + " |")
                         else:
                             line += " - |" + " - |" * len(tma_options)
+                    if peer is not None:
+                        t_peer = peer.time(M, calls, args.replays)
+                        tflops = lambda us: 2 * M * N * K / us / 1e6  # noqa: E731 (flop per microsecond -> TFLOP/s)
+                        row.update(cublas_us=t_peer, cublas_kernel=peer.kernel(M))
+                        line += (f" {t_peer:.1f} | {tflops(t_peer):.0f} | {tflops(t_default):.0f} "
+                                 f"| {row['cublas_kernel']} |")
                     rows.append(row)
                     print(line, flush=True)
             finally:
                 stream.synchronize()
                 case.free()
+                del peer
     stream.destroy()
     path = Path(args.out) / "bench_gemm_small.json"
     path.parent.mkdir(parents=True, exist_ok=True)
