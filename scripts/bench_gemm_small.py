@@ -186,6 +186,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     ms = [int(m) for m in args.m.split(",")]
+    if args.cublas:
+        try:
+            import torch  # noqa: F401 (CublasCase imports it again, where it is used)
+        except ImportError:
+            ap.error("--cublas times torch.mm through PyTorch, which is not installed here: install torch, or leave "
+                     "--cublas out")
 
     dev = get_device()
     info = dev.info
