@@ -12,9 +12,10 @@
 // accumulators in registers: BN / 2 a thread, both operands read from shared memory through
 // matrix descriptors), then runs the epilogue straight from its registers to global memory.
 // BN = 256 (gemm_tma_e*: 4 stages of 48 KB) or 128 (gemm_tma_n128_e*: 6 stages of 32 KB), and for the persistent
-// kernel alone also 160 (gemm_tma_n160_e*: 5 stages of 36 KB) and 96 (gemm_tma_n96_e*: 6 stages of 28 KB), widths
-// whose tiles fill whole rounds of the SMs at batched-decode row counts (qwen3-4b at 256 rows: gate/up in 244 tiles
-// of 160, two rounds of 132, against 304 of 128 in three; QKV in 128 tiles of 96, one round, against 96 of 128) and
+// kernel alone also 160 (gemm_tma_n160_e*: 5 stages of 36 KB), 96 (gemm_tma_n96_e*: 6 stages of 28 KB) and 64
+// (gemm_tma_n64_e*: 8 stages of 24 KB), widths whose tiles fill whole rounds of the SMs at batched-decode row counts
+// (qwen3-4b at 256 rows: gate/up in 244 tiles of 160, two rounds of 132, against 304 of 128 in three; QKV in 128
+// tiles of 96, one round, against 96 of 128; qwen3-0.6b's QKV in 128 tiles of 64 against 86 of 96) and
 // for qwen3-4b's o_proj and down_proj at prefill sizes (N = 2,560: 16 tiles of 160). The launcher
 // (tileinfer/kernels/routing.py, tma_plan) takes the width with the smallest (rounds of tiles per block) x (tile
 // cost), and for the residual products of 512 rows on weighs a 2-way split against the round widths.
@@ -126,7 +127,7 @@ enum Epilogue { EPI_BF16 = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_F32 = 3, E
 #define BK 64
 #define THREADS 384                            // warpgroup 0: producer; 1 and 2: consumers
 #define TILE_A (BM * BK * 2)                   // bytes of one stage's A tile
-#define SMEM_TILES (192 * 1024)                // the stage ring: 4 stages at BN = 256, 5 at 160, 6 at 128 and 96
+#define SMEM_TILES (192 * 1024)                // the ring: 4 stages at BN = 256, 5 at 160, 6 at 128 and 96, 8 at 64
 #define SMEM_BYTES (SMEM_TILES + 256 + 1024)   // + mbarriers + alignment slack
 #define SMEM_TILES_TALL (224 * 1024)           // 256-row tiles: 5 stages at BN = 96, 4 at 160
 #define SMEM_BYTES_TALL (SMEM_TILES_TALL + 256 + 1024)
@@ -250,6 +251,11 @@ __device__ __forceinline__ void add_residual(float *__restrict__ out, int M, int
 }
 
 template <int BN> struct Wgmma;
+template <> struct Wgmma<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
+        wgmma_m64n64k16(d, a, b, acc);
+    }
+};
 template <> struct Wgmma<96> {
     static __device__ __forceinline__ void run(float (&d)[48], unsigned long long a, unsigned long long b, int acc) {
         wgmma_m64n96k16(d, a, b, acc);
@@ -669,10 +675,11 @@ GEMM_BUILDS(_s4, 4, false, CLUSTER_4)
 GEMM_BUILDS(_mc, 1, true, CLUSTER_2)
 #endif
 
-// The persistent kernel at the widths that fill rounds, gemm_tma_n96_e{EPI} and gemm_tma_n160_e{EPI}.
+// The persistent kernel at the widths that fill rounds, gemm_tma_n96_e{EPI}, gemm_tma_n160_e{EPI}, gemm_tma_n64_e{EPI}.
 #if IN_PART(5)
 GEMM_EPILOGUES(gemm_tma_n96, 96, 1, false, NO_CLUSTER)
 GEMM_EPILOGUES(gemm_tma_n160, 160, 1, false, NO_CLUSTER)
+GEMM_EPILOGUES(gemm_tma_n64, 64, 1, false, NO_CLUSTER)
 #endif
 
 // Split K 2 and 4 ways on 96-wide tiles, gemm_tma_n96_s{KS}_e{EPI} (routing.py TMA_ROUND_SPLITS).

@@ -81,6 +81,19 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// d (64 x 64 per warpgroup, 32 floats a thread) += A (64 x 16) * B (16 x 64), or = when !accumulate.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long long da, unsigned long long db,
+                                                int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : WGMMA_D16(0), WGMMA_D16(16)
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // d (64 x 96 per warpgroup, 48 floats a thread) += A (64 x 16) * B (16 x 96), or = when !accumulate.
 __device__ __forceinline__ void wgmma_m64n96k16(float (&d)[48], unsigned long long da, unsigned long long db,
                                                 int accumulate) {

@@ -36,7 +36,8 @@ SHAPES = [(128, 128, 64), (33, 8, 8), (129, 264, 136), (1000, 136, 1000), (77, 5
 # (tile width, cap on the persistent grid): every width on a full grid, and a few blocks each walking
 # many tiles (the stage ring's barrier phases carry across tiles). The round widths (96, 160: 12 and 20
 # column blocks, W boxes of 48 and 80 rows; 6 and 5 stages) leave partial tiles where 128 and 256 do not.
-VARIANTS = [(256, None), (128, None), (256, 3), (128, 5), (160, None), (96, None), (160, 3), (96, 5)]
+VARIANTS = [(256, None), (128, None), (256, 3), (128, 5), (160, None), (96, None), (160, 3), (96, 5), (64, None),
+            (64, 5)]
 WIDTHS = [128, 256]
 # Every split build: each split at both widths, and the round widths' (96 wide, 2 ways).
 SPLIT_BUILDS = [(w, ks) for w in WIDTHS for ks in TMA_SPLITS] + [(w, ks) for w, splits in TMA_ROUND_SPLITS.items()

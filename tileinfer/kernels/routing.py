@@ -162,22 +162,29 @@ SWAP_DEFAULT_ROWS = range(3, 65)  # M the swap-AB GEMM takes by default; the TMA
 NORM_MAX_TILES = 96  # gemm_swap.cu: 32 * SS_LOADS, row_norm's partials a row
 
 # gemm_tma.cu: 128-row tiles, k-steps of 64, one block per SM (SMEM_BYTES), 128 or 256 W rows a tile
-# (the persistent kernel also 96 or 160).
+# (the persistent kernel also 160, 96 or 64).
 TMA_BM = 128
 TMA_BK = 64
 TMA_THREADS = 384
 TMA_SMEM = 192 * 1024 + 256 + 1024  # SMEM_BYTES: the stage ring, mbarriers, alignment
 TMA_WIDTHS = (256, 128)  # gemm_tma_e* and gemm_tma_n128_e*: every build (persistent, split, multicast)
-# Widths of the persistent kernel alone (gemm_tma_n160_e*, gemm_tma_n96_e*), whose tiles fill whole rounds of the SMs
-# at batched-decode row counts where 128 and 256 leave a round partly empty: qwen3-4b at 256 rows, gate/up in 244
-# tiles of 160 (two rounds of 132) against 304 of 128 (three) or 152 of 256 (two of twice the cost); QKV in 128
-# tiles of 96 against 96 of 128 (one round either way, a quarter less work a tile). Below TMA_TAIL_SPLIT_ROWS rows:
-# past them the rounds are many (a partial one costs less) and the plan's tail split and multicast builds exist at
-# TMA_WIDTHS only.
-TMA_ROUND_WIDTHS = (160, 96)
-# Their k-step's cost, in k-steps of a 128 x 128 tile: an estimate, not fitted (a 96-wide tile reads the same A
-# tile for three quarters of the columns, so a little over 0.75).
-TMA_ROUND_COST = {160: 1.25, 96: 0.8}
+# Widths of the persistent kernel alone (gemm_tma_n160_e*, gemm_tma_n96_e*, gemm_tma_n64_e*), whose tiles fill whole
+# rounds of the SMs at batched-decode row counts where 128 and 256 leave a round partly empty: qwen3-4b at 256 rows,
+# gate/up in 244 tiles of 160 (two rounds of 132) against 304 of 128 (three) or 152 of 256 (two of twice the cost); QKV
+# in 128 tiles of 96 against 96 of 128 (one round either way, a quarter less work a tile); qwen3-0.6b's QKV at 65-256
+# rows and its gate/up at 65-128 in 128 and 96 tiles of 64 against 86 and 64 of 96 (alone on an H100,
+# `scripts/bench_gemm_small.py --tma`: QKV at 96 / 256 rows 6.7 / 7.7 us against 7.4 / 9.1, gate/up at 96 rows 7.1
+# against 8.1; in the engine, `bench.py --models qwen3-0.6b --no-single`, +1.8% at 96 sequences, +0.4% at 144, +0.3% at
+# 256). Below TMA_TAIL_SPLIT_ROWS rows: past them the rounds are many (a partial one costs less) and the plan's tail
+# split and multicast builds exist at TMA_WIDTHS only.
+TMA_ROUND_WIDTHS = (160, 96, 64)
+# Their k-step's cost, in k-steps of a 128 x 128 tile: estimates, not fitted (a 96-wide tile reads the same A tile
+# for three quarters of the columns, so a little over 0.75; a 64-wide one for half, 0.7). Over every build of
+# qwen3-0.6b's and 4b's products at 96-256 rows alone on an H100, the plan's picks at 0.7 took 650.4 us in all
+# against 647.8 for the fastest build of each; 64 wide also beat the plan's 2-way split of qwen3-4b's QKV at 96 and
+# 128 rows (14.6 / 15.4 us against 15.7 / 16.1), which a cost of 0.6 would pick, but 0.6 also picks 64 wide for
+# qwen3-8b's o_proj at 129-256 rows, where qwen3-4b's o_proj lost 64 wide (17.3-18.3 us against 14.8-15.5).
+TMA_ROUND_COST = {160: 1.25, 96: 0.8, 64: 0.7}
 # The split builds at a round width (gemm_tma_n96_s{2,4}_e*): 2- and 4-block clusters on 96-wide tiles. qwen3-4b's
 # o_proj and down_proj at 129-256 rows (N = 2,560): 54 tiles, 108 blocks split 2 ways, against the 40 narrow tiles'
 # 80 blocks of a 2-way split (the 3-way's 120 blocks are more than the 117 the H200 holds in 3-block clusters);
