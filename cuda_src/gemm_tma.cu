@@ -675,7 +675,7 @@ GEMM_BUILDS(_s4, 4, false, CLUSTER_4)
 GEMM_BUILDS(_mc, 1, true, CLUSTER_2)
 #endif
 
-// The persistent kernel at the widths that fill rounds, gemm_tma_n96_e{EPI}, gemm_tma_n160_e{EPI}, gemm_tma_n64_e{EPI}.
+// The persistent kernel at the widths that fill rounds: gemm_tma_n96_e{EPI}, gemm_tma_n160_e{EPI}, gemm_tma_n64_e{EPI}.
 #if IN_PART(5)
 GEMM_EPILOGUES(gemm_tma_n96, 96, 1, false, NO_CLUSTER)
 GEMM_EPILOGUES(gemm_tma_n160, 160, 1, false, NO_CLUSTER)

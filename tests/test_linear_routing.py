@@ -120,13 +120,14 @@ def test_tma_plan_splits_only_within_one_wave():
 
 
 def test_short_k_products_stay_unsplit_where_a_split_costs_more_than_it_shares():
-    # A split's fixed cost (its cluster and reduction) outweighs half of qwen3-0.6b's 16 k-steps: its QKV at 65-256
-    # rows and gate/up at 65-128 run unsplit 64 wide (TMA_ROUND_WIDTHS; QKV at 96 rows, alone on an H100: 6.7 us,
-    # 7.3 unsplit 96 wide, 8.8 split 2 ways), its gate/up at 129-256 96 wide; its o_proj (32 k-steps) and down_proj (48) split 4 ways 96 wide (88 blocks: at 144 rows, alone on an
-    # H100, 7.9 / 9.4 us against 8.5 split 2 ways 96 wide / 11.2 split 4 ways 128 wide); qwen3-4b's products of
-    # 40-152 k-steps split as before, its o_proj and down_proj up to 128 rows 4 ways 96 wide (108 blocks: at 96
-    # rows 12.2 / 23.5 us against 14.0 / 26.4 128 wide), from 129 rows 2 ways (the 4-way split's 216 blocks would
-    # not fit at once; from 129 rows the 256-row tiles split 4 ways: test_tall_tiles_where_the_cost_model_...).
+    # A split's fixed cost (its cluster and reduction) outweighs half of qwen3-0.6b's 16 k-steps: its QKV at 65-256 rows
+    # and gate/up at 65-128 run unsplit 64 wide (TMA_ROUND_WIDTHS; QKV at 96 rows, alone on an H100: 6.7 us, 7.3 unsplit
+    # 96 wide, 8.8 split 2 ways), its gate/up at 129-256 96 wide; its o_proj (32 k-steps) and down_proj (48) split 4
+    # ways 96 wide (88 blocks: at 144 rows, alone on an H100, 7.9 / 9.4 us against 8.5 split 2 ways 96 wide / 11.2 split
+    # 4 ways 128 wide); qwen3-4b's products of 40-152 k-steps split as before, its o_proj and down_proj up to 128 rows 4
+    # ways 96 wide (108 blocks: at 96 rows 12.2 / 23.5 us against 14.0 / 26.4 128 wide), from 129 rows 2 ways (the 4-way
+    # split's 216 blocks would not fit at once; from 129 rows the 256-row tiles split 4 ways:
+    # test_tall_tiles_where_the_cost_model_...).
     c = preset("qwen3-0.6b")
     o_k = c.num_attention_heads * c.head_dim
     for M in (65, 96, 128, 144, 256):

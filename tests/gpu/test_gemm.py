@@ -34,8 +34,8 @@ if not hasattr(test_kernels.linear_weight, "cache_info"):
 SHAPES = [(128, 128, 64), (33, 8, 8), (129, 264, 136), (1000, 136, 1000), (77, 520, 4104), (300, 1024, 2560),
           (256, 2560, 9728), (640, 2560, 4096), (512, 19456, 2560), (4096, 6144, 2560)]
 # (tile width, cap on the persistent grid): every width on a full grid, and a few blocks each walking
-# many tiles (the stage ring's barrier phases carry across tiles). The round widths (96, 160: 12 and 20
-# column blocks, W boxes of 48 and 80 rows; 6 and 5 stages) leave partial tiles where 128 and 256 do not.
+# many tiles (the stage ring's barrier phases carry across tiles). The round widths (96, 160, 64: 12, 20 and 8
+# column blocks, W boxes of 48, 80 and 32 rows; 6, 5 and 8 stages) leave partial tiles where 128 and 256 do not.
 VARIANTS = [(256, None), (128, None), (256, 3), (128, 5), (160, None), (96, None), (160, 3), (96, 5), (64, None),
             (64, 5)]
 WIDTHS = [128, 256]

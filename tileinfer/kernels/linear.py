@@ -157,10 +157,10 @@ def gemm(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stream
          capture: tuple[DeviceArray, int] | None = None) -> None:
     """The "gemm" path of `linear` (shapes already checked): gemm_tma.cu, fed by TMA through tensor maps
     of x and w. Unsplit it is persistent, one block per SM walking its tiles; `width` (128 or 256; 160, 96 or 64 for
-    the persistent kernel without a tail or multicast; 96 for a 2- or 4-way split) forces its tile width, `blocks` caps its
-    grid (tests: many tiles a block), `tail` (2-4) runs its last, partial round as a split launch of that many
-    blocks a tile, `multicast` runs it in 2-block clusters that share their W tiles (an even number of row tiles
-    and of blocks). `rows` (128 or 256) forces the tile's rows.
+    the persistent kernel without a tail or multicast; 96 for a 2- or 4-way split) forces its tile width, `blocks`
+    caps its grid (tests: many tiles a block), `tail` (2-4) runs its last, partial round as a split launch of that
+    many blocks a tile, `multicast` runs it in 2-block clusters that share their W tiles (an even number of row
+    tiles and of blocks). `rows` (128 or 256) forces the tile's rows.
     `split` (2-4 blocks per tile, a cluster summing its partial tiles in rank order) forces a split, 1 forbids one;
     by default tma_plan decides. `act`: the parameters of the "xielu" epilogue; `capture`: as linear's."""
     M, K = x.shape
