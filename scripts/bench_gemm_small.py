@@ -226,7 +226,7 @@ def main() -> None:
             gbs = lambda us: case.w_bytes / us / 1e3  # noqa: E731 (bytes per microsecond -> GB/s)
             try:
                 for M in ms:
-                    default = default_path(M, N)
+                    default = default_path(M, N, K, epilogue, info.num_sms)
                     t_default = time_calls(case, M, stream, calls, args.replays, exact_x=args.exact_x)
                     row = dict(model=model, matrix=matrix, N=N, K=K, epilogue=epilogue, M=M, default=default,
                                default_us=t_default, default_GB_s=gbs(t_default),

@@ -29,23 +29,47 @@ def layer_matrices(name: str) -> dict[str, int]:
             "lm_head": c.vocab_size}
 
 
+def default_paths(name: str, M: int) -> dict[str, str]:
+    """default_path of each of a model's matrices at M rows (N, K and the epilogue each its own; Apertus' up
+    product under the key gate_up)."""
+    c = preset(name)
+    up = (2 * c.intermediate_size, c.hidden_size, "silu_mul") if c.mlp == "gated_silu" else \
+        (c.intermediate_size, c.hidden_size, "xielu")
+    products = {"qkv": (c.qkv_size, c.hidden_size, "bf16"), "o": (c.hidden_size, c.q_size, "residual"), "gate_up": up,
+                "down": (c.hidden_size, c.intermediate_size, "residual"),
+                "lm_head": (c.vocab_size, c.hidden_size, "f32")}
+    return {matrix: default_path(M, N, K, epilogue) for matrix, (N, K, epilogue) in products.items()}
+
+
 @pytest.mark.parametrize("M", [1, 2])
 def test_one_or_two_rows_take_the_gemv(M):
-    for n in layer_matrices("qwen3-8b").values():
-        assert default_path(M, n) == "gemv"
+    assert set(default_paths("qwen3-8b", M).values()) == {"gemv"}
 
 
-@pytest.mark.parametrize("M", [3, 5, 8, 9, 16, 33, 64])
-def test_batches_and_verify_steps_of_3_to_64_rows_take_the_swap_gemm(M):
+@pytest.mark.parametrize("M", [3, 5, 8, 9, 16, 32])
+def test_batches_and_verify_steps_of_3_to_32_rows_take_the_swap_gemm(M):
     # M = 5 is a k = 4 verify step; every matrix, the LM head included.
-    for model in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b"):
-        assert {default_path(M, n) for n in layer_matrices(model).values()} == {"swap"}, model
+    for model in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "apertus-8b"):
+        assert set(default_paths(model, M).values()) == {"swap"}, model
+
+
+@pytest.mark.parametrize("M", [33, 48, 64])
+def test_at_33_to_64_rows_a_gate_up_product_beyond_a_wave_of_swap_blocks_takes_the_tma_gemm(M):
+    # qwen3-4b's and qwen3-8b's gate/up (304 and 384 swap-AB blocks for 264 slots); qwen3-0.6b's (192) keeps the
+    # swap-AB GEMM, as does Apertus' up product (xIELU, no TMA_GATE_UP_ROWS rule). The other matrices stay.
+    for model in ("qwen3-4b", "qwen3-8b"):
+        paths = default_paths(model, M)
+        assert paths.pop("gate_up") == "gemm" and set(paths.values()) == {"swap"}, model
+    for model in ("qwen3-0.6b", "apertus-8b"):
+        assert set(default_paths(model, M).values()) == {"swap"}, model
+    c = preset("qwen3-4b")  # on a GPU of fewer SMs a smaller MLP's swap grid is beyond a wave too
+    assert default_path(M, 2 * c.intermediate_size, c.hidden_size, "silu_mul", sms=200) == "swap"
 
 
 @pytest.mark.parametrize("M", [0, 65, 128, 256, 4096])
 def test_batches_past_64_and_prefill_take_the_tma_gemm(M):
     for model in ("qwen3-0.6b", "qwen3-4b"):
-        assert {default_path(M, n) for n in layer_matrices(model).values()} == {"gemm"}, model
+        assert set(default_paths(model, M).values()) == {"gemm"}, model
 
 
 def test_gemv_split_keeps_the_grid_within_one_wave():
@@ -482,7 +506,8 @@ def test_the_mlp_flow_runs_where_the_up_product_takes_more_than_one_wave_of_bloc
         c = preset(name)
         epilogue = "silu_mul" if c.mlp == "gated_silu" else "xielu"
         return [M for M in range(1, 80) if uses_mlp_flow(M, epilogue, c.hidden_size, c.intermediate_size)]
-    assert rows("qwen3-4b") == rows("qwen3-8b") == rows("apertus-8b") == list(range(3, 65))  # 304, 384, 336 blocks
+    assert rows("qwen3-4b") == rows("qwen3-8b") == list(range(3, 33))  # 304, 384 blocks; 33-64: the TMA GEMM
+    assert rows("apertus-8b") == list(range(3, 65))  # 336 blocks, xIELU
     assert rows("qwen3-0.6b") == [] and rows("tiny") == []  # one wave (192 blocks at 2 an SM of 132)
     assert not uses_mlp_flow(64, "bf16", 2560, 9728)
     c8 = preset("qwen3-8b")  # its down product at 3-16 rows runs a deep build, which has flow builds too

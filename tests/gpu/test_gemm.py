@@ -16,7 +16,7 @@ import pytest
 import test_kernels
 from tileinfer.cuda import get_device
 from tileinfer.kernels.linear import cluster_slots, gemm, tile_rows
-from tileinfer.kernels.routing import TMA_ROUND_SPLITS, TMA_SPLITS, TMA_TALL, TMA_TALL_SPLITS, tma_plan
+from tileinfer.kernels.routing import TMA_ROUND_SPLITS, TMA_SPLITS, TMA_TALL, TMA_TALL_SPLITS, default_path, tma_plan
 
 from gpu_helpers import linear_weight, rand_bf16  # noqa: E402
 from test_kernels import BF16, EPILOGUES, F32, check_linear  # noqa: E402
@@ -126,6 +126,17 @@ def test_gemm_tma_model_shapes_as_planned(matrix, M, buf, stream):
     plan = tma_plan(M, N, K, epilogue, get_device().info.num_sms, cluster_slots())
     check_linear(buf, stream, M, N, K, epilogue, "gemm", launch=run(epilogue, stream),
                  label=f"gemm_tma {matrix} {epilogue} M={M} planned {plan}")
+
+
+@pytest.mark.parametrize("M", [33, 48, 64])
+@pytest.mark.parametrize("N, K", [MODEL["4b-gu"][:2], (24576, 4096)])
+def test_gemm_tma_gate_up_of_33_to_64_rows_as_planned(N, K, M, buf, stream):
+    # qwen3-4b's and qwen3-8b's gate/up, which default_path puts on the TMA GEMM at 33-64 rows (TMA_GATE_UP_ROWS):
+    # one partial row tile.
+    assert default_path(M, N, K, "silu_mul", get_device().info.num_sms) == "gemm"
+    plan = tma_plan(M, N, K, "silu_mul", get_device().info.num_sms, cluster_slots())
+    check_linear(buf, stream, M, N, K, "silu_mul", "gemm", launch=run("silu_mul", stream),
+                 label=f"gemm_tma gate/up M={M} N={N} K={K} planned {plan}")
 
 
 @pytest.mark.parametrize("split", TMA_SPLITS)

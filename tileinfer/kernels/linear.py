@@ -14,7 +14,8 @@ by TMA: prefill, and batches of 65 rows or more).
 Which kernel (`default_path`; chosen from scripts/bench_gemm_small.py and engine runs on the H200,
 figures in docs/benchmarks.md):
   - M in (1, 2): the bandwidth-bound GEMV; after a norm, the GEMV that normalizes its own input.
-  - 3 <= M <= 64: the swap-AB GEMM, every weight byte read once for all rows (swap_config).
+  - 3 <= M <= 64: the swap-AB GEMM, every weight byte read once for all rows (swap_config); a gate/up product of
+    33-64 rows whose swap-AB grid would be more than a wave of blocks runs on gemm_tma.cu (TMA_GATE_UP_ROWS).
   - Everything else: gemm_tma.cu, split along K by a cluster of blocks when its tiles are too few for the
     SMs, and for the residual products of prefill size (tma_plan).
 
@@ -306,7 +307,7 @@ def linear(x: DeviceArray, w: DeviceArray, out: DeviceArray, epilogue: str, stre
     M, K = x.shape
     expect("x", x, (M, K), BF16)
     N = check_product("linear", M, K, w, out, epilogue, act)
-    path = force or default_path(M, N)
+    path = force or default_path(M, N, K, epilogue, get_device().info.num_sms)
     check_path_options(path, head_keys, norm_out, row_norm)
     if path == "gemv":
         launch_gemv(x, w, out, epilogue, stream, ksplit=ksplit, pipe=pipe, head_keys=head_keys, act=act,
@@ -374,7 +375,7 @@ def norm_linear(resid: DeviceArray, norm_w: DeviceArray, eps: float, x: DeviceAr
     rows itself (cuda_src/gemv.cu, gemv_norm_*: bitwise what the rmsnorm kernel would write) and `x` is
     left as it was; otherwise the rmsnorm kernel writes x [M, K] bf16 and `linear` runs. act: as linear's."""
     M, K = resid.shape
-    if not fuses_norm(force or default_path(M, w.shape[0]), M, epilogue):
+    if not fuses_norm(force or default_path(M, w.shape[0], K, epilogue, get_device().info.num_sms), M, epilogue):
         rmsnorm(resid, norm_w, x, eps, stream)
         linear(x, w, out, epilogue, stream, force=force, act=act)
         return

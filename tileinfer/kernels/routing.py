@@ -273,11 +273,20 @@ TMA_TAIL_SPLIT_ROWS = 1024
 TMA_MULTICAST_ROWS = 2048
 
 
-def default_path(M: int, N: int) -> str:
+# Gate/up products (SiLU) of this many rows run on the TMA GEMM, not the swap-AB GEMM, where the swap-AB grid would
+# be more than a wave of blocks (swap_beyond_wave: qwen3-4b, qwen3-8b, whose MLPs ran the flow here). On an NVIDIA
+# H100, in the engine against the flow (scripts/ab.py, bench.py --no-single, two runs each), qwen3-4b gained 1.0% and
+# 0.8% at 48 and 64 sequences; qwen3-0.6b (one wave, no flow) lost 1.7% and 0.9% on the TMA GEMM, so it keeps the
+# swap-AB GEMM (docs/benchmarks.md, The batched products).
+TMA_GATE_UP_ROWS = range(33, 65)
+
+
+def default_path(M: int, N: int, K: int, epilogue: str = "bf16", sms: int = H200_SMS) -> str:
     """The kernel `linear` runs for an [M, K] x [N, K]^T product (see the module docstring)."""
     if M in GEMV_ROWS:
         return "gemv"
-    if M in SWAP_DEFAULT_ROWS:
+    if M in SWAP_DEFAULT_ROWS and not (epilogue == "silu_mul" and M in TMA_GATE_UP_ROWS
+                                       and swap_beyond_wave(M, N, K, epilogue, sms)):
         return "swap"
     return "gemm"
 
@@ -368,11 +377,18 @@ def uses_mlp_flow(M: int, epilogue: str, hidden: int, intermediate: int, sms: in
     product's output as soon as the tiles that write it are done (the header's "The MLP's flow"). Only where the up
     product's blocks are more than the GPU holds at once (two an SM), so that its last ones would stream alone: on
     an H100, qwen3-4b (304 blocks) gained 2.9% at batch 16 and 3.8% at 64, and qwen3-0.6b (192 blocks, one wave)
-    lost 7.1% and 3.6% (docs/benchmarks.md, The batched products)."""
+    lost 7.1% and 3.6% (docs/benchmarks.md, The batched products). And only where the up product runs on the swap-AB
+    GEMM: such a gate/up of 33-64 rows runs on the TMA GEMM instead (default_path)."""
     if M not in FLOW_ROWS or epilogue not in FLOW_EPILOGUES:
         return False
-    up = swap_config(M, 2 * intermediate if epilogue == "silu_mul" else intermediate, hidden, epilogue, sms=sms)
-    return up.grid[0] * up.grid[1] > SWAP_SLOTS_PER_SM * sms
+    N_up = 2 * intermediate if epilogue == "silu_mul" else intermediate
+    return default_path(M, N_up, hidden, epilogue, sms) == "swap" and swap_beyond_wave(M, N_up, hidden, epilogue, sms)
+
+
+def swap_beyond_wave(M: int, N: int, K: int, epilogue: str, sms: int = H200_SMS) -> bool:
+    """Whether the swap-AB GEMM's grid for this product has more blocks than the GPU holds at once (two an SM)."""
+    cfg = swap_config(M, N, K, epilogue, sms=sms)
+    return cfg.grid[0] * cfg.grid[1] > SWAP_SLOTS_PER_SM * sms
 
 
 def flow_tiles_per_chunk(epilogue: str) -> int:
