@@ -23,12 +23,6 @@ from tileinfer.model.config import preset
 L = importlib.import_module("tileinfer.kernels.routing")
 
 
-def layer_matrices(name: str) -> dict[str, int]:
-    c = preset(name)
-    return {"qkv": c.qkv_size, "o": c.hidden_size, "gate_up": 2 * c.intermediate_size, "down": c.hidden_size,
-            "lm_head": c.vocab_size}
-
-
 def default_paths(name: str, M: int) -> dict[str, str]:
     """default_path of each of a model's matrices at M rows (N, K and the epilogue each its own; Apertus' up
     product under the key gate_up)."""
@@ -62,7 +56,7 @@ def test_at_33_to_64_rows_a_gate_up_product_beyond_a_wave_of_swap_blocks_takes_t
         assert paths.pop("gate_up") == "gemm" and set(paths.values()) == {"swap"}, model
     for model in ("qwen3-0.6b", "apertus-8b"):
         assert set(default_paths(model, M).values()) == {"swap"}, model
-    c = preset("qwen3-4b")  # on a GPU of fewer SMs a smaller MLP's swap grid is beyond a wave too
+    c = preset("qwen3-4b")  # on a GPU of 200 SMs its 304 swap-AB blocks fit in a wave: the swap-AB GEMM
     assert default_path(M, 2 * c.intermediate_size, c.hidden_size, "silu_mul", sms=200) == "swap"
 
 

@@ -276,8 +276,8 @@ TMA_MULTICAST_ROWS = 2048
 # Gate/up products (SiLU) of this many rows run on the TMA GEMM, not the swap-AB GEMM, where the swap-AB grid would
 # be more than a wave of blocks (swap_beyond_wave: qwen3-4b, qwen3-8b, whose MLPs ran the flow here). On an NVIDIA
 # H100, in the engine against the flow (scripts/ab.py, bench.py --no-single, two runs each), qwen3-4b gained 1.0% and
-# 0.8% at 48 and 64 sequences; qwen3-0.6b (one wave, no flow) lost 1.7% and 0.9% on the TMA GEMM, so it keeps the
-# swap-AB GEMM (docs/benchmarks.md, The batched products).
+# 1.2% at 48 and 64 sequences, qwen3-8b 2.9% and 3.6%; qwen3-0.6b (one wave, no flow) lost 1.7% and 0.9% on the TMA
+# GEMM, so it keeps the swap-AB GEMM (docs/benchmarks.md, The batched products).
 TMA_GATE_UP_ROWS = range(33, 65)
 
 
