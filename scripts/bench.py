@@ -35,6 +35,59 @@ ROOFLINE_BYTES_PER_S = 4.3e12   # the H200's measured read bandwidth (docs/bench
 MATMUL_FLOPS = 790e12            # the H200's measured bf16 matrix-product rate
 
 
+def source_hash() -> str:
+    """12 hex digits of sha256 over the code a run executes: the imported tileinfer package's Python files, its
+    graphs package's and the kernel sources it compiles (compiler.cuda_src_dir, TILEINFER_CUDA_SRC where set), each
+    named by its path within its folder. The same files give the same hash in a git checkout, an ab.py tree or a
+    copy without the repository's history, so a figure from a GPU machine names its code."""
+    import hashlib
+    import importlib
+    from tileinfer.cuda.compiler import cuda_src_dir
+    graphs = Path(importlib.import_module("tileinfer.graphs").__file__).parent
+    roots = [("graphs", graphs, "*.py"), ("cuda_src", cuda_src_dir(), "*.cu*")]
+    package = Path(tileinfer.__file__).parent
+    files = [(f"{name}/{f.relative_to(root).as_posix()}", f) for name, root, pattern in roots
+             for f in root.rglob(pattern)]
+    files += [(f"tileinfer/{f.relative_to(package).as_posix()}", f) for f in package.rglob("*.py")
+              if not f.is_relative_to(graphs)]  # a wheel install keeps graphs inside the package
+    digest = hashlib.sha256()
+    for name, f in sorted(files):
+        digest.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def revision() -> str:
+    """The code of this run: its source hash, with the ab.py tree's revision (its REVISION file) or, in a git
+    checkout, the commit (+changes where the package, graphs or kernels differ from it)."""
+    root = Path(tileinfer.__file__).parent.parent
+    where = ""
+    if (root / "REVISION").is_file():  # scripts/ab.py prepare
+        where = f"tree {(root / 'REVISION').read_text().strip()}, "
+    elif (root / ".git").exists():
+        git = ["git", "-C", str(root)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if head.returncode == 0:
+            changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", "tileinfer",
+                                      "graphs", "cuda_src"], capture_output=True, text=True).stdout.strip()
+            where = f"git {head.stdout.strip()}{'+changes' if changed else ''}, "
+    return f"{where}source {source_hash()}"
+
+
+def run_header(gpu: str) -> str:
+    """When, where and on what code a run measured: the UTC time, the GPU and its driver, tileinfer's version and
+    revision()."""
+    driver = "?"
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:  # noqa: BLE001 - the header still names the rest
+        pass
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"{when}; {gpu}, driver {driver}; tileinfer {tileinfer.__version__}, {revision()}"
+
+
 def weight_bytes(cfg) -> int:
     """Bytes of weights a decode step reads: everything once (the embedding only as the LM head)."""
     return 2 * cfg.num_parameters()
@@ -322,6 +375,9 @@ def engine_max_context(context: int, new: int, requested: int = 0) -> int:
 def parser() -> argparse.ArgumentParser:
     """The command's options; scripts/bench_goals.py takes its defaults from here too."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--revision", action="store_true",
+                    help="print the code's revision (the git commit or ab.py tree, and the source hash that runs "
+                         "report) and exit: no GPU needed")
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
     ap.add_argument("--context", type=int, default=512, help="prompt positions before the timed decode")
     ap.add_argument("--new", type=int, default=128, help="decode tokens timed per run")
@@ -353,8 +409,12 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
 
+    if args.revision:
+        print(revision())
+        return
     dev = get_device()
-    print(f"GPU: {dev.info.name}, {dev.info.num_sms} SMs; tileinfer {tileinfer.__version__}", flush=True)
+    header = run_header(f"{dev.info.name}, {dev.info.num_sms} SMs")
+    print(f"Run: {header}", flush=True)
     results = []
     for name in args.models.split(","):
         cfg = preset(name)
@@ -370,8 +430,8 @@ def main() -> None:
         if args.batches or args.offline or args.shared_prefix:
             row["engine"] = engine(args, name, path)
         results += [row, *extra]
-        save(args.out, results, dev.info.name)  # after every model, so a cut-short run keeps what it measured
-    print(render(results, dev.info.name))
+        save(args.out, results, header)  # after every model, so a cut-short run keeps what it measured
+    print(render(results, header))
 
 
 def engine(args, name: str, path: Path) -> dict:
@@ -483,14 +543,14 @@ def single(args, name: str, cfg, path: Path, kv: str = "bf16", peer: bool = True
     return row
 
 
-def save(out: Path, results: list[dict], gpu: str) -> None:
+def save(out: Path, results: list[dict], run: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))
-    (out / "bench.md").write_text(render(results, gpu))
+    (out / "bench.json").write_text(json.dumps(dict(run=run, results=results), indent=1))
+    (out / "bench.md").write_text(render(results, run))
 
 
-def render(results: list[dict], gpu: str) -> str:
-    lines = [f"GPU: {gpu}; bf16 weights; synthetic checkpoints", ""]
+def render(results: list[dict], run: str) -> str:
+    lines = [f"Run: {run}; bf16 weights; synthetic checkpoints", ""]
     single = [r for r in results if "decode_tok_s" in r]
     if single:
         lines += ["Batch 1, single-sequence path:", "",

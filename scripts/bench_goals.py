@@ -299,9 +299,9 @@ def cold_start(model: Path | None, timeout: float, run=first_output) -> dict:
                       + (f"; the first run's GPU runner {phases}" if phases else ""))
 
 
-def measure(args) -> dict:
+def measure(args, runs: list[str] = ()) -> dict:
     """Run every case (or those of the keys in args.only); each failure is printed and leaves its keys
-    unmeasured."""
+    unmeasured. `runs`: the run's header (bench.run_header), kept with the values as "runs"."""
     import bench  # scripts/bench.py: the benchmark functions (needs a GPU)
     from tileinfer.model.config import preset
     from tileinfer.model.synthetic import cached_checkpoint
@@ -316,7 +316,7 @@ def measure(args) -> dict:
     def peer_per_seq(row):
         return row["peer"]["decode_tok_s_per_seq"] if row.get("peer") else None
 
-    values: dict = {}
+    values: dict = {"runs": list(runs)} if runs else {}
 
     def case(label, fn, keys):
         if args.only and not set(keys) & set(args.only):
@@ -326,7 +326,7 @@ def measure(args) -> dict:
         except Exception:  # noqa: BLE001 (one failing case must not lose the others)
             print(f"{label}: failed\n{traceback.format_exc()}", flush=True)
         # the values so far (without the profiles), and the files, in case a later case runs out of time
-        print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f not in ('profile', 'ablation')} for k, v in values.items()})}",
+        print(f"{label}: {json.dumps({k: {f: x for f, x in v.items() if f not in ('profile', 'ablation')} for k, v in values.items() if k != 'runs'})}",
               flush=True)
         if getattr(args, "out", None) is not None:
             write(args.out, values)
@@ -417,16 +417,21 @@ def main() -> None:
     unknown = set(args.only or ()) - {key for key, *_ in GOALS}
     if unknown:
         ap.error(f"--only: unknown keys {sorted(unknown)}; the keys are {', '.join(key for key, *_ in GOALS)}")
+    import bench  # scripts/bench.py
+    from tileinfer.cuda import get_device
+    dev = get_device()
+    run = bench.run_header(f"{dev.info.name}, {dev.info.num_sms} SMs")
+    print(f"Run: {run}", flush=True)
     if args.peer and args.peer_prewarm:
         print(f"peer compile caches warmed in {prewarm_peer(args.peer, args.peer_timeout):.0f} s (all cases at once, "
               "untimed)", flush=True)
-    values = measure(args)
+    values = measure(args, [run])
     print(write(args.out, values), flush=True)
 
 
 def merge(paths: list[Path]) -> dict:
-    """The values of several runs' bench_goals.json, for one table. A case in two of them is refused: which
-    run's figure the table gives would otherwise be an accident of the order."""
+    """The values of several runs' bench_goals.json, for one table, with every run's header ("runs"). A case in
+    two of them is refused: which run's figure the table gives would otherwise be an accident of the order."""
     values, source = {}, {}
     for path in paths:
         try:
@@ -436,6 +441,9 @@ def merge(paths: list[Path]) -> dict:
         if not isinstance(part, dict):
             raise SystemExit(f"bench_goals --merge: {path} is not a bench_goals.json (a JSON object of cases)")
         for key, value in part.items():
+            if key == "runs":  # each part's run header, in the order given
+                values.setdefault("runs", []).extend(value)
+                continue
             if key in values:
                 raise SystemExit(f"bench_goals --merge: {key} is in both {source[key]} and {path}; "
                                  "merge runs of different cases (--only)")
@@ -445,7 +453,8 @@ def merge(paths: list[Path]) -> dict:
 
 def write(out: Path, values: dict) -> str:
     """Write bench_goals.json and .md (the table, the gaps, the profiles) to `out`; returns the .md text."""
-    text = "\n\n".join(part for part in (goals_table(values), gaps_md(values), profiles_md(values)) if part)
+    runs = "\n".join(f"Run: {run}" for run in values.get("runs", []))
+    text = "\n\n".join(part for part in (runs, goals_table(values), gaps_md(values), profiles_md(values)) if part)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_goals.json").write_text(json.dumps(values, indent=1))
     (out / "bench_goals.md").write_text(text + "\n")

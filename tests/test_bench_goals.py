@@ -264,14 +264,15 @@ def test_merge_writes_one_table_from_runs_of_different_cases(tmp_path, monkeypat
     # --only parts of one run, each a bench_goals.json of its own, make one table; a case in two parts is refused.
     g = load()
     first, second = tmp_path / "a", tmp_path / "b"
-    g.write(first, {"0.6b_b1": dict(measured=1633.8, peer=461.1, roofline=3418)})
-    g.write(second, {"4b_b256": dict(measured=26334.0, peer=23210.0, roofline=36954),
+    g.write(first, {"runs": ["run A"], "0.6b_b1": dict(measured=1633.8, peer=461.1, roofline=3418)})
+    g.write(second, {"runs": ["run B"], "4b_b256": dict(measured=26334.0, peer=23210.0, roofline=36954),
                      "startup": dict(measured=0.53, compiled=0)})
     out = tmp_path / "merged"
     monkeypatch.setattr(sys, "argv", ["bench_goals.py", "--merge", str(first / "bench_goals.json"),
                                       str(second / "bench_goals.json"), "--out", str(out)])
     g.main()
     table = (out / "bench_goals.md").read_text()
+    assert table.startswith("Run: run A\nRun: run B\n\n| case |")  # each part's run, then the one table
     assert row(table, "qwen3-0.6b decode, batch 1")[1:5] == ["461.1", "3,418", ">= 2,000 tok/s", "1,634"]
     assert row(table, "qwen3-4b decode, batch 256")[4:] == ["26,334", "no"]
     assert row(table, "start-up")[-1] == "yes"

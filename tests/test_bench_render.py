@@ -38,3 +38,41 @@ def test_engine_max_context_is_the_runs_own_unless_given_and_refuses_one_too_sho
     assert bench.engine_max_context(512, 128, 40960) == 40960
     with pytest.raises(SystemExit, match="less than the run needs \\(704"):
         bench.engine_max_context(512, 128, 700)
+
+
+def test_the_revision_names_the_code_with_or_without_git(tmp_path):
+    # A run on a GPU machine without the repository's history names its code by the source hash, which a copy of the
+    # same files (laid out as scripts/ab.py's trees are) gives too; an ab.py tree adds its REVISION, a checkout its
+    # commit. A changed kernel source changes the hash.
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "tree"
+    shutil.copytree(root / "tileinfer", copy / "tileinfer", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "graphs", copy / "tileinfer" / "graphs", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "cuda_src", copy / "cuda_src", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "TILEINFER_CUDA_SRC"}
+    env.update(PYTHONSAFEPATH="1", PYTHONPATH=f"{copy}{os.pathsep}{root / 'scripts'}")
+
+    def revision():
+        done = subprocess.run([sys.executable, "-c", "import bench, tileinfer; print(tileinfer.__file__); "
+                               "print(bench.revision())"], env=env, cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        where, rev = done.stdout.split("\n")[:2]
+        assert Path(where).is_relative_to(copy)  # the copy's package, not this checkout's
+        return rev
+
+    here = bench.source_hash()
+    assert len(here) == 12 and f"source {here}" in bench.revision()
+    assert revision() == f"source {here}"
+    (copy / "REVISION").write_text("main 385661e\n")
+    assert revision() == f"tree main 385661e, source {here}"
+    kernel = copy / "cuda_src" / "rmsnorm.cu"
+    kernel.write_text(kernel.read_text() + "\n// changed\n")
+    assert revision() != f"tree main 385661e, source {here}"
+    version = re.escape(bench.tileinfer.__version__)
+    header = rf"\d{{4}}-\d\d-\d\d \d\d:\d\d UTC; GPU X, driver \S+; tileinfer {version}, "
+    assert re.fullmatch(header + re.escape(bench.revision()), bench.run_header("GPU X"))
