@@ -76,7 +76,7 @@ def revision() -> str:
 def run_header(gpu: str) -> str:
     """When, where and on what code a run measured: the UTC time, the GPU and its driver, tileinfer's version and
     revision()."""
-    driver = "?"
+    driver = "unknown"
     try:
         import pynvml
         pynvml.nvmlInit()
