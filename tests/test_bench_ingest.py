@@ -1,0 +1,35 @@
+"""scripts/bench_ingest.py's host side: its probe compiles (NVRTC needs no GPU), its plan and its table."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_ingest  # noqa: E402
+from tileinfer.cuda.module import entry_points  # noqa: E402
+
+
+def test_the_probe_compiles_for_hopper():
+    assert entry_points(bench_ingest.compile_probe("sm_90a")) == ["ingest"]
+
+
+def test_the_plan_leaves_out_rings_too_large_and_sms_the_gpu_lacks():
+    plan = bench_ingest.plan(["tensor", "bulk"], ["l2"], [1, 132, 200], [96, 224], [1, 6, 8], max_sms=132)
+    assert {c["sms"] for c in plan} == {1, 132}
+    assert all(c["stages"] * c["box_rows"] * 128 <= bench_ingest.MAX_RING for c in plan)
+    assert dict(path="bulk", data="l2", sms=132, box_rows=96, stages=8) in plan      # 96 KB
+    assert dict(path="bulk", data="l2", sms=132, box_rows=224, stages=8) not in plan  # 224 KB: too large
+    assert len(plan) == 2 * 2 * (3 + 2)
+
+
+def test_the_table_gives_each_sms_share_and_the_bytes_in_flight():
+    rows = [dict(path="tensor", data="hbm", sms=132, box_rows=224, stages=6, us=2000.0, GB_s=3300.0)]
+    line = bench_ingest.render(rows, "H200").splitlines()[-1]
+    assert [c.strip() for c in line.strip("|").split("|")] == ["tensor", "hbm", "132", "28", "6", "168", "3,300",
+                                                               "25.0", "2000.0"]
+
+
+def test_unknown_paths_are_refused():
+    with pytest.raises(SystemExit):
+        bench_ingest.parser().parse_args(["--paths", "tensor,dma"])
+    assert bench_ingest.parser().parse_args(["--paths", "bulk"]).paths == ["bulk"]
