@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__
     extern __shared__ __align__(1024) unsigned char ring[];
     __shared__ __align__(8) unsigned long long bars[16];
     const u32 box = (u32)box_rows * 128u;
-    const u32 ring0 = (u32)__cvta_generic_to_shared(ring);
+    const u32 ring0 = ((u32)__cvta_generic_to_shared(ring) + 1023u) & ~1023u;  // the swizzle's 1024-byte alignment
     if (threadIdx.x == 0)
         for (int s = 0; s < stages; ++s) mbar_init((u32)__cvta_generic_to_shared(&bars[s]), path == 2 ? 128 : 1);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -160,8 +160,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    if max(args.stages) > 16 or min(args.stages) < 1 or args.cols % 64:
-        raise SystemExit("bench_ingest: --stages must be 1..16 and --cols a multiple of 64")
+    if max(args.stages) > 16 or min(args.stages) < 1 or args.cols % 64 or any(r % 8 or r > 256 for r in args.box_rows):
+        raise SystemExit("bench_ingest: --stages must be 1..16, --cols a multiple of 64 and --box-rows multiples of 8 "
+                         "up to 256 (a box of whole 1,024-byte swizzle atoms)")
     dev = get_device()
     kernel = Kernel(_Cubin(compile_probe(device_arch())), "ingest")
     stream = Stream()
@@ -176,7 +177,7 @@ def main() -> None:
         boxes = mat_rows // c["box_rows"] * col_boxes if c["path"] == "tensor" else data.nbytes // box
         tmap = bf16_tensor_map(data.ptr, mat_rows, args.cols, c["box_rows"])
         iters = max(c["stages"], (args.mb_per_sm << 20) // box)
-        smem = max(c["stages"] * box, ONE_BLOCK_SMEM)
+        smem = max(c["stages"] * box, ONE_BLOCK_SMEM) + 1024  # the ring's alignment
         launch_args = [tmap, data, I32(PATHS.index(c["path"])), I32(c["box_rows"]), I32(col_boxes), I32(boxes),
                        I32(c["stages"]), I32(iters)]
         kernel.launch((c["sms"],), (THREADS,), launch_args, stream, smem)  # untimed
