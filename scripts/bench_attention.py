@@ -30,6 +30,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from bench import run_header
 from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import attention
@@ -130,10 +131,10 @@ def table_head(title: str, columns: list[str]) -> None:
     print("|" + "---|" * len(columns))
 
 
-def write_rows(out: Path, gpu: str, rows: list[dict]) -> None:
+def write_rows(out: Path, run: str, rows: list[dict]) -> None:
     print("\n".join(figure_line(row) for row in rows))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(gpu=gpu, rows=rows), indent=1))
+    out.write_text(json.dumps(dict(run=run, rows=rows), indent=1))
     print(f"wrote {out}")
 
 
@@ -174,11 +175,13 @@ def main() -> None:
     args = ap.parse_args()
 
     info = get_device().info
+    run = run_header(f"{info.name}, {info.num_sms} SMs")
+    print(f"Run: {run}", flush=True)
     stream = Stream()
     rng = np.random.default_rng(1)
     if args.prefill:
         rows = prefill_rows(args, stream, rng)
-        write_rows(Path(args.out) / "bench_attention_prefill.json", info.name, rows)
+        write_rows(Path(args.out) / "bench_attention_prefill.json", run, rows)
         return
     table_head(f"decode attention on {info.name} ({info.num_sms} SMs); page {PAGE}; GB/s = cache bytes read / time; "
                f"roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s",
@@ -202,7 +205,7 @@ def main() -> None:
                     print(f"| {name} | {dtype} | {args.batch} | {ctx} | {splits} | {us:.1f} | {gbs:.0f} | "
                           f"{100 * row['roofline_fraction']:.1f} |", flush=True)
                 pools.free()
-    write_rows(Path(args.out) / "bench_attention.json", info.name, rows)
+    write_rows(Path(args.out) / "bench_attention.json", run, rows)
 
 
 if __name__ == "__main__":

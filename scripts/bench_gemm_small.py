@@ -39,6 +39,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from bench import run_header
 from graph_timing import microseconds_per_call
 from tileinfer.cuda import DeviceArray, Stream, get_device
 from tileinfer.kernels import linear
@@ -195,6 +196,8 @@ def main() -> None:
 
     dev = get_device()
     info = dev.info
+    run = run_header(f"{info.name}, {info.num_sms} SMs")
+    print(f"Run: {run}")
     print(f"# linear's default path on {info.name} ({info.num_sms} SMs, L2 {info.l2_bytes >> 20} MB; TMA GEMM blocks "
           f"resident at once by split: {cluster_slots()}), bf16 weights, "
           f"float32 accumulation; GB/s = weight bytes / time; roofline {ROOFLINE_BYTES_PER_S / 1e12:.1f} TB/s; "
@@ -272,7 +275,7 @@ def main() -> None:
     stream.destroy()
     path = Path(args.out) / "bench_gemm_small.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(gpu=info.name, sms=info.num_sms, roofline_bytes_per_s=ROOFLINE_BYTES_PER_S,
+    path.write_text(json.dumps(dict(run=run, gpu=info.name, sms=info.num_sms, roofline_bytes_per_s=ROOFLINE_BYTES_PER_S,
                                     exact_x=args.exact_x, hot=args.hot, rows=rows), indent=1))
     print(f"wrote {path}")
 

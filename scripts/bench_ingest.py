@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from cuda.bindings import driver
 
+from bench import run_header
 from tileinfer.cuda import I32, DeviceArray, Event, Kernel, Stream, call, compile_source, get_device
 from tileinfer.cuda.module import device_arch
 from tileinfer.cuda.tensormap import bf16_tensor_map
@@ -118,8 +119,8 @@ def plan(paths, data, sms, box_rows, stages, max_sms: int) -> list[dict]:
             if s * r * 128 <= MAX_RING and n <= max_sms]
 
 
-def render(rows: list[dict], gpu: str) -> str:
-    lines = [f"GPU: {gpu}. Bytes an SM pulls into shared memory, nothing computed (scripts/bench_ingest.py)", "",
+def render(rows: list[dict], run: str) -> str:
+    lines = [f"Run: {run}. Bytes an SM pulls into shared memory, nothing computed (scripts/bench_ingest.py)", "",
              "| path | data | SMs | box KB | stages | in flight an SM, KB | GB/s | GB/s an SM | us a launch |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -164,6 +165,8 @@ def main() -> None:
         raise SystemExit("bench_ingest: --stages must be 1..16, --cols a multiple of 64 and --box-rows multiples of 8 "
                          "up to 256 (a box of whole 1,024-byte swizzle atoms)")
     dev = get_device()
+    run = run_header(f"{dev.info.name}, {dev.info.num_sms} SMs")
+    print(f"Run: {run}", flush=True)
     kernel = Kernel(_Cubin(compile_probe(device_arch())), "ingest")
     stream = Stream()
     buffers = {d: DeviceArray.zeros((mb << 20,), np.uint8, stream)
@@ -190,9 +193,9 @@ def main() -> None:
         us = start.elapsed_ms(end) * 1e3 / args.launches
         rows.append(dict(c, box_bytes=box, iters=iters, us=us, GB_s=c["sms"] * iters * box / us / 1e3))
         print(f"{c}: {rows[-1]['GB_s']:,.0f} GB/s ({rows[-1]['GB_s'] / c['sms']:.1f} an SM)", flush=True)
-    text = render(rows, dev.info.name)
+    text = render(rows, run)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_ingest.json").write_text(json.dumps(dict(gpu=dev.info.name, rows=rows), indent=1))
+    (args.out / "bench_ingest.json").write_text(json.dumps(dict(run=run, rows=rows), indent=1))
     (args.out / "bench_ingest.md").write_text(text + "\n")
     print(text)
 
