@@ -45,10 +45,18 @@ SOURCE = r"""
 
 struct alignas(64) TensorMapBytes { unsigned long long v[16]; };
 
-// The bounded wait: a wrong phase would spin forever; trap instead (the host sees a launch failure).
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// The bounded wait: a wrong phase would spin forever; after 2 s trap instead (the host sees a launch failure).
 __device__ __forceinline__ void wait_stage(u32 bar, u32 parity) {
-    for (long long tries = 0; !mbar_try_wait(bar, parity); ++tries)
-        if (tries > (1ll << 24)) __trap();
+    if (mbar_try_wait(bar, parity)) return;
+    const unsigned long long start = now_ns();
+    while (!mbar_try_wait(bar, parity))
+        if (now_ns() - start > 2000000000ull) __trap();
 }
 
 // path 0 tensor, 1 bulk, 2 cp_async; box = box_rows * 128 bytes; the data holds `boxes` boxes: for the tensor
