@@ -4,25 +4,30 @@ stream against (the TMA GEMM at 65-256 rows spends 80-96% of its time on its loa
 docs/benchmarks.md, "The batched products").
 
     python scripts/bench_ingest.py [--paths tensor,bulk,cp_async] [--data l2,hbm] [--sms 1,33,66,132]
-                                   [--box-rows 96,128,224] [--stages 1,2,4,6]
+                                   [--box-rows 96,128,224] [--stages 1,2,4,6] [--depth 1] [--copies 1]
+                                   [--issuers one,lanes]
 
-One block on each of --sms SMs (its shared memory sized so that no second block fits) keeps `stages` copies of one
-box in flight into a ring of that many stages, waiting for a stage's copy before it reuses the stage, for the run's
-time. A box is box_rows x 64 bf16 (box_rows x 128 bytes; the TMA GEMM's W tile of a k-step is two boxes of 48-128
-rows, its A tile two of 64-128). The copy paths:
-- tensor: cp.async.bulk.tensor.2d through a tensor map with the 128-byte swizzle (the TMA GEMM's), one thread
-  issuing, the boxes taken from a [rows, --cols] matrix as the GEMM takes W's k-steps (rows of --cols * 2 bytes);
-- bulk: one 1-D cp.async.bulk of the same bytes, contiguous, one thread issuing;
+One block on each of --sms SMs (its shared memory sized so that no second block fits) keeps `stages` stages in
+flight in a ring of that many, waiting for a stage's copies before it reuses the stage, for the run's time. A stage
+is --copies boxes; a box is box_rows x 64 bf16 (box_rows x 128 bytes; the TMA GEMM's W tile of a k-step is two boxes
+of 32-128 rows, its A tile one or two of 128), or with --depth d > 1 (the tensor path) d such slices of consecutive
+64-column blocks, one 3-D copy (a GEMM stage d k-steps deep). The copy paths:
+- tensor: cp.async.bulk.tensor through a tensor map with the 128-byte swizzle (the TMA GEMM's), the boxes taken from
+  a [rows, --cols] matrix as the GEMM takes W's k-steps (rows of --cols * 2 bytes);
+- bulk: one 1-D cp.async.bulk of the same bytes, contiguous;
 - cp_async: 128 threads each copying its share in 16-byte cp.async pieces (the swap-AB GEMM's path), completing the
   stage's barrier through cp.async.mbarrier.arrive.noinc.
+The tensor and bulk copies of a stage are issued by thread 0 one after the other (--issuers one) or by lanes 0 ..
+copies - 1 of warp 0, one each (lanes).
 The data is --l2-mb megabytes (read again and again: L2-resident) or --hbm-mb (each box read once a run: from HBM).
 Block b takes boxes b, b + blocks, ... of the data. Each configuration is launched once untimed, then --launches
-times between two CUDA events. Prints a markdown table: GB/s in all and an SM, and the bytes in flight an SM
-(stages x box); writes JSON to $OUT or --out.
+times between two CUDA events. Prints a markdown table: GB/s in all and an SM, the bytes in flight an SM, and the
+time a copy takes an SM (its bytes over the SM's rate); writes JSON to $OUT or --out.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -33,7 +38,7 @@ from cuda.bindings import driver
 from bench import run_header
 from tileinfer.cuda import I32, DeviceArray, Event, Kernel, Stream, call, compile_source, get_device
 from tileinfer.cuda.module import device_arch
-from tileinfer.cuda.tensormap import bf16_tensor_map
+from tileinfer.cuda.tensormap import TensorMap, bf16_tensor_map
 
 PATHS = ("tensor", "bulk", "cp_async")
 THREADS = 128
@@ -59,48 +64,114 @@ __device__ __forceinline__ void wait_stage(u32 bar, u32 parity) {
         if (now_ns() - start > 2000000000ull) __trap();
 }
 
-// path 0 tensor, 1 bulk, 2 cp_async; box = box_rows * 128 bytes; the data holds `boxes` boxes: for the tensor
-// path a [rows, cols] bf16 matrix whose box k is rows (k / col_boxes) * box_rows.. and columns (k % col_boxes) *
-// 64..; for the others box k is bytes k * box.. of src.
-extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__ TensorMapBytes map,
-        const char *__restrict__ src, int path, int box_rows, int col_boxes, int boxes, int stages, int iters) {
+// Box k of the data, stepped along rather than divided out (a 64-bit modulo and two divisions a copy cost one
+// issuing thread some 400 ns, which would set the pace whatever the stages). For the tensor path box k is
+// (kr, kc) = (k / col_boxes, k % col_boxes) of its grid of boxes.
+struct Cursor {
+    int k, kc, kr;
+    __device__ void start(int at, int boxes, int col_boxes, int row_boxes) {
+        k = at % boxes;
+        kc = k % col_boxes;
+        kr = k / col_boxes % row_boxes;
+    }
+    __device__ void step(int n, int boxes, int col_boxes, int row_boxes) {  // k += n, 0 < n
+        k += n;
+        while (k >= boxes) k -= boxes;
+        kc += n % col_boxes;
+        kr += n / col_boxes;
+        if (kc >= col_boxes) { kc -= col_boxes; ++kr; }
+        while (kr >= row_boxes) kr -= row_boxes;
+    }
+};
+
+// path 0 tensor, 1 bulk, 2 cp_async. A box is box_rows x 64 bf16 x depth; a stage `copies` boxes. The tensor
+// path's data is a [rows, cols] bf16 matrix: box (kr, kc) is rows kr * box_rows.. and columns kc * 64 * depth..,
+// through map2 (depth 1, a 2-D copy) or map3 (a 3-D copy of `depth` 64-column slices, each [box_rows][64] in shared
+// memory, one after the other: a GEMM stage `depth` k-steps deep). For the others box k is bytes k * box.. of src.
+// lanes: lane j of warp 0 issues copy j of each stage; else thread 0 issues them all.
+extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__ TensorMapBytes map2,
+        const __grid_constant__ TensorMapBytes map3, const char *__restrict__ src, int path, int box_rows, int depth,
+        int col_boxes, int boxes, int copies, int lanes, int stages, int iters) {
     extern __shared__ __align__(1024) unsigned char ring[];
     __shared__ __align__(8) unsigned long long bars[16];
-    const u32 box = (u32)box_rows * 128u;
+    const u32 box = (u32)box_rows * 128u * (u32)depth;
+    const u32 stage_bytes = box * (u32)copies;
     const u32 ring0 = ((u32)__cvta_generic_to_shared(ring) + 1023u) & ~1023u;  // the swizzle's 1024-byte alignment
     if (threadIdx.x == 0)
         for (int s = 0; s < stages; ++s) mbar_init((u32)__cvta_generic_to_shared(&bars[s]), path == 2 ? 128 : 1);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
-    if (path != 2 && threadIdx.x != 0) return;
+    const int lane = threadIdx.x & 31;
+    if (path != 2 && (threadIdx.x >= 32 || (!lanes && lane != 0))) return;
+    const bool issues = path == 2 || !lanes || lane < copies;
+    const int row_boxes = max(1, boxes / col_boxes), g = (int)gridDim.x;
+    Cursor at;  // lanes: lane j takes copy j of each stage; else the one thread takes them one after the other
+    at.start((int)blockIdx.x + (path != 2 && lanes ? lane * g : 0), boxes, col_boxes, row_boxes);
+    const int stride = path != 2 && lanes ? g * copies : g;
+    int s = 0;
+    u32 parity = 0;  // the phase parity of the copies now issued into the ring's stages
     for (int i = 0; i < iters; ++i) {
-        const int s = i % stages;
         const u32 bar = (u32)__cvta_generic_to_shared(&bars[s]);
-        if (i >= stages) wait_stage(bar, (u32)((i / stages - 1) & 1));  // copy i - stages has landed
-        const int k = (int)(((long long)blockIdx.x + (long long)i * gridDim.x) % boxes);
-        const u32 dst = ring0 + (u32)s * box;
-        if (path == 0) {
-            mbar_arrive_expect_tx(bar, box);
-            const int c0 = (k % col_boxes) * 64, c1 = (k / col_boxes) * box_rows;
-            asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                         " [%0], [%1, {%3, %4}], [%2];"
-                         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1)
-                         : "memory");
-        } else if (path == 1) {
-            mbar_arrive_expect_tx(bar, box);
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         ::"r"(dst), "l"(src + (size_t)k * box), "r"(box), "r"(bar) : "memory");
-        } else {
-            const char *from = src + (size_t)k * box;
-            for (u32 at = threadIdx.x * 16u; at < box; at += 128u * 16u)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + at), "l"(from + at) : "memory");
+        if (i >= stages) wait_stage(bar, parity ^ 1u);  // stage i - stages has landed
+        const u32 dst = ring0 + (u32)s * stage_bytes;
+        if (path == 2) {
+            for (int j = 0; j < copies; ++j) {
+                const char *from = src + (size_t)at.k * box;
+                for (u32 b = threadIdx.x * 16u; b < box; b += 128u * 16u)
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + j * box + b), "l"(from + b)
+                                 : "memory");
+                at.step(stride, boxes, col_boxes, row_boxes);
+            }
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+        } else {
+            if (lane == 0) mbar_arrive_expect_tx(bar, stage_bytes);
+            if (lanes) __syncwarp();
+            for (int j = lanes ? lane : 0; issues && j < (lanes ? lane + 1 : copies); ++j) {
+                const u32 to = dst + (u32)j * box;
+                if (path == 1)
+                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                                 ::"r"(to), "l"(src + (size_t)at.k * box), "r"(box), "r"(bar) : "memory");
+                else if (depth == 1)
+                    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                                 " [%0], [%1, {%3, %4}], [%2];"
+                                 ::"r"(to), "l"(reinterpret_cast<unsigned long long>(&map2)), "r"(bar),
+                                   "r"(at.kc * 64), "r"(at.kr * box_rows)
+                                 : "memory");
+                else
+                    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                                 " [%0], [%1, {%3, %4, %5}], [%2];"
+                                 ::"r"(to), "l"(reinterpret_cast<unsigned long long>(&map3)), "r"(bar), "r"(0),
+                                   "r"(at.kr * box_rows), "r"(at.kc * depth)
+                                 : "memory");
+                at.step(stride, boxes, col_boxes, row_boxes);
+            }
         }
+        if (++s == stages) { s = 0; parity ^= 1u; }
     }
-    for (int i = iters > stages ? iters - stages : 0; i < iters; ++i)  // the last copies land before the block ends
+    // the last stages land before the block ends: stage i sits in slot i % stages with parity (i / stages) & 1
+    for (int i = iters > stages ? iters - stages : 0; i < iters; ++i)
         wait_stage((u32)__cvta_generic_to_shared(&bars[i % stages]), (u32)((i / stages) & 1));
 }
 """
+
+
+def slices_tensor_map(ptr: int, rows: int, cols: int, box_rows: int, depth: int):
+    """A 3-D map of the row-major bf16 [rows, cols] matrix at ptr as (64 columns, rows, cols / 64 slices): a box
+    of (64, box_rows, depth) lands as `depth` swizzled [box_rows][64] tiles one after the other, the layout of
+    `depth` consecutive k-steps of a GEMM's W tile."""
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    tmap = call(driver.cuTensorMapEncodeTiled,
+                driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, ptr,
+                [u64(64), u64(rows), u64(cols // 64)],
+                [u64(cols * 2), u64(128)],           # byte strides of the rows and of the 64-column slices
+                [u32(64), u32(box_rows), u32(depth)],
+                [u32(1), u32(1), u32(1)],
+                driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+                detail=f"3-D tensor map of bf16 [{rows}, {cols}], box {box_rows} x 64 x {depth}")
+    return TensorMap.from_buffer_copy(ctypes.string_at(tmap.getPtr(), 128))
 
 
 class _Cubin:
@@ -119,23 +190,28 @@ def compile_probe(arch: str) -> bytes:
     return compile_source("bench_ingest.cu", SOURCE, arch)
 
 
-def plan(paths, data, sms, box_rows, stages, max_sms: int) -> list[dict]:
-    """Every configuration, in the order run; those whose ring exceeds MAX_RING or that ask for more SMs than the
-    GPU has are left out."""
-    return [dict(path=p, data=d, sms=n, box_rows=r, stages=s)
-            for p in paths for d in data for n in sms for r in box_rows for s in stages
-            if s * r * 128 <= MAX_RING and n <= max_sms]
+def plan(paths, data, sms, box_rows, stages, max_sms: int, depths=(1,), copies=(1,), issuers=("one",)) -> list[dict]:
+    """Every configuration, in the order run; left out: rings over MAX_RING, more SMs than the GPU has, slices
+    (depth > 1) outside the tensor path, and lanes issuing for cp_async (all its threads copy)."""
+    return [dict(path=p, data=d, sms=n, box_rows=r, depth=k, copies=c, issuer=i, stages=s)
+            for p in paths for d in data for n in sms for r in box_rows for k in depths for c in copies
+            for i in issuers for s in stages
+            if s * c * k * r * 128 <= MAX_RING and n <= max_sms and (k == 1 or p == "tensor")
+            and (i == "one" or p != "cp_async")]
 
 
 def render(rows: list[dict], run: str) -> str:
     lines = [f"Run: {run}. Bytes an SM pulls into shared memory, nothing computed (scripts/bench_ingest.py)", "",
-             "| path | data | SMs | box KB | stages | in flight an SM, KB | GB/s | GB/s an SM | us a launch |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| path | data | SMs | box KB | copies a stage | issued by | stages | in flight an SM, KB | GB/s | "
+             "GB/s an SM | ns a copy an SM | us a launch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        box = r["box_rows"] * 128
-        lines.append(f"| {r['path']} | {r['data']} | {r['sms']} | {box / 1024:g} | {r['stages']} | "
-                     f"{r['stages'] * box / 1024:g} | {r['GB_s']:,.0f} | {r['GB_s'] / r['sms']:.1f} | "
-                     f"{r['us']:.1f} |")
+        box = r["box_rows"] * 128 * r["depth"]
+        shape = f"{box / 1024:g}" + (f" ({r['depth']} slices)" if r["depth"] > 1 else "")
+        per_sm = r["GB_s"] / r["sms"]
+        lines.append(f"| {r['path']} | {r['data']} | {r['sms']} | {shape} | {r['copies']} | {r['issuer']} | "
+                     f"{r['stages']} | {r['stages'] * r['copies'] * box / 1024:g} | {r['GB_s']:,.0f} | "
+                     f"{per_sm:.1f} | {box / per_sm:.0f} | {r['us']:.1f} |")
     return "\n".join(lines)
 
 
@@ -157,7 +233,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", type=names(("l2", "hbm")), default=["l2", "hbm"])
     ap.add_argument("--sms", type=ints, default=[1, 33, 66, 132], help="blocks, one an SM")
     ap.add_argument("--box-rows", type=ints, default=[96, 128, 224], help="rows of 64 bf16 (128 bytes) a box")
-    ap.add_argument("--stages", type=ints, default=[1, 2, 4, 6], help="copies in flight an SM (at most 16)")
+    ap.add_argument("--stages", type=ints, default=[1, 2, 4, 6], help="stages in flight an SM (at most 16)")
+    ap.add_argument("--depth", type=ints, default=[1], help="64-column slices a tensor box (3-D copies where > 1)")
+    ap.add_argument("--copies", type=ints, default=[1], help="boxes a stage (at most 32)")
+    ap.add_argument("--issuers", type=names(("one", "lanes")), default=["one"],
+                    help="one: thread 0 issues a stage's copies; lanes: lane j of warp 0 issues copy j")
     ap.add_argument("--cols", type=int, default=2560, help="columns of the tensor path's matrix (its row length)")
     ap.add_argument("--l2-mb", type=int, default=16, help="data read again and again (smaller than the L2)")
     ap.add_argument("--hbm-mb", type=int, default=4096, help="data read once a launch (far larger than the L2)")
@@ -169,9 +249,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    if max(args.stages) > 16 or min(args.stages) < 1 or args.cols % 64 or any(r % 8 or r > 256 for r in args.box_rows):
-        raise SystemExit("bench_ingest: --stages must be 1..16, --cols a multiple of 64 and --box-rows multiples of 8 "
-                         "up to 256 (a box of whole 1,024-byte swizzle atoms)")
+    if (max(args.stages) > 16 or min(args.stages) < 1 or any(r % 8 or r > 256 for r in args.box_rows)
+            or any(c < 1 or c > 32 for c in args.copies) or any(args.cols % (64 * d) or d > 256 for d in args.depth)):
+        raise SystemExit("bench_ingest: --stages must be 1..16, --copies 1..32, --box-rows multiples of 8 up to 256 "
+                         "(a box of whole 1,024-byte swizzle atoms) and --cols a multiple of 64 x each --depth")
     dev = get_device()
     run = run_header(f"{dev.info.name}, {dev.info.num_sms} SMs")
     print(f"Run: {run}", flush=True)
@@ -180,17 +261,19 @@ def main() -> None:
     buffers = {d: DeviceArray.zeros((mb << 20,), np.uint8, stream)
                for d, mb in (("l2", args.l2_mb), ("hbm", args.hbm_mb)) if d in args.data}
     rows = []
-    for c in plan(args.paths, args.data, args.sms, args.box_rows, args.stages, dev.info.num_sms):
-        data, box = buffers[c["data"]], c["box_rows"] * 128
-        row_bytes = args.cols * 2
-        mat_rows = data.nbytes // row_bytes // c["box_rows"] * c["box_rows"]  # whole boxes of rows
-        col_boxes = args.cols // 64
+    for c in plan(args.paths, args.data, args.sms, args.box_rows, args.stages, dev.info.num_sms, args.depth,
+                  args.copies, args.issuers):
+        data, box = buffers[c["data"]], c["box_rows"] * 128 * c["depth"]
+        mat_rows = data.nbytes // (args.cols * 2) // c["box_rows"] * c["box_rows"]  # whole boxes of rows
+        col_boxes = args.cols // (64 * c["depth"])
         boxes = mat_rows // c["box_rows"] * col_boxes if c["path"] == "tensor" else data.nbytes // box
-        tmap = bf16_tensor_map(data.ptr, mat_rows, args.cols, c["box_rows"])
-        iters = max(c["stages"], (args.mb_per_sm << 20) // box)
-        smem = max(c["stages"] * box, ONE_BLOCK_SMEM) + 1024  # the ring's alignment
-        launch_args = [tmap, data, I32(PATHS.index(c["path"])), I32(c["box_rows"]), I32(col_boxes), I32(boxes),
-                       I32(c["stages"]), I32(iters)]
+        map2 = bf16_tensor_map(data.ptr, mat_rows, args.cols, c["box_rows"])
+        map3 = slices_tensor_map(data.ptr, mat_rows, args.cols, c["box_rows"], c["depth"]) if c["depth"] > 1 else map2
+        iters = max(c["stages"], (args.mb_per_sm << 20) // (box * c["copies"]))  # stages filled a launch
+        smem = max(c["stages"] * c["copies"] * box, ONE_BLOCK_SMEM) + 1024  # the ring's alignment
+        launch_args = [map2, map3, data, I32(PATHS.index(c["path"])), I32(c["box_rows"]), I32(c["depth"]),
+                       I32(col_boxes), I32(boxes), I32(c["copies"]), I32(c["issuer"] == "lanes"), I32(c["stages"]),
+                       I32(iters)]
         kernel.launch((c["sms"],), (THREADS,), launch_args, stream, smem)  # untimed
         start, end = Event(), Event()
         start.record(stream)
@@ -199,7 +282,7 @@ def main() -> None:
         end.record(stream)
         end.synchronize()
         us = start.elapsed_ms(end) * 1e3 / args.launches
-        rows.append(dict(c, box_bytes=box, iters=iters, us=us, GB_s=c["sms"] * iters * box / us / 1e3))
+        rows.append(dict(c, box_bytes=box, iters=iters, us=us, GB_s=c["sms"] * iters * c["copies"] * box / us / 1e3))
         print(f"{c}: {rows[-1]['GB_s']:,.0f} GB/s ({rows[-1]['GB_s'] / c['sms']:.1f} an SM)", flush=True)
     text = render(rows, run)
     args.out.mkdir(parents=True, exist_ok=True)
