@@ -16,7 +16,10 @@ of 32-128 rows, its A tile one or two of 128), or with --depth d > 1 (the tensor
   a [rows, --cols] matrix as the GEMM takes W's k-steps (rows of --cols * 2 bytes);
 - bulk: one 1-D cp.async.bulk of the same bytes, contiguous;
 - cp_async: 128 threads each copying its share in 16-byte cp.async pieces (the swap-AB GEMM's path), completing the
-  stage's barrier through cp.async.mbarrier.arrive.noinc.
+  stage's barrier through cp.async.mbarrier.arrive.noinc;
+- tensor_mc: the tensor path in 2-block clusters that share their boxes (as the TMA GEMM's multicast build shares
+  W tiles): each block issues half a stage's copies, multicast into both, so L2 serves half the bytes the SMs
+  receive (GB/s counts the bytes received).
 The tensor and bulk copies of a stage are issued by thread 0 one after the other (--issuers one) or by lanes 0 ..
 copies - 1 of warp 0, one each (lanes).
 The data is --l2-mb megabytes (read again and again: L2-resident) or --hbm-mb (each box read once a run: from HBM).
@@ -40,12 +43,13 @@ from tileinfer.cuda import I32, DeviceArray, Event, Kernel, Stream, call, compil
 from tileinfer.cuda.module import device_arch
 from tileinfer.cuda.tensormap import TensorMap, bf16_tensor_map
 
-PATHS = ("tensor", "bulk", "cp_async")
+PATHS = ("tensor", "bulk", "cp_async", "tensor_mc")
 THREADS = 128
 MAX_RING = 200 * 1024  # the ring's bytes at most (the SM's 227 KB, less the static barriers and some slack)
 ONE_BLOCK_SMEM = 120 * 1024  # at least this much dynamic shared memory a block: two never fit on one SM
 
 SOURCE = r"""
+#include "cluster.cuh"
 #include "mbarrier.cuh"
 
 struct alignas(64) TensorMapBytes { unsigned long long v[16]; };
@@ -152,6 +156,64 @@ extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__
     for (int i = iters > stages ? iters - stages : 0; i < iters; ++i)
         wait_stage((u32)__cvta_generic_to_shared(&bars[i % stages]), (u32)((i / stages) & 1));
 }
+
+// The tensor path in 2-block clusters sharing their boxes (the TMA GEMM's multicast build shares W tiles so):
+// copy j of a stage is issued by the block of rank j % 2 and multicast into both, so each block receives the
+// stage's `copies` boxes while L2 serves each box once. A stage is overwritten only once both blocks hold its last
+// round: each block arrives on both blocks' "empty" barrier of the stage (2 arrivals) once its "full" one completes.
+// The pair p = blockIdx.x / 2 takes boxes p, p + pairs, ... of the matrix.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) ingest_mc(
+        const __grid_constant__ TensorMapBytes map2, int box_rows, int col_boxes, int boxes, int copies, int stages,
+        int iters) {
+    extern __shared__ __align__(1024) unsigned char ring[];
+    __shared__ __align__(8) unsigned long long full[16], empty[16];
+    const u32 box = (u32)box_rows * 128u, stage_bytes = box * (u32)copies;
+    const u32 ring0 = ((u32)__cvta_generic_to_shared(ring) + 1023u) & ~1023u;
+    const int rank = cluster_rank();
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init((u32)__cvta_generic_to_shared(&full[s]), 1);
+            mbar_init((u32)__cvta_generic_to_shared(&empty[s]), 2);
+        }
+        mbar_fence_init_cluster();
+    }
+    __syncthreads();
+    cluster_sync();  // the other block's barriers exist before any copy multicast into it
+    if (threadIdx.x == 0) {
+        const int row_boxes = max(1, boxes / col_boxes), pairs = (int)gridDim.x / 2;
+        Cursor at;
+        at.start((int)blockIdx.x / 2, boxes, col_boxes, row_boxes);
+        int s = 0;
+        u32 parity = 0;
+        for (int i = 0; i < iters; ++i) {
+            const u32 full_s = (u32)__cvta_generic_to_shared(&full[s]);
+            const u32 empty_s = (u32)__cvta_generic_to_shared(&empty[s]);
+            if (i >= stages) {
+                wait_stage(full_s, parity ^ 1u);  // this block holds the stage's last round
+                mbar_arrive(empty_s);
+                asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr(empty_s, rank ^ 1))
+                             : "memory");
+                wait_stage(empty_s, parity ^ 1u);  // and so does the other
+            }
+            mbar_arrive_expect_tx(full_s, stage_bytes);
+            const u32 dst = ring0 + (u32)s * stage_bytes;
+            for (int j = 0; j < copies; ++j) {
+                if (j % 2 == rank)
+                    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                                 ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;"
+                                 ::"r"(dst + (u32)j * box), "l"(reinterpret_cast<unsigned long long>(&map2)),
+                                   "r"(full_s), "r"(at.kc * 64), "r"(at.kr * box_rows), "h"((unsigned short)3)
+                                 : "memory");
+                at.step(pairs, boxes, col_boxes, row_boxes);
+            }
+            if (++s == stages) { s = 0; parity ^= 1u; }
+        }
+        for (int i = iters > stages ? iters - stages : 0; i < iters; ++i)
+            wait_stage((u32)__cvta_generic_to_shared(&full[i % stages]), (u32)((i / stages) & 1));
+    }
+    __syncthreads();
+    cluster_sync();  // no block exits while the other still multicasts into it or arrives on its barriers
+}
 """
 
 
@@ -192,12 +254,13 @@ def compile_probe(arch: str) -> bytes:
 
 def plan(paths, data, sms, box_rows, stages, max_sms: int, depths=(1,), copies=(1,), issuers=("one",)) -> list[dict]:
     """Every configuration, in the order run; left out: rings over MAX_RING, more SMs than the GPU has, slices
-    (depth > 1) outside the tensor path, and lanes issuing for cp_async (all its threads copy)."""
+    (depth > 1) outside the tensor path, lanes issuing outside tensor and bulk (all cp_async's threads copy), and
+    tensor_mc but with an even number of copies and of SMs (2-block clusters, each issuing half a stage)."""
     return [dict(path=p, data=d, sms=n, box_rows=r, depth=k, copies=c, issuer=i, stages=s)
             for p in paths for d in data for n in sms for r in box_rows for k in depths for c in copies
             for i in issuers for s in stages
             if s * c * k * r * 128 <= MAX_RING and n <= max_sms and (k == 1 or p == "tensor")
-            and (i == "one" or p != "cp_async")]
+            and (i == "one" or p in ("tensor", "bulk")) and (p != "tensor_mc" or (c % 2 == 0 and n % 2 == 0))]
 
 
 def render(rows: list[dict], run: str) -> str:
@@ -256,7 +319,8 @@ def main() -> None:
     dev = get_device()
     run = run_header(f"{dev.info.name}, {dev.info.num_sms} SMs")
     print(f"Run: {run}", flush=True)
-    kernel = Kernel(_Cubin(compile_probe(device_arch())), "ingest")
+    module = _Cubin(compile_probe(device_arch()))
+    kernel, kernel_mc = Kernel(module, "ingest"), Kernel(module, "ingest_mc")
     stream = Stream()
     buffers = {d: DeviceArray.zeros((mb << 20,), np.uint8, stream)
                for d, mb in (("l2", args.l2_mb), ("hbm", args.hbm_mb)) if d in args.data}
@@ -266,19 +330,24 @@ def main() -> None:
         data, box = buffers[c["data"]], c["box_rows"] * 128 * c["depth"]
         mat_rows = data.nbytes // (args.cols * 2) // c["box_rows"] * c["box_rows"]  # whole boxes of rows
         col_boxes = args.cols // (64 * c["depth"])
-        boxes = mat_rows // c["box_rows"] * col_boxes if c["path"] == "tensor" else data.nbytes // box
+        tensor = c["path"] in ("tensor", "tensor_mc")
+        boxes = mat_rows // c["box_rows"] * col_boxes if tensor else data.nbytes // box
         map2 = bf16_tensor_map(data.ptr, mat_rows, args.cols, c["box_rows"])
         map3 = slices_tensor_map(data.ptr, mat_rows, args.cols, c["box_rows"], c["depth"]) if c["depth"] > 1 else map2
         iters = max(c["stages"], (args.mb_per_sm << 20) // (box * c["copies"]))  # stages filled a launch
         smem = max(c["stages"] * c["copies"] * box, ONE_BLOCK_SMEM) + 1024  # the ring's alignment
-        launch_args = [map2, map3, data, I32(PATHS.index(c["path"])), I32(c["box_rows"]), I32(c["depth"]),
-                       I32(col_boxes), I32(boxes), I32(c["copies"]), I32(c["issuer"] == "lanes"), I32(c["stages"]),
-                       I32(iters)]
-        kernel.launch((c["sms"],), (THREADS,), launch_args, stream, smem)  # untimed
+        if c["path"] == "tensor_mc":
+            probe, launch_args = kernel_mc, [map2, I32(c["box_rows"]), I32(col_boxes), I32(boxes), I32(c["copies"]),
+                                             I32(c["stages"]), I32(iters)]
+        else:
+            probe, launch_args = kernel, [map2, map3, data, I32(PATHS.index(c["path"])), I32(c["box_rows"]),
+                                          I32(c["depth"]), I32(col_boxes), I32(boxes), I32(c["copies"]),
+                                          I32(c["issuer"] == "lanes"), I32(c["stages"]), I32(iters)]
+        probe.launch((c["sms"],), (THREADS,), launch_args, stream, smem)  # untimed
         start, end = Event(), Event()
         start.record(stream)
         for _ in range(args.launches):
-            kernel.launch((c["sms"],), (THREADS,), launch_args, stream, smem)
+            probe.launch((c["sms"],), (THREADS,), launch_args, stream, smem)
         end.record(stream)
         end.synchronize()
         us = start.elapsed_ms(end) * 1e3 / args.launches

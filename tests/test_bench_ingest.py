@@ -10,7 +10,7 @@ from tileinfer.cuda.module import entry_points  # noqa: E402
 
 
 def test_the_probe_compiles_for_hopper():
-    assert entry_points(bench_ingest.compile_probe("sm_90a")) == ["ingest"]
+    assert sorted(entry_points(bench_ingest.compile_probe("sm_90a"))) == ["ingest", "ingest_mc"]
 
 
 def test_the_plan_leaves_out_rings_too_large_and_sms_the_gpu_lacks():
@@ -47,3 +47,9 @@ def test_unknown_paths_are_refused():
     with pytest.raises(SystemExit):
         bench_ingest.parser().parse_args(["--paths", "tensor,dma"])
     assert bench_ingest.parser().parse_args(["--paths", "bulk"]).paths == ["bulk"]
+
+
+def test_multicast_pairs_need_an_even_number_of_copies_and_sms():
+    plan = bench_ingest.plan(["tensor_mc"], ["l2"], [1, 132], [64], [4], 132, copies=[1, 2, 3, 4],
+                             issuers=["one", "lanes"])
+    assert [(c["sms"], c["copies"], c["issuer"]) for c in plan] == [(132, 2, "one"), (132, 4, "one")]
