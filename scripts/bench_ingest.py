@@ -69,22 +69,30 @@ __device__ __forceinline__ void wait_stage(u32 bar, u32 parity) {
 }
 
 // Box k of the data, stepped along rather than divided out (a 64-bit modulo and two divisions a copy cost one
-// issuing thread some 400 ns, which would set the pace whatever the stages). For the tensor path box k is
-// (kr, kc) = (k / col_boxes, k % col_boxes) of its grid of boxes.
+// issuing thread some 400 ns, which would set the pace whatever the stages): the divisions happen once, in start.
+// For the tensor path box k is (kr, kc) = (k / col_boxes, k % col_boxes) of its grid of boxes.
 struct Cursor {
-    int k, kc, kr;
-    __device__ void start(int at, int boxes, int col_boxes, int row_boxes) {
+    int k, kc, kr;          // the box now
+    int n, nc, nr;          // a step: n boxes, n / col_boxes rows of boxes and n % col_boxes more
+    int boxes, col_boxes, row_boxes;
+    __device__ void start(int at, int step_boxes, int boxes_, int col_boxes_) {
+        boxes = boxes_;
+        col_boxes = col_boxes_;
+        row_boxes = max(1, boxes / col_boxes);
         k = at % boxes;
         kc = k % col_boxes;
         kr = k / col_boxes % row_boxes;
+        n = step_boxes % boxes;
+        nc = n % col_boxes;
+        nr = n / col_boxes;
     }
-    __device__ void step(int n, int boxes, int col_boxes, int row_boxes) {  // k += n, 0 < n
+    __device__ void step() {  // k += n modulo boxes, with no division
         k += n;
-        while (k >= boxes) k -= boxes;
-        kc += n % col_boxes;
-        kr += n / col_boxes;
+        if (k >= boxes) k -= boxes;
+        kc += nc;
+        kr += nr;
         if (kc >= col_boxes) { kc -= col_boxes; ++kr; }
-        while (kr >= row_boxes) kr -= row_boxes;
+        if (kr >= row_boxes) kr -= row_boxes;
     }
 };
 
@@ -108,10 +116,10 @@ extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__
     const int lane = threadIdx.x & 31;
     if (path != 2 && (threadIdx.x >= 32 || (!lanes && lane != 0))) return;
     const bool issues = path == 2 || !lanes || lane < copies;
-    const int row_boxes = max(1, boxes / col_boxes), g = (int)gridDim.x;
+    const int g = (int)gridDim.x;
     Cursor at;  // lanes: lane j takes copy j of each stage; else the one thread takes them one after the other
-    at.start((int)blockIdx.x + (path != 2 && lanes ? lane * g : 0), boxes, col_boxes, row_boxes);
-    const int stride = path != 2 && lanes ? g * copies : g;
+    at.start((int)blockIdx.x + (path != 2 && lanes ? lane * g : 0), path != 2 && lanes ? g * copies : g, boxes,
+             col_boxes);
     int s = 0;
     u32 parity = 0;  // the phase parity of the copies now issued into the ring's stages
     for (int i = 0; i < iters; ++i) {
@@ -124,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__
                 for (u32 b = threadIdx.x * 16u; b < box; b += 128u * 16u)
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + j * box + b), "l"(from + b)
                                  : "memory");
-                at.step(stride, boxes, col_boxes, row_boxes);
+                at.step();
             }
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
         } else {
@@ -147,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(128) ingest(const __grid_constant__
                                  ::"r"(to), "l"(reinterpret_cast<unsigned long long>(&map3)), "r"(bar), "r"(0),
                                    "r"(at.kr * box_rows), "r"(at.kc * depth)
                                  : "memory");
-                at.step(stride, boxes, col_boxes, row_boxes);
+                at.step();
             }
         }
         if (++s == stages) { s = 0; parity ^= 1u; }
@@ -180,9 +188,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) inge
     __syncthreads();
     cluster_sync();  // the other block's barriers exist before any copy multicast into it
     if (threadIdx.x == 0) {
-        const int row_boxes = max(1, boxes / col_boxes), pairs = (int)gridDim.x / 2;
-        Cursor at;
-        at.start((int)blockIdx.x / 2, boxes, col_boxes, row_boxes);
+        Cursor at;  // pair p = blockIdx.x / 2 takes boxes p, p + pairs, ...
+        at.start((int)blockIdx.x / 2, (int)gridDim.x / 2, boxes, col_boxes);
         int s = 0;
         u32 parity = 0;
         for (int i = 0; i < iters; ++i) {
@@ -204,7 +211,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) inge
                                  ::"r"(dst + (u32)j * box), "l"(reinterpret_cast<unsigned long long>(&map2)),
                                    "r"(full_s), "r"(at.kc * 64), "r"(at.kr * box_rows), "h"((unsigned short)3)
                                  : "memory");
-                at.step(pairs, boxes, col_boxes, row_boxes);
+                at.step();
             }
             if (++s == stages) { s = 0; parity ^= 1u; }
         }
