@@ -1,13 +1,15 @@
 """Which kernel attention() runs for each shape, cache kind, split and GPU (tileinfer.kernels.routing.kernel_name),
 that the launcher's constants for cuda_src/attention_wg.cu, attention.cuh and attention_combine.cu match the
-kernels' own, and how many key-range splits a decode or verify step gets (GPURunner._splits_for, verify_splits).
-CPU only."""
+kernels' own, that the decode builds' registers (as this machine's NVRTC assembles them) and shared memory fit the
+blocks an SM the splits count on, and how many key-range splits a decode or verify step gets (GPURunner._splits_for,
+verify_splits). CPU only."""
 import importlib
+import re
 from types import SimpleNamespace
 
 import pytest
 
-from tileinfer.cuda.compiler import compile_source, cuda_src_dir
+from tileinfer.cuda.compiler import assembler_log, compile_source, cuda_src_dir, part_defines
 from tileinfer.kv.paged_cache import CacheLayout
 from tileinfer.model.inputs import StepShape
 from tileinfer.runner.gpu import GPURunner
@@ -108,6 +110,53 @@ def test_attention_shared_memory_matches_the_launcher(tmp_path, monkeypatch):
                               f'::TOTAL == {want}, "Smem<{int8}, {keys}, {half}>");')
     source = '#include "attention.cuh"\n' + "\n".join(checks) + "\n"
     compile_source("attention_smem_constants.cu", source, "sm_90a", None, cuda_src_dir())
+
+
+# Hopper's (sm_90) limits an SM: the assembler's registers decide how many blocks fit beside the shared memory.
+SM_REGISTERS, SM_SUB_PARTITIONS, REGISTER_UNIT = 65536, 4, 256  # registers go to a warp in units of 256
+SM_SHARED, BLOCK_RESERVED, SM_THREADS = 228 * 1024, 1024, 2048
+DECODE_THREADS = 128  # the decode builds' block (attention.cuh's THREADS; the launcher's)
+
+
+def blocks_an_sm(registers: int, threads: int, shared: int) -> int:
+    """Resident blocks an SM for a kernel of `registers` a thread, `threads` a block and `shared` bytes of shared
+    memory a block, as CUDA's occupancy calculator counts them for sm_90: a warp's registers rounded up to the
+    allocation unit, each of the four sub-partitions holding the warps its quarter of the register file fits."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    warps = SM_REGISTERS // SM_SUB_PARTITIONS // per_warp * SM_SUB_PARTITIONS
+    return min(warps // (threads // 32), SM_SHARED // (shared + BLOCK_RESERVED), SM_THREADS // threads)
+
+
+def test_blocks_an_sm_follows_the_occupancy_rules():
+    assert blocks_an_sm(128, 128, 0) == 4 and blocks_an_sm(129, 128, 0) == 3   # 4,096 / 4,352 registers a warp
+    assert blocks_an_sm(168, 128, 0) == 3 and blocks_an_sm(169, 128, 0) == 2
+    assert blocks_an_sm(32, 128, 100 * 1024) == 2 and blocks_an_sm(32, 128, 0) == 16
+    assert blocks_an_sm(255, 128, 0) == 2 and blocks_an_sm(64, 1024, 0) == 1
+
+
+def test_decode_builds_registers_fit_the_blocks_an_sm_the_splits_count_on(tmp_path, monkeypatch):
+    # The decode splits (GPURunner._splits_for) and the persistent build's wave count on these blocks an SM; a build
+    # whose registers grew past them would run its grid in two waves with every value still right. The registers
+    # are this machine's NVRTC's (tests/gpu/test_int8_kernels.py asks the GPU's occupancy API the same).
+    monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
+    used = {}
+    for defines in part_defines("attention_decode.cu"):
+        log = assembler_log("attention_decode.cu", "sm_90a", defines)
+        used.update(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", log, re.S))
+    bf16_h8 = attention_module.smem_bytes(False, True, True)
+    wants = {"attention_decode_h8": (bf16_h8, routing.DECODE_ITEMS_BLOCKS),
+             "attention_decode_h8_fused": (bf16_h8, routing.DECODE_ITEMS_BLOCKS),
+             "attention_decode_h8_items": (attention_module.ITEMS_SMEM, routing.DECODE_ITEMS_BLOCKS),
+             "attention_decode": (attention_module.smem_bytes(False, True), 2),
+             "attention_int8_decode_h8": (attention_module.smem_bytes(True, True, True), routing.int8_decode_blocks(4)),
+             "attention_int8_decode_h8_fused": (attention_module.smem_bytes(True, True, True),
+                                                routing.int8_decode_blocks(4)),
+             "attention_int8_decode": (attention_module.smem_bytes(True, True), routing.int8_decode_blocks(16))}
+    assert set(used) == set(wants), f"attention_decode.cu's entry points changed: {sorted(used)}"
+    for name, (shared, want) in wants.items():
+        got = blocks_an_sm(int(used[name]), DECODE_THREADS, shared)
+        assert got == want, f"{name}: {used[name]} registers, {shared} bytes of shared memory fit {got} blocks an " \
+                            f"SM; the decode splits count on {want}"
 
 
 def test_combine_constants_match_the_launcher(tmp_path, monkeypatch):
