@@ -698,8 +698,9 @@ __device__ __forceinline__ void decode_bf16_h8_items(const AttnArgs &a, int num_
 // The INT8 _h8 build must fit 4 blocks an SM (<= 128 registers), as the engine's decode splits count on
 // (tileinfer/kernels/routing.py int8_decode_blocks). (A minimum of 1 block on the others is not neutral:
 // it changes their register allocation, for the worse.)
-// Compiled in two parts, at once: the BF16 cache's kernels, and the INT8 cache's.
-#define KERNEL_PARTS 2
+// Compiled one kernel a part, at once: a first request waits only for the builds it launches (the prompt's
+// attention_decode, the decode step's _h8 or _h8_fused), each a compile of its own, not for their neighbours'.
+#define KERNEL_PARTS 7
 #if IN_PART(0)
 // The ATTENTION_KERNEL arguments but the fused input's, and the launch's items (its grid is at most a wave).
 extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_h8_items(
@@ -713,12 +714,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_h8_items(
                                   scale_log2},
                          num_items);
 }
-ATTENTION_KERNEL(attention_decode, __launch_bounds__(THREADS), decode_bf16)
-ATTENTION_KERNEL(attention_decode_h8, __launch_bounds__(THREADS), decode_bf16_h8<false>)
-ATTENTION_KERNEL(attention_decode_h8_fused, __launch_bounds__(THREADS), decode_bf16_h8<true>)
 #endif
 #if IN_PART(1)
+ATTENTION_KERNEL(attention_decode, __launch_bounds__(THREADS), decode_bf16)
+#endif
+#if IN_PART(2)
+ATTENTION_KERNEL(attention_decode_h8, __launch_bounds__(THREADS), decode_bf16_h8<false>)
+#endif
+#if IN_PART(3)
+ATTENTION_KERNEL(attention_decode_h8_fused, __launch_bounds__(THREADS), decode_bf16_h8<true>)
+#endif
+#if IN_PART(4)
 ATTENTION_KERNEL(attention_int8_decode, __launch_bounds__(THREADS), decode_int8)
+#endif
+#if IN_PART(5)
 ATTENTION_KERNEL(attention_int8_decode_h8, __launch_bounds__(THREADS, 4), decode_int8_h8<false>)
+#endif
+#if IN_PART(6)
 ATTENTION_KERNEL(attention_int8_decode_h8_fused, __launch_bounds__(THREADS, 4), decode_int8_h8<true>)
 #endif

@@ -5,13 +5,13 @@ sampling (module.start_compiling starts them first). Written by scripts/kernel_u
 tests/test_host_launches.py check it."""
 PART_OF = {
     "attention_decode.cu": {
-        "attention_decode": 0,
-        "attention_decode_h8": 0,
-        "attention_decode_h8_fused": 0,
         "attention_decode_h8_items": 0,
-        "attention_int8_decode": 1,
-        "attention_int8_decode_h8": 1,
-        "attention_int8_decode_h8_fused": 1,
+        "attention_decode": 1,
+        "attention_decode_h8": 2,
+        "attention_decode_h8_fused": 3,
+        "attention_int8_decode": 4,
+        "attention_int8_decode_h8": 5,
+        "attention_int8_decode_h8_fused": 6,
     },
     "gemm_swap.cu": {
         "gemm_swap_b16_w1_c1": 0,
@@ -221,7 +221,9 @@ PART_OF = {
 }
 FIRST = (
     "attention_combine.cu",
-    "attention_decode.cu:0",
+    "attention_decode.cu:1",
+    "attention_decode.cu:2",
+    "attention_decode.cu:3",
     "attention_wg.cu",
     "attn_input.cu",
     "embedding.cu",
