@@ -4,7 +4,8 @@ kernels' own, that the decode builds' registers (as this machine's NVRTC assembl
 blocks an SM the splits count on, and how many key-range splits a decode or verify step gets (GPURunner._splits_for,
 verify_splits). CPU only."""
 import importlib
-import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,9 @@ from tileinfer.runner.gpu import GPURunner
 from tileinfer.kernels import routing
 from tileinfer.kernels.attention import WG_KEY_TILE, WG_ROWS, WG_SMEM, WG_STAGES, WG_THREADS
 from tileinfer.kernels.routing import kernel_file, kernel_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import ptxas_report  # noqa: E402 (scripts/ptxas_report.py: the assembler log's entry points and registers)
 
 # The module (the package's `attention` attribute is the launcher function of the same name).
 attention_module = importlib.import_module("tileinfer.kernels.attention")
@@ -139,10 +143,9 @@ def test_decode_builds_registers_fit_the_blocks_an_sm_the_splits_count_on(tmp_pa
     # whose registers grew past them would run its grid in two waves with every value still right. The registers
     # are this machine's NVRTC's (tests/gpu/test_int8_kernels.py asks the GPU's occupancy API the same).
     monkeypatch.setenv("TILEINFER_CACHE", str(tmp_path))
-    used = {}
-    for defines in part_defines("attention_decode.cu"):
-        log = assembler_log("attention_decode.cu", "sm_90a", defines)
-        used.update(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", log, re.S))
+    used = {entry.name: entry.registers for defines in part_defines("attention_decode.cu")
+            for entry in ptxas_report.parse_log("attention_decode.cu",
+                                                assembler_log("attention_decode.cu", "sm_90a", defines))}
     bf16_h8 = attention_module.smem_bytes(False, True, True)
     wants = {"attention_decode_h8": (bf16_h8, routing.DECODE_ITEMS_BLOCKS),
              "attention_decode_h8_fused": (bf16_h8, routing.DECODE_ITEMS_BLOCKS),
